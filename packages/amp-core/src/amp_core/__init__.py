@@ -1,0 +1,25 @@
+"""amp-core: Apex's Amp mixed-precision API for PyTorch 2.x, on CPU and CUDA, fp16 and bf16.
+
+Example:
+    >>> from amp_core import amp
+    >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
+"""
+
+from . import amp
+
+# the building blocks, for users who need them directly
+from ._opt_levels import OptLevel, Properties
+from ._policy import POLICY, Cast
+from ._scaler import LossScaler
+from ._version import __version__
+
+__all__ = [
+    "amp",
+    # building blocks
+    "Cast",
+    "LossScaler",
+    "OptLevel",
+    "POLICY",
+    "Properties",
+    "__version__",
+]

@@ -1,0 +1,246 @@
+"""O1 casting: autocast switched on for the calling thread, Apex's policy, user registrations.
+
+:class:`O1Casting` is the one object that changes global behaviour for O1. It turns PyTorch's
+autocast on for the thread that called ``amp.initialize`` (so losses computed outside
+``forward`` are cast too, as in Apex), registers the policy kernels of :mod:`._policy`, applies
+the user's function registrations, and clears the weight-cast cache after every optimizer step.
+:meth:`O1Casting.deactivate` undoes all of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.hooks import RemovableHandle
+
+from ._policy import PolicyKernels, cast_args, widest_dtype
+
+__all__ = [
+    "O1Casting",
+    "UserCast",
+    "active_casting",
+    "disable_casts",
+    "make_cast_wrapper",
+    "registrations",
+]
+
+logger = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class UserCast(enum.Enum):
+    HALF = "half"
+    FLOAT = "float"
+    PROMOTE = "promote"
+
+
+@dataclass(frozen=True)
+class Registration:
+    module: Any
+    name: str
+    cast: UserCast
+
+
+class _Registrations:
+    """The user's ``register_*_function`` calls, applied while O1 casting is active."""
+
+    def __init__(self) -> None:
+        self.entries: list[Registration] = []
+
+    def add(self, module: Any, name: str, cast: UserCast) -> None:
+        if not hasattr(module, name):
+            raise ValueError(f"No function named {name} in module {module}.")
+        if not callable(getattr(module, name)):
+            raise TypeError(f"{module}.{name} is not callable, so it cannot be registered.")
+        entry = Registration(module, name, cast)
+        self.entries.append(entry)
+        casting = _ACTIVE.casting
+        if casting is not None:
+            casting.apply_registration(entry)
+
+
+registrations = _Registrations()
+
+
+class _Active:
+    """Which O1 casting is switched on (at most one at a time, process-wide)."""
+
+    def __init__(self) -> None:
+        self.casting: O1Casting | None = None
+
+
+_ACTIVE = _Active()
+
+
+def active_casting() -> O1Casting | None:
+    """The O1 casting that is on for the current thread and not suspended, if any."""
+    casting = _ACTIVE.casting
+    if casting is None or not casting.is_active():
+        return None
+    return casting
+
+
+def _cast_call(casting: O1Casting, fn: Callable[..., Any], cast: UserCast,
+               args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if cast is UserCast.HALF:
+        args, kwargs = cast_args(args, kwargs, casting.half_dtype, only=_FLOATING)
+    elif cast is UserCast.FLOAT:
+        args, kwargs = cast_args(args, kwargs, torch.float32, only=_FLOATING)
+    else:
+        widest = widest_dtype([*args, *kwargs.values()])
+        if widest is not None:
+            args, kwargs = cast_args(args, kwargs, widest, only=_FLOATING)
+    # The function runs on the inputs as asked, with the O1 policy suspended inside it.
+    with casting.suspended():
+        return fn(*args, **kwargs)
+
+
+def make_cast_wrapper(fn: F, cast: UserCast) -> F:
+    """Wrap ``fn`` so that, while O1 casting is active, it runs on inputs cast per ``cast``."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        casting = active_casting()
+        if casting is None:
+            return fn(*args, **kwargs)
+        return _cast_call(casting, fn, cast, args, kwargs)
+
+    wrapper.__amp_cast__ = cast  # type: ignore[attr-defined]
+    return wrapper  # type: ignore[return-value]
+
+
+class O1Casting:
+    """Apex's O1 policy, switched on for one thread until :meth:`deactivate`.
+
+    Args:
+        device_types: The autocast device types to switch on ("cpu", "cuda").
+        half_dtype: The low-precision dtype of the run.
+    """
+
+    def __init__(self, device_types: list[str], half_dtype: torch.dtype) -> None:
+        if _ACTIVE.casting is not None:
+            raise RuntimeError("O1 casting is already active; deactivate it first.")
+        self.device_types = device_types
+        self.half_dtype = half_dtype
+        self.thread_id = threading.get_ident()
+        self._suspended = 0
+        self._saved: dict[str, tuple[bool, torch.dtype]] = {}
+        self._saved_cache_enabled = torch.is_autocast_cache_enabled()
+        self._wraps: list[tuple[Registration, Any, Any]] = []  # (entry, original, wrapper)
+        for device_type in device_types:
+            self._saved[device_type] = (
+                torch.is_autocast_enabled(device_type),
+                torch.get_autocast_dtype(device_type),
+            )
+            torch.set_autocast_enabled(device_type, True)
+            torch.set_autocast_dtype(device_type, half_dtype)
+        torch.set_autocast_cache_enabled(True)
+        # Nesting > 0 keeps the weight-cast cache alive between forward passes of one step.
+        torch.autocast_increment_nesting()
+        self._kernels: PolicyKernels | None = None
+        self._step_hook: RemovableHandle | None = None
+        _ACTIVE.casting = self
+        try:
+            self._kernels = PolicyKernels(device_types)
+            self._step_hook = register_optimizer_step_post_hook(self._after_step)
+            for entry in registrations.entries:
+                self.apply_registration(entry)
+        except BaseException:
+            self.deactivate()
+            raise
+        logger.debug(
+            "O1 casting on for %s in %s; %d policy kernels registered",
+            device_types, half_dtype, len(self._kernels.registered),  # type: ignore[union-attr]
+        )
+
+    def is_active(self) -> bool:
+        return (
+            _ACTIVE.casting is self
+            and self._suspended == 0
+            and threading.get_ident() == self.thread_id
+        )
+
+    @staticmethod
+    def clear_cache() -> None:
+        """Drop cached low-precision copies of the weights (stale once the weights change)."""
+        torch.clear_autocast_cache()
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.clear_cache()
+
+    def apply_registration(self, entry: Registration) -> None:
+        original = getattr(entry.module, entry.name)
+        wrapper = make_cast_wrapper(original, entry.cast)
+        setattr(entry.module, entry.name, wrapper)
+        self._wraps.append((entry, original, wrapper))
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Suspend casting (the policy and the user registrations) inside the block."""
+        with contextlib.ExitStack() as stack:
+            for device_type in self.device_types:
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+            self._suspended += 1
+            try:
+                yield
+            finally:
+                self._suspended -= 1
+
+    def deactivate(self) -> None:
+        """Undo everything: autocast state, policy kernels, user wraps, the step hook."""
+        if _ACTIVE.casting is not self:
+            return
+        for entry, original, wrapper in reversed(self._wraps):
+            if getattr(entry.module, entry.name, None) is wrapper:
+                setattr(entry.module, entry.name, original)
+            else:
+                logger.warning(
+                    "%s.%s was replaced after amp wrapped it; leaving the new value in place.",
+                    getattr(entry.module, "__name__", entry.module), entry.name,
+                )
+        self._wraps = []
+        if self._step_hook is not None:
+            self._step_hook.remove()
+        if self._kernels is not None:
+            self._kernels.remove()
+        if threading.get_ident() == self.thread_id:
+            torch.autocast_decrement_nesting()
+            for device_type, (enabled, dtype) in self._saved.items():
+                torch.set_autocast_enabled(device_type, enabled)
+                torch.set_autocast_dtype(device_type, dtype)
+            torch.set_autocast_cache_enabled(self._saved_cache_enabled)
+            torch.clear_autocast_cache()
+        else:
+            logger.warning(
+                "O1 casting was switched off from another thread than the one that switched it "
+                "on; autocast stays enabled on that thread."
+            )
+        _ACTIVE.casting = None
+
+
+@contextlib.contextmanager
+def disable_casts() -> Iterator[None]:
+    """Suspend O1 casting inside the block (a no-op when O1 is not active).
+
+    Example:
+        >>> with amp.disable_casts():
+        ...     y = model.head(x.float())  # runs in fp32 under O1
+    """
+    casting = active_casting()
+    if casting is None:
+        yield
+        return
+    with casting.suspended():
+        yield

@@ -1,0 +1,248 @@
+"""``amp.initialize``: resolve the options, then prepare the models and optimizers."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._casting import O1Casting
+from ._model import ModelAmpState, model_state
+from ._opt_levels import OptLevel, Properties, resolve_properties
+from ._optimizer import OptimizerAmpState, optimizer_state
+from ._scaler import LossScaler
+from ._state import AmpSession, registry
+
+__all__ = ["initialize"]
+
+logger = logging.getLogger("amp_core")
+
+
+def _as_list(value: Any, kind: type, what: str) -> tuple[list[Any], bool]:
+    if isinstance(value, kind):
+        return [value], False
+    if isinstance(value, (list, tuple)) and all(isinstance(v, kind) for v in value):
+        return list(value), True
+    raise TypeError(f"{what} must be either a single {kind.__name__} or a list of them, got {value!r}.")
+
+
+def _default_half_dtype(models: Sequence[nn.Module]) -> torch.dtype:
+    for model in models:
+        for p in model.parameters():
+            return torch.float16 if p.device.type == "cuda" else torch.bfloat16
+    return torch.float16 if torch.cuda.is_available() else torch.bfloat16
+
+
+def _device_types(models: Sequence[nn.Module]) -> list[str]:
+    found = {p.device.type for m in models for p in m.parameters()}
+    found |= {b.device.type for m in models for b in m.buffers()}
+    if not found:
+        found = {"cuda" if torch.cuda.is_available() else "cpu"}
+    unsupported = found - {"cpu", "cuda"}
+    if unsupported:
+        raise RuntimeError(
+            f"amp supports models on CPU and CUDA; found parameters on {sorted(unsupported)}."
+        )
+    return sorted(found)
+
+
+def _check_inputs(models: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
+    for model in models:
+        if isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
+            raise RuntimeError(
+                f"Incoming model is an instance of {type(model).__name__}. Parallel wrappers "
+                "should only be applied to the model(s) AFTER the model(s) have been returned "
+                "from amp.initialize."
+            )
+        state = model_state(model)
+        if state is not None and (state.cast_model_type is not None or state.output_dtype):
+            raise RuntimeError(
+                f"The model {type(model).__name__} was already returned by amp.initialize "
+                "(its weights and forward are amp-cast). Pass a freshly built model."
+            )
+    seen: set[int] = set()
+    for optimizer in optimizers:
+        if optimizer_state(optimizer) is not None:
+            raise RuntimeError(
+                f"This {type(optimizer).__name__} was already passed to amp.initialize. "
+                "An optimizer can be initialized once; to start over, build a new optimizer "
+                "(and model) and pass those."
+            )
+        if id(optimizer) in seen:
+            raise RuntimeError(
+                f"The same {type(optimizer).__name__} appears twice in the optimizers passed "
+                "to amp.initialize."
+            )
+        seen.add(id(optimizer))
+
+
+def _log_properties(props: Properties, overrides: dict[str, Any]) -> None:
+    logger.info("Selected optimization level %s", props.opt_level.value)
+    if overrides:
+        logger.info("Processing user overrides: %s", overrides)
+    for name, value in props.describe().items():
+        logger.info("%-22s: %s", name, value)
+    logger.info("%-22s: %s", "half_dtype", props.half_dtype)
+
+
+def initialize(
+    models: Any,
+    optimizers: Any = None,
+    enabled: bool = True,
+    opt_level: str = "O1",
+    cast_model_type: torch.dtype | None = None,
+    patch_torch_functions: bool | None = None,
+    keep_batchnorm_fp32: bool | str | None = None,
+    master_weights: bool | None = None,
+    loss_scale: float | str | None = None,
+    cast_model_outputs: torch.dtype | None = None,
+    num_losses: int = 1,
+    verbosity: int = 1,
+    min_loss_scale: float | None = None,
+    max_loss_scale: float = 2.0**24,
+    *,
+    half_dtype: torch.dtype | None = None,
+) -> Any:
+    """Prepare models and optimizers for mixed precision, as Apex's ``amp.initialize``.
+
+    Call it once, after the model is on its device and the optimizer is built, and before any
+    parallel wrapper (DistributedDataParallel). The opt level picks a preset; any non-``None``
+    keyword below overrides it.
+
+    ======  ================  =================  ===================  ==============  ==========
+    level   cast_model_type   patch_torch_funcs  keep_batchnorm_fp32  master_weights  loss_scale
+    ======  ================  =================  ===================  ==============  ==========
+    O0      torch.float32     False              None                 False           1.0
+    O1      None              True               None                 None            "dynamic"
+    O2      half dtype        False              True                 True            "dynamic"
+    O3      half dtype        False              False                False           1.0
+    ======  ================  =================  ===================  ==============  ==========
+
+    Args:
+        models: A model or a list of models.
+        optimizers: An optimizer, a list of optimizers, or ``None``.
+        enabled: ``False`` returns the inputs untouched and makes every amp call a no-op.
+        opt_level: ``"O0"``, ``"O1"``, ``"O2"`` or ``"O3"`` (the letter O).
+        cast_model_type: dtype the model is cast to (O2/O3): ``torch.float16`` or
+            ``torch.bfloat16``.
+        patch_torch_functions: Cast ops per Apex's policy (O1 only).
+        keep_batchnorm_fp32: Keep batchnorm in fp32 when the model is cast.
+        master_weights: Step fp32 master copies of half params (O2/O3).
+        loss_scale: A static scale, or ``"dynamic"``.
+        cast_model_outputs: dtype the model's floating outputs are cast to.
+        num_losses: How many losses get their own scaler (``loss_id`` in ``scale_loss``).
+        verbosity: 0 logs nothing; 1 logs the options (INFO) and skipped steps (WARNING).
+        min_loss_scale: Floor of the dynamic scale.
+        max_loss_scale: Ceiling of the dynamic scale.
+        half_dtype: The low-precision dtype, at any level. Defaults to ``torch.float16`` for a
+            model on CUDA and ``torch.bfloat16`` on CPU. bf16 runs default to no loss scaling
+            (bf16 has fp32's exponent range); pass ``loss_scale`` to scale anyway.
+
+    Returns:
+        The models and optimizers in the form they were given: ``model`` or ``[models]`` alone
+        when ``optimizers`` is ``None``, else ``(models, optimizers)``.
+
+    Raises:
+        RuntimeError: for an unknown opt level, an override Apex refuses for that level, a
+            wrapped (DDP) model, or an optimizer that was initialized before.
+        TypeError: when models / optimizers are not modules / optimizers.
+
+    Example:
+        >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
+        >>> with amp.scale_loss(loss, optimizer) as scaled_loss:
+        ...     scaled_loss.backward()
+        >>> optimizer.step()
+    """
+    model_list, models_was_list = _as_list(models, nn.Module, "models")
+    if optimizers is None:
+        optimizer_list, optimizers_was_list = [], False
+    else:
+        optimizer_list, optimizers_was_list = _as_list(
+            optimizers, torch.optim.Optimizer, "optimizers"
+        )
+    if not isinstance(num_losses, int) or num_losses < 1:
+        raise ValueError(f"num_losses must be a positive int, got {num_losses!r}.")
+
+    overrides = {
+        name: value
+        for name, value in (
+            ("cast_model_type", cast_model_type),
+            ("patch_torch_functions", patch_torch_functions),
+            ("keep_batchnorm_fp32", keep_batchnorm_fp32),
+            ("master_weights", master_weights),
+            ("loss_scale", loss_scale),
+        )
+        if value is not None
+    }
+    props = resolve_properties(
+        opt_level,
+        enabled=bool(enabled),
+        default_half_dtype=_default_half_dtype(model_list),
+        half_dtype=half_dtype,
+        overrides=overrides,
+        cast_model_outputs=cast_model_outputs,
+        min_loss_scale=min_loss_scale,
+        max_loss_scale=max_loss_scale,
+    )
+
+    def result() -> Any:
+        out_models = model_list if models_was_list else model_list[0]
+        if optimizers is None:
+            return out_models
+        return out_models, optimizer_list if optimizers_was_list else optimizer_list[0]
+
+    if not props.enabled:
+        registry.replace(AmpSession(props, verbosity=verbosity))
+        return result()
+
+    _check_inputs(model_list, optimizer_list)
+    device_types = _device_types(model_list)
+    session = AmpSession(props, verbosity=verbosity)
+    registry.replace(session)  # switches off the previous session's O1 casting
+
+    if verbosity > 0:
+        _log_properties(props, overrides)
+
+    # Models: plan the cast, remember full-precision values for the masters, then cast.
+    output_dtype = props.cast_model_outputs
+    if props.cast_model_type is not None and output_dtype is None:
+        output_dtype = torch.float32
+    model_states = []
+    fp32_sources: dict[nn.Parameter, torch.Tensor] = {}
+    for model in model_list:
+        state = ModelAmpState(
+            model, props.cast_model_type, props.keep_batchnorm_fp32, output_dtype
+        )
+        if props.master_weights:
+            for _, module, name, is_param in state.plan:
+                if is_param:
+                    param = getattr(module, name)
+                    fp32_sources[param] = param.detach()
+        state.apply()
+        model._amp_state = state  # type: ignore[assignment]
+        model_states.append(state)
+
+    for optimizer in optimizer_list:
+        opt_state = OptimizerAmpState(optimizer, session, props.master_weights, fp32_sources)
+        optimizer._amp_state = opt_state  # type: ignore[attr-defined]
+        pairs = dict(zip(opt_state.model_params, opt_state.masters))
+        for state in model_states:
+            state.masters.update(pairs)
+    fp32_sources.clear()
+
+    session.scalers = [
+        LossScaler(
+            props.loss_scale,
+            min_loss_scale=props.min_loss_scale,
+            max_loss_scale=props.max_loss_scale,
+        )
+        for _ in range(num_losses)
+    ]
+    if props.patch_torch_functions:
+        session.casting = O1Casting(device_types, props.half_dtype)
+    if props.opt_level is OptLevel.O1 and not props.patch_torch_functions and verbosity > 0:
+        logger.info("O1 with patch_torch_functions=False: no casting is done.")
+    return result()

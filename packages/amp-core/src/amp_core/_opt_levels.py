@@ -1,0 +1,286 @@
+"""Opt levels O0-O3 as data, and the validation of user overrides.
+
+The preset table and the refusals follow Apex's Amp 1.0 (``apex/amp/frontend.py``): an
+override is applied on top of the preset for the chosen level, and overrides that make no
+sense for that level raise with Apex's explanation.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+from typing import Any, Literal, Union
+
+import torch
+
+__all__ = ["DYNAMIC", "LossScaleSpec", "OptLevel", "Properties", "resolve_properties"]
+
+DYNAMIC: Literal["dynamic"] = "dynamic"
+LossScaleSpec = Union[float, Literal["dynamic"]]
+
+# Sentinel dtype in the presets: "the low-precision dtype chosen for this run".
+_HALF = "half"
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class OptLevel(str, enum.Enum):
+    """Apex's optimization levels.
+
+    O0 is pure fp32; O1 casts individual ops; O2 casts the model ("almost half") and keeps
+    fp32 master weights; O3 is pure half.
+    """
+
+    O0 = "O0"
+    O1 = "O1"
+    O2 = "O2"
+    O3 = "O3"
+
+    @classmethod
+    def parse(cls, value: str | OptLevel) -> OptLevel:
+        if isinstance(value, OptLevel):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            hint = ""
+            if isinstance(value, str) and value[:1] == "0":
+                hint = (
+                    " Note that in `O0`, `O1`, etc., the prefix O is the letter O, "
+                    "not the number zero."
+                )
+            raise RuntimeError(
+                f"Unexpected optimization level {value!r}. Options are 'O0', 'O1', 'O2', 'O3'."
+                + hint
+            ) from None
+
+
+@dataclass(frozen=True)
+class Properties:
+    """The resolved options of one ``amp.initialize`` call.
+
+    Attributes:
+        enabled: ``False`` makes every amp call a no-op.
+        opt_level: The level the presets came from.
+        half_dtype: The low-precision dtype (``torch.float16`` or ``torch.bfloat16``).
+        cast_model_type: dtype the model is cast to (O2/O3), or ``None`` / ``torch.float32``.
+        patch_torch_functions: Whether ops are cast per Apex's O1 policy.
+        keep_batchnorm_fp32: Whether batchnorm stays fp32 when the model is cast.
+        master_weights: Whether the optimizer steps fp32 master copies of half params.
+        loss_scale: A static scale, or ``"dynamic"``.
+        cast_model_outputs: dtype model outputs are cast to, or ``None``.
+        min_loss_scale: Floor of the dynamic scale, or ``None``.
+        max_loss_scale: Ceiling of the dynamic scale.
+    """
+
+    enabled: bool
+    opt_level: OptLevel
+    half_dtype: torch.dtype
+    cast_model_type: torch.dtype | None
+    patch_torch_functions: bool
+    keep_batchnorm_fp32: bool | None
+    master_weights: bool
+    loss_scale: LossScaleSpec
+    cast_model_outputs: torch.dtype | None = None
+    min_loss_scale: float | None = None
+    max_loss_scale: float = 2.0**24
+
+    @property
+    def dynamic(self) -> bool:
+        return self.loss_scale == DYNAMIC
+
+    def describe(self) -> dict[str, Any]:
+        """The options in Apex's printed order, for logging."""
+        return {
+            "enabled": self.enabled,
+            "opt_level": self.opt_level.value,
+            "cast_model_type": self.cast_model_type,
+            "patch_torch_functions": self.patch_torch_functions,
+            "keep_batchnorm_fp32": self.keep_batchnorm_fp32,
+            "master_weights": self.master_weights,
+            "loss_scale": self.loss_scale,
+        }
+
+
+# Apex's documented table; ``_HALF`` stands for the run's low-precision dtype.
+_PRESETS: dict[OptLevel, dict[str, Any]] = {
+    OptLevel.O0: {
+        "cast_model_type": torch.float32,
+        "patch_torch_functions": False,
+        "keep_batchnorm_fp32": None,
+        "master_weights": False,
+        "loss_scale": 1.0,
+    },
+    OptLevel.O1: {
+        "cast_model_type": None,
+        "patch_torch_functions": True,
+        "keep_batchnorm_fp32": None,
+        "master_weights": None,
+        "loss_scale": DYNAMIC,
+    },
+    OptLevel.O2: {
+        "cast_model_type": _HALF,
+        "patch_torch_functions": False,
+        "keep_batchnorm_fp32": True,
+        "master_weights": True,
+        "loss_scale": DYNAMIC,
+    },
+    OptLevel.O3: {
+        "cast_model_type": _HALF,
+        "patch_torch_functions": False,
+        "keep_batchnorm_fp32": False,
+        "master_weights": False,
+        "loss_scale": 1.0,
+    },
+}
+
+
+def _parse_bool(name: str, value: Any) -> bool | None:
+    # Apex accepted the strings "True"/"False" (handy from argparse).
+    if isinstance(value, str):
+        if value in ("True", "False"):
+            return value == "True"
+        raise ValueError(f"{name} must be True, False or None, got the string {value!r}.")
+    if value is None or isinstance(value, bool):
+        return value
+    raise TypeError(f"{name} must be a bool or None, got {type(value).__name__}.")
+
+
+def _parse_loss_scale(value: Any) -> LossScaleSpec:
+    if value == DYNAMIC:
+        return DYNAMIC
+    if isinstance(value, bool):
+        raise ValueError(f"loss_scale must be 'dynamic' or a positive number, got {value!r}.")
+    try:
+        scale = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"loss_scale must be 'dynamic' or a positive number, got {value!r}."
+        ) from None
+    if not scale > 0.0 or scale == float("inf"):
+        raise ValueError(f"loss_scale must be 'dynamic' or a positive number, got {value!r}.")
+    return scale
+
+
+def _check_half_dtype(name: str, dtype: Any) -> torch.dtype:
+    if dtype not in _HALF_DTYPES:
+        raise ValueError(
+            f"{name} must be torch.float16 or torch.bfloat16, got {dtype!r}."
+        )
+    return dtype  # type: ignore[no-any-return]
+
+
+def resolve_properties(
+    opt_level: str | OptLevel,
+    *,
+    enabled: bool,
+    default_half_dtype: torch.dtype,
+    half_dtype: torch.dtype | None,
+    overrides: dict[str, Any],
+    cast_model_outputs: torch.dtype | None,
+    min_loss_scale: float | None,
+    max_loss_scale: float,
+) -> Properties:
+    """Apply ``overrides`` (the non-``None`` keyword arguments of ``initialize``) to a preset.
+
+    Raises:
+        RuntimeError: for an unknown level or an override Apex refuses for that level.
+        ValueError: for a malformed value.
+    """
+    level = OptLevel.parse(opt_level)
+    values = dict(_PRESETS[level])
+
+    if half_dtype is not None:
+        _check_half_dtype("half_dtype", half_dtype)
+
+    for name, value in overrides.items():
+        if name == "cast_model_type":
+            if level is OptLevel.O1 and value is not torch.float32:
+                raise RuntimeError(
+                    "O1 inserts casts around Torch functions rather than model weights, so "
+                    "with O1, the model weights themselves should remain FP32. If you wish "
+                    "to cast the model to a different type, use opt_level='O2' or 'O3'. "
+                    f"cast_model_type was {value}"
+                )
+            if value is not torch.float32:
+                _check_half_dtype("cast_model_type", value)
+            values[name] = value
+        elif name == "patch_torch_functions":
+            flag = _parse_bool(name, value)
+            if level is not OptLevel.O1 and flag:
+                raise RuntimeError(
+                    "Currently, patch_torch_functions=True should only be set by selecting "
+                    "opt_level='O1'."
+                )
+            values[name] = flag
+        elif name == "keep_batchnorm_fp32":
+            flag = _parse_bool(name, value)
+            if level is OptLevel.O1:
+                raise RuntimeError(
+                    "With opt_level O1, batchnorm functions are automatically patched to run "
+                    "in FP32, so keep_batchnorm_fp32 should be None. "
+                    f"keep_batchnorm_fp32 was {value}"
+                )
+            values[name] = flag
+        elif name == "master_weights":
+            flag = _parse_bool(name, value)
+            if level is OptLevel.O1:
+                raise RuntimeError(
+                    "It doesn't make sense to use master_weights with O1. With O1, your model "
+                    "weights themselves should be FP32."
+                )
+            values[name] = flag
+        elif name == "loss_scale":
+            values[name] = _parse_loss_scale(value)
+        else:  # pragma: no cover - initialize only passes the names above
+            raise AssertionError(name)
+
+    # The run's half dtype: explicit half_dtype, else a half cast_model_type, else the device
+    # default. The two explicit ways must agree.
+    cast = values["cast_model_type"]
+    if half_dtype is not None and cast in _HALF_DTYPES and cast is not half_dtype:
+        raise ValueError(
+            f"half_dtype={half_dtype} conflicts with cast_model_type={cast}; pass one of them."
+        )
+    chosen = half_dtype if half_dtype is not None else cast if cast in _HALF_DTYPES else None
+    resolved_half = chosen if chosen is not None else default_half_dtype
+    if cast == _HALF:
+        cast = resolved_half
+
+    loss_scale = values["loss_scale"]
+    if "loss_scale" not in overrides and resolved_half is torch.bfloat16 and loss_scale == DYNAMIC:
+        # bf16 has fp32's exponent range: gradients do not underflow, so no scaling by default.
+        loss_scale = 1.0
+
+    if cast_model_outputs is not None and not (
+        isinstance(cast_model_outputs, torch.dtype) and cast_model_outputs.is_floating_point
+    ):
+        raise TypeError(
+            f"cast_model_outputs must be a floating torch.dtype, got {cast_model_outputs!r}."
+        )
+    if min_loss_scale is not None and not min_loss_scale > 0:
+        raise ValueError(f"min_loss_scale must be positive, got {min_loss_scale!r}.")
+    if not max_loss_scale > 0:
+        raise ValueError(f"max_loss_scale must be positive, got {max_loss_scale!r}.")
+    if min_loss_scale is not None and min_loss_scale > max_loss_scale:
+        raise ValueError(
+            f"min_loss_scale={min_loss_scale} is larger than max_loss_scale={max_loss_scale}."
+        )
+
+    return Properties(
+        enabled=enabled,
+        opt_level=level,
+        half_dtype=resolved_half,
+        cast_model_type=cast,
+        patch_torch_functions=bool(values["patch_torch_functions"]),
+        keep_batchnorm_fp32=values["keep_batchnorm_fp32"],
+        master_weights=bool(values["master_weights"]),
+        loss_scale=loss_scale,
+        cast_model_outputs=cast_model_outputs,
+        min_loss_scale=min_loss_scale,
+        max_loss_scale=float(max_loss_scale),
+    )
+
+
+def with_enabled(props: Properties, enabled: bool) -> Properties:
+    return replace(props, enabled=enabled)

@@ -1,0 +1,215 @@
+"""What ``amp.initialize`` does to an optimizer: master weights, unscaling, skipped steps.
+
+All of it is recorded on the optimizer's :class:`OptimizerAmpState` (``optimizer._amp_state``).
+``optimizer.step`` and ``optimizer.zero_grad`` are wrapped on the instance (Apex's contract
+needs a step that can be skipped, which no PyTorch hook offers); :meth:`remove` restores them.
+
+Per step, the host reads the overflow flag once, in ``step()``, and only when dynamic loss
+scaling is in use: everything else (unscaling, the overflow check, the scale update, the copy
+of the master weights into the model) is launched without waiting for the device.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections import defaultdict
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ._scaler import LossScaler
+
+if TYPE_CHECKING:
+    from ._state import AmpSession
+
+__all__ = ["OptimizerAmpState", "optimizer_state"]
+
+logger = logging.getLogger("amp_core.scaler")
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _group_by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    groups: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        groups[t.device].append(t)
+    return groups
+
+
+class OptimizerAmpState:
+    """Amp's record on one optimizer (``optimizer._amp_state``).
+
+    Args:
+        optimizer: The optimizer.
+        session: The ``amp.initialize`` call it came from (loss scalers, properties).
+        master_weights: Whether half params get fp32 master copies.
+        fp32_masters: Full-precision values for params the model cast just now, used as the
+            masters' initial values instead of the rounded half values.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        session: AmpSession,
+        master_weights: bool,
+        fp32_masters: dict[nn.Parameter, torch.Tensor],
+    ) -> None:
+        self.optimizer = optimizer
+        self.session = session
+        self.model_params: list[nn.Parameter] = []  # half params stepped through a master
+        self.masters: list[torch.Tensor] = []  # their fp32 masters, in the same order
+        self.direct_params: list[torch.Tensor] = []  # params the optimizer steps itself
+        self.grads_scaled = False  # grads hold scaled values (delay_unscale was used)
+        self._stash: list[torch.Tensor | None] = []
+        self._found_inf: torch.Tensor | None = None
+        self._overflow_checks: list[tuple[int, torch.Tensor]] = []
+        self._backward_seen = False
+        self.skipped_steps = 0
+        self._original_step = optimizer.step
+        self._original_zero_grad = optimizer.zero_grad
+        if master_weights:
+            self._make_masters(fp32_masters)
+        else:
+            self.direct_params = [p for g in optimizer.param_groups for p in g["params"]]
+        optimizer.step = self._step  # type: ignore[method-assign]
+        optimizer.zero_grad = self._zero_grad  # type: ignore[method-assign]
+
+    # -- construction ------------------------------------------------------------------------
+
+    def _make_masters(self, fp32_masters: dict[nn.Parameter, torch.Tensor]) -> None:
+        optimizer = self.optimizer
+        for group in optimizer.param_groups:
+            params = group["params"]
+            for i, param in enumerate(params):
+                if param.dtype not in _HALF:
+                    self.direct_params.append(param)
+                    continue
+                source = fp32_masters.get(param)
+                # The pre-cast fp32 value when there is one (no rounding through half).
+                master = source.float() if source is not None else param.detach().float()
+                master.requires_grad_(True)
+                params[i] = master
+                if param in optimizer.state:  # move existing state onto the master
+                    optimizer.state[master] = {
+                        k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
+                        for k, v in optimizer.state.pop(param).items()
+                    }
+                self.model_params.append(param)
+                self.masters.append(master)
+
+    def remove(self) -> None:
+        """Restore ``step`` and ``zero_grad`` (master weights stay in the param groups)."""
+        for name in ("step", "zero_grad"):
+            self.optimizer.__dict__.pop(name, None)
+
+    # -- backward ------------------------------------------------------------------------------
+
+    def prepare_backward(self) -> None:
+        """Before a scaled backward: set existing grads aside so new ones arrive alone."""
+        self._stash = []
+        for p in self.direct_params:
+            self._stash.append(p.grad)
+            p.grad = None
+        for p in self.model_params:
+            p.grad = None
+
+    def post_backward(self, scaler: LossScaler, found_inf: torch.Tensor, check: bool) -> None:
+        """After a scaled backward: unscale the new grads into place and add the set-aside ones.
+
+        Master weights receive the model's half grads as fp32 (the model's grads are freed).
+        """
+        self._backward_seen = True
+        new_direct = [p.grad for p in self.direct_params if p.grad is not None]
+        if new_direct:
+            scaler.unscale_(new_direct, found_inf, check=check)
+        if self._stash:
+            for p, stashed in zip(self.direct_params, self._stash):
+                if stashed is None:
+                    continue
+                if p.grad is None:
+                    p.grad = stashed
+                else:
+                    p.grad.add_(stashed)
+            self._stash = []
+
+        pairs = [(p, m) for p, m in zip(self.model_params, self.masters) if p.grad is not None]
+        if pairs:
+            fresh = [p.grad.float() for p, _ in pairs]  # type: ignore[union-attr]
+            scaler.unscale_(fresh, found_inf, check=check)
+            for (param, master), grad in zip(pairs, fresh):
+                if master.grad is None:
+                    master.grad = grad
+                else:
+                    master.grad.add_(grad)
+                param.grad = None
+
+    def note_overflow_check(self, loss_id: int, found_inf: torch.Tensor) -> None:
+        """Remember an overflow flag that the next ``step()`` must honour."""
+        self._overflow_checks.append((loss_id, found_inf))
+        self._found_inf = found_inf if self._found_inf is None else self._found_inf + found_inf
+
+    # -- step -----------------------------------------------------------------------------------
+
+    def _skip(self, closure: Callable[[], Any] | None) -> None:
+        if closure is not None:
+            raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
+        self.skipped_steps += 1
+        if self.session.props_verbosity > 0:
+            for loss_id, flag in self._overflow_checks:
+                if flag.item():
+                    scaler = self.session.scalers[loss_id]
+                    logger.warning(
+                        "Gradient overflow.  Skipping step, loss scaler %d reducing loss scale "
+                        "to %s",
+                        loss_id,
+                        scaler.loss_scale(),
+                    )
+        for master in self.masters:
+            master.grad = None
+
+    def _step(self, closure: Callable[[], Any] | None = None) -> Any:
+        found_inf, self._found_inf = self._found_inf, None
+        checks, self._overflow_checks = self._overflow_checks, []
+        if found_inf is not None and found_inf.item():  # the one host sync of a step
+            self._overflow_checks = checks
+            self._skip(closure)
+            self._overflow_checks = []
+            return None
+        if self.masters and not self._backward_seen and any(
+            p.grad is not None for p in self.model_params
+        ):
+            warnings.warn(
+                "The model has gradients that were never copied to its fp32 master weights; "
+                "run backward inside `with amp.scale_loss(loss, optimizer) as scaled_loss:`.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self._backward_seen = False
+        result = self._original_step() if closure is None else self._original_step(closure)
+        if self.masters:
+            self.copy_masters_to_model()
+        return result
+
+    def copy_masters_to_model(self) -> None:
+        with torch.no_grad():
+            by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+            for param, master in zip(self.model_params, self.masters):
+                dst, src = by_device.setdefault(param.device, ([], []))
+                dst.append(param)
+                src.append(master)
+            for dst, src in by_device.values():
+                torch._foreach_copy_(dst, src)
+
+    def _zero_grad(self, set_to_none: bool = True) -> None:
+        self._original_zero_grad(set_to_none=set_to_none)
+        # Model grads in flight (accumulated with delay_unscale) belong to the same step.
+        for p in self.model_params:
+            p.grad = None
+
+
+def optimizer_state(optimizer: Any) -> OptimizerAmpState | None:
+    state = getattr(optimizer, "_amp_state", None)
+    return state if isinstance(state, OptimizerAmpState) else None

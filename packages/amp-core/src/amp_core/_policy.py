@@ -1,0 +1,208 @@
+"""Apex's O1 casting policy, as one table, and the autocast kernels that enforce it.
+
+O1 rides on PyTorch's autocast dispatch: the C++ autocast kernels already cast most ops. Where
+PyTorch's policy for a device lacks an op of Apex's policy (CPU autocast leaves ``softmax``,
+``layer_norm``, ``exp``, ``sum`` ... in bf16; CUDA autocast leaves ``std``/``var`` alone), this
+module registers an autocast kernel for that op and device key, so that the policy below holds
+on every device. Registrations live in one ``torch.library.Library`` per activation and are
+removed when casting is switched off.
+"""
+
+from __future__ import annotations
+
+import enum
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch._C import DispatchKey, DispatchKeySet
+
+__all__ = ["BANNED_MESSAGE", "POLICY", "Cast", "PolicyKernels", "cast_args", "widest_dtype"]
+
+
+class Cast(enum.Enum):
+    """What O1 does to the floating inputs of an op."""
+
+    LOW = "low"  # run in the half dtype (matmul, conv, linear)
+    FP32 = "fp32"  # run in fp32 (reductions, softmax, norms, losses, pointwise math)
+    PROMOTE = "promote"  # run in the widest floating dtype among the inputs
+    BANNED = "banned"  # refuse (binary_cross_entropy)
+
+
+# The policy, by aten op name (all tensor overloads of each name). Mirrors Apex's lists in
+# apex/amp/lists/{torch,functional,tensor}_overrides.py, expressed at the aten level, so the
+# Python functions, Tensor methods and nn modules that reach these ops are all covered.
+POLICY: dict[Cast, tuple[str, ...]] = {
+    Cast.LOW: (
+        "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+        "conv_transpose3d", "conv_tbc", "prelu", "linear",
+        "addmm", "addmv", "addr", "matmul", "mm", "mv", "bmm", "baddbmm", "addbmm",
+    ),
+    Cast.FP32: (
+        # pointwise
+        "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",
+        "reciprocal", "rsqrt", "sinh", "tan", "pow", "softplus",
+        # reductions
+        "cumprod", "cumsum", "dist", "norm", "linalg_vector_norm", "prod", "std", "sum",
+        "var", "renorm",
+        # softmax and normalization
+        "softmax", "log_softmax", "layer_norm", "group_norm", "cosine_similarity",
+        # interpolation
+        "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
+        "upsample_linear1d", "upsample_bilinear2d", "upsample_bicubic2d",
+        "upsample_trilinear3d", "grid_sampler",
+        # losses
+        "poisson_nll_loss", "cosine_embedding_loss", "cross_entropy_loss",
+        "hinge_embedding_loss", "kl_div", "l1_loss", "mse_loss", "margin_ranking_loss",
+        "multilabel_margin_loss", "multi_margin_loss", "nll_loss", "nll_loss2d", "nll_loss_nd",
+        "binary_cross_entropy_with_logits", "smooth_l1_loss", "huber_loss", "soft_margin_loss",
+        "triplet_margin_loss", "ctc_loss",
+    ),
+    Cast.PROMOTE: (
+        "addcdiv", "addcmul", "atan2", "cross", "linalg_cross", "bilinear", "dot", "cat",
+        "stack",
+    ),
+    Cast.BANNED: ("binary_cross_entropy",),
+}  # fmt: skip
+
+BANNED_MESSAGE = (
+    "\namp does not work out-of-the-box with `F.binary_cross_entropy` or `torch.nn.BCELoss.` "
+    "It requires that the output of the previous function be already a FloatTensor. \n\n"
+    "Most models have a Sigmoid right before BCELoss. In that case, you can use\n"
+    "    torch.nn.BCEWithLogitsLoss\nto combine Sigmoid+BCELoss into a single layer "
+    "that is compatible with amp.\nAnother option is to add\n"
+    "    amp.register_float_function(torch, 'sigmoid')\nbefore calling `amp.initialize()`."
+)
+
+_AUTOCAST_KEYS = {"cpu": DispatchKey.AutocastCPU, "cuda": DispatchKey.AutocastCUDA}
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    return value
+
+
+def _iter_tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _iter_tensors(v)
+
+
+def widest_dtype(values: Iterable[Any]) -> torch.dtype | None:
+    """The widest floating dtype among the tensors in ``values`` (``None`` if there are none)."""
+    widest: torch.dtype | None = None
+    for t in _iter_tensors(list(values)):
+        if t.is_floating_point():
+            widest = t.dtype if widest is None else torch.promote_types(widest, t.dtype)
+    return widest
+
+
+def cast_args(
+    args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype, *, only: tuple[Any, ...]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Cast the floating tensors of ``args``/``kwargs`` whose dtype is in ``only`` to ``dtype``."""
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.dtype in only and t.dtype != dtype else t
+
+    return _map_tensors(args, cast), {k: _map_tensors(v, cast) for k, v in kwargs.items()}
+
+
+def _tensor_overloads(name: str) -> list[torch._ops.OpOverload]:
+    packet = getattr(torch.ops.aten, name, None)
+    if packet is None:
+        return []
+    found = []
+    for overload_name in packet.overloads():
+        if "out" in overload_name.split("_"):
+            continue
+        overload = getattr(packet, overload_name)
+        schema = overload._schema
+        takes_tensor = any(
+            isinstance(a.type, (torch.TensorType, torch.ListType)) for a in schema.arguments
+        )
+        returns_tensor = any(isinstance(r.type, torch.TensorType) for r in schema.returns)
+        if takes_tensor and returns_tensor and not schema.is_mutable:
+            found.append(overload)
+    return found
+
+
+def _make_kernel(
+    op: torch._ops.OpOverload, cast: Cast, device_type: str, key: DispatchKey
+) -> Callable[..., Any]:
+    below = DispatchKeySet(key)
+
+    if cast is Cast.BANNED:
+
+        def banned(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError(BANNED_MESSAGE)
+
+        return banned
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        with torch._C._ExcludeDispatchKeyGuard(below):
+            if cast is Cast.FP32:
+                args, kwargs = cast_args(args, kwargs, torch.float32, only=_LOW_PRECISION)
+            elif cast is Cast.LOW:
+                half = torch.get_autocast_dtype(device_type)
+                args, kwargs = cast_args(args, kwargs, half, only=(torch.float32, *_LOW_PRECISION))
+            else:
+                widest = widest_dtype([*args, *kwargs.values()])
+                if widest is not None:
+                    args, kwargs = cast_args(
+                        args, kwargs, widest, only=(torch.float32, torch.float64, *_LOW_PRECISION)
+                    )
+            return op(*args, **kwargs)
+
+    return kernel
+
+
+class PolicyKernels:
+    """Autocast kernels that close the gaps between PyTorch's policy and Apex's, per device.
+
+    For every op of :data:`POLICY` with no autocast kernel of PyTorch's for a device, one is
+    registered; the banned op always gets one (it replaces PyTorch's, and PyTorch's returns when
+    these kernels are removed).
+    """
+
+    def __init__(self, device_types: Iterable[str]) -> None:
+        self._lib: torch.library.Library | None = torch.library.Library("aten", "IMPL")
+        self.registered: list[tuple[str, str, Cast]] = []
+        for device_type in device_types:
+            key = _AUTOCAST_KEYS.get(device_type)
+            if key is None:
+                continue
+            for cast, names in POLICY.items():
+                for name in names:
+                    for op in _tensor_overloads(name):
+                        self._register(op, cast, device_type, key)
+
+    def _register(
+        self, op: torch._ops.OpOverload, cast: Cast, device_type: str, key: DispatchKey
+    ) -> None:
+        assert self._lib is not None
+        qualified = op.name()  # "aten::softmax.int"
+        has_torch_kernel = torch._C._dispatch_has_kernel_for_dispatch_key(qualified, key.name)
+        if has_torch_kernel and cast is not Cast.BANNED:
+            return  # PyTorch's own autocast kernel already implements this op's policy
+        with warnings.catch_warnings():
+            # Replacing PyTorch's kernel for the banned op warns once; that is intended here.
+            warnings.simplefilter("ignore")
+            self._lib.impl(
+                qualified.split("::", 1)[1], _make_kernel(op, cast, device_type, key), key.name
+            )
+        self.registered.append((qualified, device_type, cast))
+
+    def remove(self) -> None:
+        """Unregister every kernel; PyTorch's own policy applies again."""
+        if self._lib is not None:
+            self._lib._destroy()
+            self._lib = None
+            self.registered = []
