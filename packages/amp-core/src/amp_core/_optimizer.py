@@ -12,6 +12,7 @@ of the master weights into the model) is launched without waiting for the device
 from __future__ import annotations
 
 import logging
+import types
 import warnings
 from collections import defaultdict
 from collections.abc import Callable
@@ -74,8 +75,11 @@ class OptimizerAmpState:
             self._make_masters(fp32_masters)
         else:
             self.direct_params = [p for g in optimizer.param_groups for p in g["params"]]
-        optimizer.step = self._step  # type: ignore[method-assign]
-        optimizer.zero_grad = self._zero_grad  # type: ignore[method-assign]
+        # Bound to the optimizer itself: LR schedulers re-bind `optimizer.step.__func__` to it.
+        optimizer.step = types.MethodType(_amp_step, optimizer)  # type: ignore[method-assign]
+        optimizer.zero_grad = types.MethodType(  # type: ignore[method-assign]
+            _amp_zero_grad, optimizer
+        )
 
     # -- construction ------------------------------------------------------------------------
 
@@ -208,6 +212,14 @@ class OptimizerAmpState:
         # Model grads in flight (accumulated with delay_unscale) belong to the same step.
         for p in self.model_params:
             p.grad = None
+
+
+def _amp_step(optimizer: Any, closure: Callable[[], Any] | None = None) -> Any:
+    return optimizer._amp_state._step(closure)
+
+
+def _amp_zero_grad(optimizer: Any, set_to_none: bool = True) -> None:
+    optimizer._amp_state._zero_grad(set_to_none)
 
 
 def optimizer_state(optimizer: Any) -> OptimizerAmpState | None:

@@ -90,6 +90,8 @@ class LossScaler:
 
         ``found_inf`` is a one-element fp32 tensor; it is only ever raised, never cleared here.
         """
+        if not check and not self.dynamic and self._initial_scale == 1.0:
+            return  # a static scale of one: nothing to undo
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
         for g in grads:
             groups[(g.device, g.dtype)].append(g)
@@ -106,7 +108,7 @@ class LossScaler:
                 if local_inf is not found_inf:
                     found_inf.add_(local_inf.to(found_inf.device, non_blocking=True))
             else:
-                torch._foreach_mul_(group, inv_scale)
+                torch._foreach_mul_(group, inv_scale.squeeze(0))
 
     def update_(self, found_inf: torch.Tensor) -> None:
         """Apex's dynamic update, on the device: backoff on overflow, growth after the window."""
