@@ -92,8 +92,13 @@ def active_casting() -> O1Casting | None:
     return casting
 
 
-def _cast_call(casting: O1Casting, fn: Callable[..., Any], cast: UserCast,
-               args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _cast_call(
+    casting: O1Casting,
+    fn: Callable[..., Any],
+    cast: UserCast,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
     if cast is UserCast.HALF:
         args, kwargs = cast_args(args, kwargs, casting.half_dtype, only=_FLOATING)
     elif cast is UserCast.FLOAT:
@@ -127,9 +132,12 @@ class O1Casting:
     Args:
         device_types: The autocast device types to switch on ("cpu", "cuda").
         half_dtype: The low-precision dtype of the run.
+        verbose: Log (at DEBUG) what was switched on.
     """
 
-    def __init__(self, device_types: list[str], half_dtype: torch.dtype) -> None:
+    def __init__(
+        self, device_types: list[str], half_dtype: torch.dtype, *, verbose: bool = True
+    ) -> None:
         if _ACTIVE.casting is not None:
             raise RuntimeError("O1 casting is already active; deactivate it first.")
         self.device_types = device_types
@@ -160,10 +168,13 @@ class O1Casting:
         except BaseException:
             self.deactivate()
             raise
-        logger.debug(
-            "O1 casting on for %s in %s; %d policy kernels registered",
-            device_types, half_dtype, len(self._kernels.registered),  # type: ignore[union-attr]
-        )
+        if verbose:
+            logger.debug(
+                "O1 casting on for %s in %s; %d policy kernels registered",
+                device_types,
+                half_dtype,
+                len(self._kernels.registered),
+            )
 
     def is_active(self) -> bool:
         return (
@@ -208,7 +219,8 @@ class O1Casting:
             else:
                 logger.warning(
                     "%s.%s was replaced after amp wrapped it; leaving the new value in place.",
-                    getattr(entry.module, "__name__", entry.module), entry.name,
+                    getattr(entry.module, "__name__", entry.module),
+                    entry.name,
                 )
         self._wraps = []
         if self._step_hook is not None:

@@ -26,7 +26,9 @@ def _as_list(value: Any, kind: type, what: str) -> tuple[list[Any], bool]:
         return [value], False
     if isinstance(value, (list, tuple)) and all(isinstance(v, kind) for v in value):
         return list(value), True
-    raise TypeError(f"{what} must be either a single {kind.__name__} or a list of them, got {value!r}.")
+    raise TypeError(
+        f"{what} must be either a single {kind.__name__} or a list of them, got {value!r}."
+    )
 
 
 def _default_half_dtype(models: Sequence[nn.Module]) -> torch.dtype:
@@ -157,8 +159,10 @@ def initialize(
         >>> optimizer.step()
     """
     model_list, models_was_list = _as_list(models, nn.Module, "models")
+    optimizer_list: list[torch.optim.Optimizer] = []
+    optimizers_was_list = False
     if optimizers is None:
-        optimizer_list, optimizers_was_list = [], False
+        pass
     else:
         optimizer_list, optimizers_was_list = _as_list(
             optimizers, torch.optim.Optimizer, "optimizers"
@@ -213,22 +217,20 @@ def initialize(
     model_states = []
     fp32_sources: dict[nn.Parameter, torch.Tensor] = {}
     for model in model_list:
-        state = ModelAmpState(
-            model, props.cast_model_type, props.keep_batchnorm_fp32, output_dtype
-        )
+        state = ModelAmpState(model, props.cast_model_type, props.keep_batchnorm_fp32, output_dtype)
         if props.master_weights:
             for _, module, name, is_param in state.plan:
                 if is_param:
                     param = getattr(module, name)
                     fp32_sources[param] = param.detach()
         state.apply()
-        model._amp_state = state  # type: ignore[assignment]
+        model._amp_state = state
         model_states.append(state)
 
     for optimizer in optimizer_list:
         opt_state = OptimizerAmpState(optimizer, session, props.master_weights, fp32_sources)
         optimizer._amp_state = opt_state  # type: ignore[attr-defined]
-        pairs = dict(zip(opt_state.model_params, opt_state.masters))
+        pairs = dict(zip(opt_state.model_params, opt_state.masters, strict=True))
         for state in model_states:
             state.masters.update(pairs)
     fp32_sources.clear()
@@ -242,7 +244,7 @@ def initialize(
         for _ in range(num_losses)
     ]
     if props.patch_torch_functions:
-        session.casting = O1Casting(device_types, props.half_dtype)
+        session.casting = O1Casting(device_types, props.half_dtype, verbose=verbosity > 0)
     if props.opt_level is OptLevel.O1 and not props.patch_torch_functions and verbosity > 0:
         logger.info("O1 with patch_torch_functions=False: no casting is done.")
     return result()

@@ -107,12 +107,13 @@ def scale_loss(
             state.grads_scaled = True
     else:
         check = scaler.dynamic and not delay_overflow_check
-        found_inf = torch.zeros(1, dtype=torch.float32, device=scale.device)
+        found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
         for state in states:
             state.post_backward(scaler, found_inf, check=check)
             state.grads_scaled = False
-        if check:
+        if not delay_overflow_check:
             scaler.update_(found_inf)
+        if check:
             for state in states:
                 state.note_overflow_check(loss_id, found_inf)
     if casting is not None:
@@ -182,7 +183,5 @@ def skipped_steps(optimizer: torch.optim.Optimizer) -> int:
     """How many ``optimizer.step()`` calls were skipped for gradient overflow."""
     state = optimizer_state(optimizer)
     if state is None:
-        raise RuntimeError(
-            f"This {type(optimizer).__name__} was not returned by amp.initialize."
-        )
+        raise RuntimeError(f"This {type(optimizer).__name__} was not returned by amp.initialize.")
     return state.skipped_steps

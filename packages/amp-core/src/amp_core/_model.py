@@ -139,9 +139,7 @@ class ModelAmpState:
 
     def _named_masters(self) -> dict[str, torch.Tensor]:
         by_param = self.masters
-        return {
-            name: by_param[p] for name, p in self._model.named_parameters() if p in by_param
-        }
+        return {name: by_param[p] for name, p in self._model.named_parameters() if p in by_param}
 
     def _state_dict_hook(
         self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any

@@ -16,7 +16,7 @@ import torch
 __all__ = ["DYNAMIC", "LossScaleSpec", "OptLevel", "Properties", "resolve_properties"]
 
 DYNAMIC: Literal["dynamic"] = "dynamic"
-LossScaleSpec = Union[float, Literal["dynamic"]]
+LossScaleSpec = Union[float, Literal["dynamic"]]  # noqa: UP007 (a runtime alias on 3.10)
 
 # Sentinel dtype in the presets: "the low-precision dtype chosen for this run".
 _HALF = "half"
@@ -164,10 +164,8 @@ def _parse_loss_scale(value: Any) -> LossScaleSpec:
 
 def _check_half_dtype(name: str, dtype: Any) -> torch.dtype:
     if dtype not in _HALF_DTYPES:
-        raise ValueError(
-            f"{name} must be torch.float16 or torch.bfloat16, got {dtype!r}."
-        )
-    return dtype  # type: ignore[no-any-return]
+        raise ValueError(f"{name} must be torch.float16 or torch.bfloat16, got {dtype!r}.")
+    return dtype
 
 
 def resolve_properties(

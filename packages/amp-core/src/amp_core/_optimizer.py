@@ -130,7 +130,7 @@ class OptimizerAmpState:
         if new_direct:
             scaler.unscale_(new_direct, found_inf, check=check)
         if self._stash:
-            for p, stashed in zip(self.direct_params, self._stash):
+            for p, stashed in zip(self.direct_params, self._stash, strict=True):
                 if stashed is None:
                     continue
                 if p.grad is None:
@@ -139,11 +139,15 @@ class OptimizerAmpState:
                     p.grad.add_(stashed)
             self._stash = []
 
-        pairs = [(p, m) for p, m in zip(self.model_params, self.masters) if p.grad is not None]
+        pairs = [
+            (p, m)
+            for p, m in zip(self.model_params, self.masters, strict=True)
+            if p.grad is not None
+        ]
         if pairs:
             fresh = [p.grad.float() for p, _ in pairs]  # type: ignore[union-attr]
             scaler.unscale_(fresh, found_inf, check=check)
-            for (param, master), grad in zip(pairs, fresh):
+            for (param, master), grad in zip(pairs, fresh, strict=True):
                 if master.grad is None:
                     master.grad = grad
                 else:
@@ -182,8 +186,10 @@ class OptimizerAmpState:
             self._skip(closure)
             self._overflow_checks = []
             return None
-        if self.masters and not self._backward_seen and any(
-            p.grad is not None for p in self.model_params
+        if (
+            self.masters
+            and not self._backward_seen
+            and any(p.grad is not None for p in self.model_params)
         ):
             warnings.warn(
                 "The model has gradients that were never copied to its fp32 master weights; "
@@ -200,7 +206,7 @@ class OptimizerAmpState:
     def copy_masters_to_model(self) -> None:
         with torch.no_grad():
             by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-            for param, master in zip(self.model_params, self.masters):
+            for param, master in zip(self.model_params, self.masters, strict=True):
                 dst, src = by_device.setdefault(param.device, ([], []))
                 dst.append(param)
                 src.append(master)

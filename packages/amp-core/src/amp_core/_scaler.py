@@ -54,6 +54,7 @@ class LossScaler:
         self._scale: torch.Tensor | None = None
         self._unskipped: torch.Tensor | None = None
         self._pending: tuple[float, int] | None = None  # from load_state_dict before first use
+        self._static_unskipped = 0  # a static scale's step count lives on the host
 
     # -- device state -----------------------------------------------------------------------
 
@@ -61,8 +62,9 @@ class LossScaler:
         """The scale as a one-element fp32 tensor on ``device`` (moved there on first use)."""
         if self._scale is None:
             scale, unskipped = self._pending or (self._initial_scale, 0)
-            self._scale = torch.full((1,), scale, dtype=torch.float32, device=device)
-            self._unskipped = torch.full((1,), unskipped, dtype=torch.int32, device=device)
+            # 0-dim, as GradScaler's: a 0-dim loss times the scale stays 0-dim.
+            self._scale = torch.full((), scale, dtype=torch.float32, device=device)
+            self._unskipped = torch.full((), unskipped, dtype=torch.int32, device=device)
             self._pending = None
         elif self._scale.device != device:
             self._scale = self._scale.to(device)
@@ -88,7 +90,7 @@ class LossScaler:
     ) -> None:
         """Multiply ``grads`` in place by 1/scale; set ``found_inf`` on any inf or nan.
 
-        ``found_inf`` is a one-element fp32 tensor; it is only ever raised, never cleared here.
+        ``found_inf`` is a 0-dim fp32 tensor; it is only ever raised, never cleared here.
         """
         if not check and not self.dynamic and self._initial_scale == 1.0:
             return  # a static scale of one: nothing to undo
@@ -101,18 +103,24 @@ class LossScaler:
         for (device, _), group in groups.items():
             inv_scale = scale.double().reciprocal().float().to(device, non_blocking=True)
             if check:
-                local_inf = found_inf if device == found_inf.device else torch.zeros_like(
-                    found_inf, device=device
+                local_inf = (
+                    found_inf
+                    if device == found_inf.device
+                    else torch.zeros_like(found_inf, device=device)
                 )
                 torch._amp_foreach_non_finite_check_and_unscale_(group, local_inf, inv_scale)
                 if local_inf is not found_inf:
                     found_inf.add_(local_inf.to(found_inf.device, non_blocking=True))
             else:
-                torch._foreach_mul_(group, inv_scale.squeeze(0))
+                torch._foreach_mul_(group, inv_scale)
 
     def update_(self, found_inf: torch.Tensor) -> None:
-        """Apex's dynamic update, on the device: backoff on overflow, growth after the window."""
+        """Apex's update, on the device: backoff on overflow, growth after the window.
+
+        A static scale never changes, but counts its steps as Apex's does.
+        """
         if not self.dynamic:
+            self._static_unskipped += 1
             return
         scale = self.scale_tensor(found_inf.device)
         assert self._unskipped is not None
@@ -141,6 +149,8 @@ class LossScaler:
 
     def unskipped(self) -> int:
         """Steps since the last overflow or growth. Host sync, as :meth:`loss_scale`."""
+        if not self.dynamic:
+            return self._static_unskipped
         if self._unskipped is None:
             return (self._pending or (self._initial_scale, 0))[1]
         return int(self._unskipped.item())
@@ -152,6 +162,7 @@ class LossScaler:
         scale, unskipped = float(state["loss_scale"]), int(state["unskipped"])
         if not self.dynamic:
             self._initial_scale = scale  # the host copy of a static scale
+            self._static_unskipped = unskipped
         if self._scale is None:
             self._pending = (scale, unskipped)
         else:
