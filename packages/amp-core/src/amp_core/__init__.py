@@ -8,6 +8,7 @@ Example:
 from . import amp
 
 # the building blocks, for users who need them directly
+from ._casting import O1Casting
 from ._opt_levels import OptLevel, Properties
 from ._policy import POLICY, Cast
 from ._scaler import LossScaler
@@ -18,6 +19,7 @@ __all__ = [
     # building blocks
     "Cast",
     "LossScaler",
+    "O1Casting",
     "OptLevel",
     "POLICY",
     "Properties",
