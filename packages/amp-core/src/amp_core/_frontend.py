@@ -60,7 +60,7 @@ def _check_inputs(models: list[nn.Module], optimizers: list[torch.optim.Optimize
                 "from amp.initialize."
             )
         state = model_state(model)
-        if state is not None and (state.cast_model_type is not None or state.output_dtype):
+        if state is not None and state.is_cast:
             raise RuntimeError(
                 f"The model {type(model).__name__} was already returned by amp.initialize "
                 "(its weights and forward are amp-cast). Pass a freshly built model."
@@ -217,7 +217,16 @@ def initialize(
     model_states = []
     fp32_sources: dict[nn.Parameter, torch.Tensor] = {}
     for model in model_list:
-        state = ModelAmpState(model, props.cast_model_type, props.keep_batchnorm_fp32, output_dtype)
+        previous = model_state(model)
+        if previous is not None:  # an O1 model initialized again: drop its old hooks
+            previous.remove()
+        state = ModelAmpState(
+            model,
+            props.cast_model_type,
+            props.keep_batchnorm_fp32,
+            output_dtype,
+            fresh_cast_cache=props.patch_torch_functions,
+        )
         if props.master_weights:
             for _, module, name, is_param in state.plan:
                 if is_param:

@@ -56,6 +56,29 @@ def plan_cast(
     return plan
 
 
+class _CastCacheGuard:
+    """Clears autocast's weight-cast cache when a weight changed in place since it was cached.
+
+    A forward pre-hook on every module that owns parameters compares their version counters
+    (bumped by ``optimizer.step()``, ``load_state_dict`` and any in-place edit) with the ones
+    seen at its last call: the cache never serves a low-precision copy of an old weight, and it
+    still serves repeated uses of unchanged weights.
+    """
+
+    def __init__(self) -> None:
+        self._versions: dict[nn.Parameter, int] = {}
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        versions = self._versions
+        changed = False
+        for param in module._parameters.values():
+            if param is not None and versions.get(param) != param._version:
+                versions[param] = param._version
+                changed = True
+        if changed:
+            torch.clear_autocast_cache()
+
+
 class ModelAmpState:
     """Amp's record on one model (``model._amp_state``).
 
@@ -64,6 +87,8 @@ class ModelAmpState:
         cast_model_type: dtype the model is cast to, or ``None`` for no cast (O1).
         keep_batchnorm_fp32: Whether batchnorm stays fp32 during the cast.
         output_dtype: dtype floating outputs are cast to, or ``None`` to leave them.
+        fresh_cast_cache: Guard autocast's weight-cast cache (O1) so that no forward sees a
+            low-precision copy of a weight changed in place since it was cached.
     """
 
     def __init__(
@@ -72,8 +97,11 @@ class ModelAmpState:
         cast_model_type: torch.dtype | None,
         keep_batchnorm_fp32: bool | None,
         output_dtype: torch.dtype | None,
+        *,
+        fresh_cast_cache: bool = False,
     ) -> None:
         self.cast_model_type = cast_model_type
+        self.fresh_cast_cache = fresh_cast_cache
         self.output_dtype = output_dtype
         # qualified name -> dtype before the cast, for every tensor the cast changed
         self.original_dtypes: dict[str, torch.dtype] = {}
@@ -105,6 +133,11 @@ class ModelAmpState:
             )
         if self.output_dtype is not None:
             self._handles.append(model.register_forward_hook(self._cast_outputs))
+        if self.fresh_cast_cache:
+            guard = _CastCacheGuard()
+            for module in model.modules():
+                if module._parameters:
+                    self._handles.append(module.register_forward_pre_hook(guard))
         if self.original_dtypes:
             # PyTorch tags hook objects, which bound methods do not allow: pass functions.
             def state_dict_hook(*args: Any) -> None:
@@ -115,6 +148,11 @@ class ModelAmpState:
 
             self._handles.append(model.register_state_dict_post_hook(state_dict_hook))
             self._handles.append(model.register_load_state_dict_pre_hook(load_hook))
+
+    @property
+    def is_cast(self) -> bool:
+        """Whether the model's weights or forward were changed (no second initialize then)."""
+        return self.cast_model_type is not None or self.output_dtype is not None
 
     def remove(self) -> None:
         for handle in self._handles:
