@@ -31,6 +31,7 @@ __all__ = [
     "disable_casts",
     "make_cast_wrapper",
     "registrations",
+    "switch_off_casting",
 ]
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,14 @@ class _Active:
 
 
 _ACTIVE = _Active()
+
+
+def switch_off_casting() -> None:
+    """Deactivate whichever O1 casting is on, whoever switched it on."""
+    casting = _ACTIVE.casting
+    if casting is not None:
+        logger.info("Switching off the O1 casting that was active before amp.initialize.")
+        casting.deactivate()
 
 
 def active_casting() -> O1Casting | None:

@@ -33,6 +33,7 @@ class Cast(enum.Enum):
 # The policy, by aten op name (all tensor overloads of each name). Mirrors Apex's lists in
 # apex/amp/lists/{torch,functional,tensor}_overrides.py, expressed at the aten level, so the
 # Python functions, Tensor methods and nn modules that reach these ops are all covered.
+#: Apex's O1 policy: for each :class:`Cast`, the aten op names it applies to.
 POLICY: dict[Cast, tuple[str, ...]] = {
     Cast.LOW: (
         "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",

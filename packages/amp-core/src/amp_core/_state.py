@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ._casting import O1Casting
+from ._casting import O1Casting, switch_off_casting
 from ._opt_levels import Properties
 from ._scaler import LossScaler
 
@@ -47,6 +47,7 @@ class _Registry:
     def replace(self, session: AmpSession | None) -> None:
         if self.current is not None:
             self.current.close()
+        switch_off_casting()  # also one switched on outside a session (the legacy handle)
         self.current = session
 
 

@@ -1,0 +1,385 @@
+"""The pre-1.0 Amp API: ``amp.init()`` returns a handle that switches O1 casting on.
+
+The casting is amp-core's :class:`amp_core.O1Casting` (the same policy tables and kernels as
+``amp.initialize(opt_level="O1")``), and the loss scalers are amp-core's
+:class:`amp_core.LossScaler` with Apex amp's defaults. The handle owns both;
+:meth:`AmpHandle._deactivate` undoes everything it switched on.
+
+At most one handle is active at a time (:data:`_HANDLES` records it, so that the next
+``amp.init`` can switch the previous one off, as Apex's re-patching did).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional
+
+from amp_core import LossScaler as _CoreScaler
+from amp_core import O1Casting
+from amp_core._casting import Registration, UserCast
+from amp_core._state import registry
+
+from ._deprecation import warn_deprecated
+
+__all__ = ["AmpHandle", "NoOpHandle", "OptimWrapper", "init"]
+
+logger = logging.getLogger(__name__)
+
+
+class _HandleRecord:
+    """The handle whose casting is on (at most one), so a new ``amp.init`` can replace it."""
+
+    def __init__(self) -> None:
+        self.current: AmpHandle | None = None
+
+
+_HANDLES = _HandleRecord()
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+class _ScaledBackward:
+    """One scaled backward into ``params``: set old grads aside, unscale the new, add back.
+
+    Setting the old grads aside makes gradient accumulation over several scaled backward
+    passes exact (Apex unscaled the already unscaled grads again).
+    """
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = params
+        self.stash = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+
+    def finish(self, scaler: _CoreScaler) -> bool:
+        """Unscale the new grads, restore the old ones; return whether the new overflowed.
+
+        .. note:: Reads the overflow flag on the host (dynamic scale only).
+        """
+        grads = [p.grad for p in self.params if p.grad is not None]
+        device = grads[0].device if grads else torch.device("cpu")
+        found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        if grads:
+            scaler.unscale_(grads, found_inf, check=scaler.dynamic)
+        scaler.update_(found_inf)
+        for p, old in zip(self.params, self.stash, strict=True):
+            if old is None:
+                continue
+            if p.grad is None:
+                p.grad = old
+            else:
+                p.grad.add_(old)
+        return scaler.dynamic and bool(found_inf.item())
+
+
+class OptimWrapper:
+    """An optimizer wrapped by :meth:`AmpHandle.wrap_optimizer`: one loss scaler per loss.
+
+    Use ``with optimizer.scale_loss(loss) as scaled: scaled.backward()`` once per loss (at most
+    ``num_loss`` times between steps), then ``optimizer.step()``; a step after an overflow of
+    any loss is skipped. Other attributes are the wrapped optimizer's.
+
+    Args:
+        optimizer: The optimizer.
+        amp_handle: The handle that wrapped it.
+        num_loss: How many losses are scaled (each with its own dynamic scale) per step.
+    """
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, amp_handle: AmpHandle | NoOpHandle, num_loss: int
+    ) -> None:
+        if not isinstance(num_loss, int) or num_loss < 1:
+            raise ValueError(f"num_loss must be a positive int, got {num_loss!r}.")
+        self._optimizer = optimizer
+        self._amp_handle = amp_handle
+        self._num_loss = num_loss
+        self._loss_idx = 0
+        self._skip_next = [False] * num_loss
+        self._loss_scaler = [_CoreScaler(amp_handle.loss_scale_arg) for _ in range(num_loss)]
+
+    @contextlib.contextmanager
+    def scale_loss(self, loss: torch.Tensor) -> Iterator[torch.Tensor]:
+        """Yield ``loss * loss_scale`` of the current loss; unscale the grads on exit.
+
+        Raises:
+            RuntimeError: when called more than ``num_loss`` times between two steps.
+        """
+        if not self._amp_handle.is_active():
+            yield loss
+            return
+        if self._loss_idx >= self._num_loss:
+            raise RuntimeError(
+                f"scale_loss was called {self._loss_idx + 1} times since the last step, but "
+                f"wrap_optimizer(optimizer, num_loss={self._num_loss}) was asked for "
+                f"{self._num_loss}; pass num_loss={self._loss_idx + 1}."
+            )
+        scaler = self._loss_scaler[self._loss_idx]
+        backward = _ScaledBackward(_params(self._optimizer))
+        yield loss.float() * scaler.scale_tensor(loss.device)
+        self._skip_next[self._loss_idx] = backward.finish(scaler)
+        self._loss_idx += 1
+        self._amp_handle._clear_cache()
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Step the optimizer, unless a loss overflowed since the last step.
+
+        Raises:
+            NotImplementedError: for a ``closure`` (as Apex).
+        """
+        if not self._amp_handle.is_active():
+            return self._optimizer.step(closure) if closure is not None else self._optimizer.step()
+        if closure is not None:
+            raise NotImplementedError(
+                "The `closure` argument is unsupported by the amp optimizer wrapper; call "
+                "step() without one, or use FP16_Optimizer, which supports closures."
+            )
+        self._loss_idx = 0
+        if any(self._skip_next):
+            logger.warning("Gradient overflow, skipping update")
+            self._skip_next = [False] * self._num_loss
+            return None
+        return self._optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's ``zero_grad``."""
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's ``state_dict``."""
+        return self._optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The wrapped optimizer's ``load_state_dict``."""
+        self._optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """The wrapped optimizer's ``add_param_group``."""
+        self._optimizer.add_param_group(param_group)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._optimizer, name)
+
+    def __repr__(self) -> str:
+        return f"OptimWrapper({self._optimizer!r}, num_loss={self._num_loss})"
+
+
+class AmpHandle:
+    """What ``amp.init()`` returns: O1 casting on, a default loss scaler, optimizer wrapping.
+
+    Args:
+        loss_scale: ``"dynamic"`` or a positive number.
+        enable_caching: Keep the half copies of weights between the forward passes of a step.
+        verbose: Log (DEBUG) what is switched on.
+        allow_banned: Let ``F.binary_cross_entropy`` run (in fp32) instead of refusing it.
+        half_dtype: The low-precision dtype.
+    """
+
+    def __init__(
+        self,
+        loss_scale: float | str = "dynamic",
+        enable_caching: bool = True,
+        verbose: bool = False,
+        allow_banned: bool = False,
+        *,
+        half_dtype: torch.dtype,
+    ) -> None:
+        self.loss_scale_arg = loss_scale
+        self._enable_caching = enable_caching
+        self._verbose = verbose
+        self._default_scaler: _CoreScaler | None = _CoreScaler(loss_scale)
+        self._skip_step_of: list[torch.optim.Optimizer] = []
+        device_types = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+        self._casting: O1Casting | None = O1Casting(device_types, half_dtype, verbose=verbose)
+        if not enable_caching:
+            # O1Casting restores the caller's setting when it is switched off.
+            torch.set_autocast_cache_enabled(False)
+        if allow_banned:
+            # Run binary_cross_entropy in fp32 with casting suspended inside, so the banned
+            # kernel is never reached; recorded on this casting and undone with it.
+            self._casting.apply_registration(
+                Registration(torch.nn.functional, "binary_cross_entropy", UserCast.FLOAT)
+            )
+
+    @property
+    def verbose(self) -> bool:
+        return self._verbose
+
+    @property
+    def has_cache(self) -> bool:
+        return self._enable_caching
+
+    def is_active(self) -> bool:
+        """Whether casting is on (for this thread, and not suspended by ``_disable_casts``)."""
+        return self._casting is not None and self._casting.is_active()
+
+    @contextlib.contextmanager
+    def _disable_casts(self) -> Iterator[None]:
+        if self._casting is None:
+            yield
+            return
+        with self._casting.suspended():
+            yield
+
+    def _clear_cache(self) -> None:
+        if self._casting is not None:
+            self._casting.clear_cache()
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, num_loss: int = 1) -> OptimWrapper:
+        """Wrap ``optimizer`` for ``optimizer.scale_loss(loss)``, one scaler per loss.
+
+        After this, the handle's own :meth:`scale_loss` is refused (as in Apex).
+        """
+        warn_deprecated(
+            "AmpHandle.wrap_optimizer",
+            'amp_core.amp.initialize(model, optimizer, opt_level="O1", num_losses=...)',
+        )
+        self._default_scaler = None
+        return OptimWrapper(optimizer, self, num_loss)
+
+    @contextlib.contextmanager
+    def scale_loss(
+        self, loss: torch.Tensor, optimizer: torch.optim.Optimizer
+    ) -> Iterator[torch.Tensor]:
+        """Yield ``loss * loss_scale``; unscale the grads of ``optimizer``'s params on exit.
+
+        After an overflow, the next ``optimizer.step()`` is skipped (once).
+
+        Raises:
+            RuntimeError: after :meth:`wrap_optimizer` (use the wrapper's ``scale_loss``).
+        """
+        if not self.is_active():
+            yield loss
+            return
+        scaler = self._default_scaler
+        if scaler is None:
+            raise RuntimeError(
+                "After calling `handle.wrap_optimizer()`, you must explicitly use "
+                "`optimizer.scale_loss(loss)` on the optimizer it returned."
+            )
+        backward = _ScaledBackward(_params(optimizer))
+        yield loss.float() * scaler.scale_tensor(loss.device)
+        if backward.finish(scaler):
+            self._skip_next_step(optimizer)
+        self._clear_cache()
+
+    def _skip_next_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make the next ``optimizer.step()`` a no-op (an instance attribute, removed by it)."""
+        if "step" in optimizer.__dict__:
+            return  # already skipping
+
+        def skip_step(opt: Any, *args: Any, **kwargs: Any) -> None:
+            logger.warning("Gradient overflow, skipping update")
+            del opt.__dict__["step"]
+
+        optimizer.step = types.MethodType(skip_step, optimizer)  # type: ignore[method-assign]
+        self._skip_step_of.append(optimizer)
+
+    def _deactivate(self) -> None:
+        """Undo everything this handle switched on (casting, wraps, pending step skips)."""
+        for optimizer in self._skip_step_of:
+            step = optimizer.__dict__.get("step")
+            if step is not None and getattr(step, "__func__", None) is not None:
+                optimizer.__dict__.pop("step", None)
+        self._skip_step_of = []
+        if self._casting is not None:
+            self._casting.deactivate()
+            self._casting = None
+        if _HANDLES.current is self:
+            _HANDLES.current = None
+
+
+class NoOpHandle:
+    """What ``amp.init(enabled=False)`` returns: every method is a no-op."""
+
+    loss_scale_arg: float | str = 1.0
+
+    def is_active(self) -> bool:
+        return False
+
+    @property
+    def verbose(self) -> bool:
+        return False
+
+    @property
+    def has_cache(self) -> bool:
+        return False
+
+    @contextlib.contextmanager
+    def _disable_casts(self) -> Iterator[None]:
+        yield
+
+    def _clear_cache(self) -> None:
+        pass
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, num_loss: int = 1) -> OptimWrapper:
+        """A wrapper whose ``scale_loss`` yields the loss unchanged."""
+        return OptimWrapper(optimizer, self, num_loss)
+
+    @contextlib.contextmanager
+    def scale_loss(
+        self, loss: torch.Tensor, optimizer: torch.optim.Optimizer
+    ) -> Iterator[torch.Tensor]:
+        yield loss
+
+    def _deactivate(self) -> None:
+        pass
+
+
+def init(
+    enabled: bool = True,
+    loss_scale: float | str = "dynamic",
+    enable_caching: bool = True,
+    verbose: bool = False,
+    allow_banned: bool = False,
+    *,
+    half_dtype: torch.dtype | None = None,
+) -> AmpHandle | NoOpHandle:
+    """Apex's pre-1.0 ``amp.init``: switch O1 casting on and return its handle.
+
+    A previous handle is switched off first, and so is the O1 casting of an earlier
+    ``amp_core.amp.initialize(opt_level="O1")`` call.
+
+    Args:
+        enabled: ``False`` returns a :class:`NoOpHandle`.
+        loss_scale: ``"dynamic"`` (amp's defaults: 2**16, window 2000) or a positive number.
+        enable_caching: Cache the half copies of weights within a step.
+        verbose: Log (DEBUG) what is switched on.
+        allow_banned: Run ``F.binary_cross_entropy`` in fp32 instead of refusing it.
+        half_dtype: The low-precision dtype (keyword-only): ``torch.float16`` when CUDA is
+            available, else ``torch.bfloat16``.
+
+    Returns:
+        The handle.
+
+    Example:
+        >>> handle = amp.init()
+        >>> with handle.scale_loss(loss, optimizer) as scaled_loss:
+        ...     scaled_loss.backward()
+        >>> optimizer.step()
+    """
+    warn_deprecated("amp.init", 'amp_core.amp.initialize(model, optimizer, opt_level="O1")')
+    if _HANDLES.current is not None:
+        _HANDLES.current._deactivate()
+    if not enabled:
+        return NoOpHandle()
+    current = registry.current
+    if current is not None and current.casting is not None:
+        logger.warning("amp.init switches off the O1 casting of the earlier amp.initialize call.")
+        current.close()
+    if half_dtype is None:
+        half_dtype = torch.float16 if torch.cuda.is_available() else torch.bfloat16
+    if half_dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"half_dtype must be torch.float16 or torch.bfloat16, got {half_dtype}.")
+    handle = AmpHandle(loss_scale, enable_caching, verbose, allow_banned, half_dtype=half_dtype)
+    _HANDLES.current = handle
+    return handle

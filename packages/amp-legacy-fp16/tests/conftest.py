@@ -1,0 +1,41 @@
+"""Shared fixtures for the amp_legacy_fp16 tests.
+
+Every test starts and ends with no O1 casting on (neither an ``amp.init`` handle nor an
+``amp_core.amp.initialize`` session), and with the deprecation warnings of the legacy API
+silenced unless a test asks for them with ``pytest.warns``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from amp_core._state import registry
+from amp_legacy_fp16._amp_handle import _HANDLES
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Registered here as well as in the root conftest so this package's tests run alone.
+    config.addinivalue_line("markers", "gpu: needs a CUDA device")
+    config.addinivalue_line("markers", "slow: takes more than a few seconds")
+    config.addinivalue_line("markers", "distributed: starts several processes")
+
+
+def _switch_off() -> None:
+    if _HANDLES.current is not None:
+        _HANDLES.current._deactivate()
+    registry.replace(None)
+
+
+@pytest.fixture(autouse=True)
+def _clean_state():
+    _switch_off()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        yield
+    _switch_off()
