@@ -309,6 +309,13 @@ def test_bad_loss_scale_string():
         amp.initialize(tiny_mlp(), opt_level="O1", loss_scale="foo", verbosity=0)
 
 
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), 1e39, True, "Dynamic"])
+def test_bad_loss_scale_value(bad):
+    # 1e39 does not fit the fp32 scale tensor; refuse it at initialize, not at the first step
+    with pytest.raises(ValueError, match=r"'dynamic' or a positive number"):
+        amp.initialize(tiny_mlp(), opt_level="O1", loss_scale=bad, verbosity=0)
+
+
 def test_failed_initialize_leaves_model_untouched():
     model = tiny_mlp()
     with pytest.raises(RuntimeError):

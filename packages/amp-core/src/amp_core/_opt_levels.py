@@ -157,7 +157,7 @@ def _parse_loss_scale(value: Any) -> LossScaleSpec:
         raise ValueError(
             f"loss_scale must be 'dynamic' or a positive number, got {value!r}."
         ) from None
-    if not scale > 0.0 or scale == float("inf"):
+    if not 0.0 < scale <= torch.finfo(torch.float32).max:  # the scale is an fp32 tensor
         raise ValueError(f"loss_scale must be 'dynamic' or a positive number, got {value!r}.")
     return scale
 
