@@ -397,3 +397,11 @@ def test_verbosity_one_logs_selected_opt_level(caplog):
     model = tiny_mlp()
     amp.initialize(model, _sgd(model), opt_level="O2", half_dtype=torch.float16, verbosity=1)
     assert any("O2" in r.getMessage() for r in amp_log_records(caplog))
+
+
+def test_half_model_passed_to_o2_is_reported(caplog):
+    """Apex warns when the model was already cast to half before initialize."""
+    model = tiny_mlp().half()
+    with caplog.at_level(logging.WARNING, logger="amp_core"):
+        amp.initialize(model, opt_level="O2", half_dtype=torch.float16, verbosity=1)
+    assert any("expected torch.float32" in r.getMessage() for r in caplog.records)

@@ -81,6 +81,21 @@ def _check_inputs(models: list[nn.Module], optimizers: list[torch.optim.Optimize
         seen.add(id(optimizer))
 
 
+def _warn_if_not_fp32(models: Sequence[nn.Module]) -> None:
+    for model in models:
+        for name, param in model.named_parameters():
+            if param.is_floating_point() and param.dtype != torch.float32:
+                logger.warning(
+                    "Found param %s with type %s, expected torch.float32. When using "
+                    "amp.initialize, you do not need to call .half() on your model before "
+                    "passing it, no matter what optimization level you choose (the fp32 "
+                    "master weights are then made from the rounded values).",
+                    name,
+                    param.dtype,
+                )
+                return
+
+
 def _log_properties(props: Properties, overrides: dict[str, Any]) -> None:
     logger.info("Selected optimization level %s", props.opt_level.value)
     if overrides:
@@ -216,6 +231,8 @@ def initialize(
         output_dtype = torch.float32
     model_states = []
     fp32_sources: dict[nn.Parameter, torch.Tensor] = {}
+    if props.cast_model_type is not None and verbosity > 0:
+        _warn_if_not_fp32(model_list)
     for model in model_list:
         previous = model_state(model)
         if previous is not None:  # an O1 model initialized again: drop its old hooks
