@@ -110,7 +110,7 @@ def tests(session: nox.Session, package: str) -> None:
         if package == "integration":
             session.skip("no test files under tests/integration yet")
         session.error(f"no test files (test_*.py) under {test_dir}")
-    _install_checkout(session, "pytest")
+    _install_checkout(session, "pytest", "ninja")
     # pytest exits with 5 when it collected no test; nox treats every non-zero exit as failure.
     session.run("python", "-m", "pytest", test_dir, "-m", "not gpu", *session.posargs)
 

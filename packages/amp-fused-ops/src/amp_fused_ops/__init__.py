@@ -1,11 +1,25 @@
-"""Placeholder for ``amp-fused-ops``: the API of this package is not implemented yet.
+"""amp-fused-ops: Apex's multi-tensor ops and ``multi_tensor_applier`` for PyTorch 2.x.
 
-Version 0.0.1 only reserves the distribution name and the import path
-``amp_fused_ops``. It exports nothing but ``__version__``; the Apex names this package
-will hold (``FusedLayerNorm``, ``multi_tensor_applier``, ...) do not exist yet, and importing them
-raises ``ImportError``. The package README lists what is planned.
+Replaces ``apex.multi_tensor_apply`` and Apex's ``amp_C`` extension::
+
+    from amp_fused_ops import amp_C, multi_tensor_applier
+
+Every op has a pure-PyTorch reference (CPU and CUDA, float32 / float16 / bfloat16) that runs
+whenever no compiled kernel is available for the tensors' device.
 """
 
+# The op namespace (Apex: the amp_C extension)
+from amp_fused_ops._amp_C import amp_C
+
+# Multi-tensor apply (Apex: apex.multi_tensor_apply)
+from amp_fused_ops._multi_tensor_apply import MultiTensorApply, multi_tensor_applier
 from amp_fused_ops._version import __version__
 
-__all__ = ["__version__"]
+__all__ = [
+    "__version__",
+    # Multi-tensor apply
+    "MultiTensorApply",
+    "multi_tensor_applier",
+    # Ops
+    "amp_C",
+]

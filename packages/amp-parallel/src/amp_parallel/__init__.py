@@ -1,11 +1,25 @@
-"""Placeholder for ``amp-parallel``: the API of this package is not implemented yet.
+"""amp-parallel: Apex's ``apex.parallel`` on PyTorch 2.x's torch.distributed (Gloo and NCCL).
 
-Version 0.0.1 only reserves the distribution name and the import path
-``amp_parallel``. It exports nothing but ``__version__``; the Apex names this package
-will hold (``SyncBatchNorm``, ...) do not exist yet, and importing them
-raises ``ImportError``. The package README lists what is planned.
+Example:
+    >>> from amp_parallel import DistributedDataParallel, SyncBatchNorm, convert_syncbn_model
+    >>> model = DistributedDataParallel(convert_syncbn_model(model))
 """
 
-from amp_parallel._version import __version__
+from ._ddp import DistributedDataParallel
+from ._larc import LARC
+from ._reducer import Reducer
+from ._syncbn import SyncBatchNorm, convert_syncbn_model, create_syncbn_process_group
+from ._version import __version__
 
-__all__ = ["__version__"]
+__all__ = [
+    # data parallelism
+    "DistributedDataParallel",
+    "Reducer",
+    # synchronized batch norm
+    "SyncBatchNorm",
+    "convert_syncbn_model",
+    "create_syncbn_process_group",
+    # optimizer wrapper
+    "LARC",
+    "__version__",
+]

@@ -1,0 +1,102 @@
+"""Hatchling build hook: ship the C++ sources, and compile the CPU extension when asked.
+
+Every regular wheel gets ``csrc/`` as ``amp_fused_ops/csrc`` (the loader compiles it just in
+time; editable installs find it next to ``src/``). The compile step is a no-op unless
+``AMP_FUSED_OPS_BUILD_EXT=1`` (so ``nox -s build`` and plain ``pip install`` make a
+pure-Python wheel that compiles just in time on first use). With the variable set,
+the wheel target compiles ``csrc/cpu`` through ``amp_fused_ops._loader`` (the same
+``torch.utils.cpp_extension`` build as just in time), ships the module in
+``amp_fused_ops/_prebuilt/`` with a JSON note of the torch and Python it was built for, and
+marks the wheel platform-specific. The loader uses that module only when torch and Python
+match; otherwise it compiles as usual. The build needs torch importable, so build with
+``python -m build --no-isolation`` (or put torch in the build requirements)::
+
+    AMP_FUSED_OPS_BUILD_EXT=1 python -m build --no-isolation --wheel packages/amp-fused-ops
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from hatchling.builders.hooks.plugin.interface import BuildHookInterface
+
+BUILD_ENV = "AMP_FUSED_OPS_BUILD_EXT"
+
+
+def _load_loader(root: Path) -> ModuleType:
+    """Import ``src/amp_fused_ops/_loader.py`` by path (without the package's __init__)."""
+    path = root / "src" / "amp_fused_ops" / "_loader.py"
+    name = "_amp_fused_ops_loader_for_build"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise RuntimeError(f"cannot import the extension loader from {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while it executes
+    spec.loader.exec_module(module)
+    return module
+
+
+class CustomBuildHook(BuildHookInterface):
+    """Compile the CPU extension into the wheel when ``AMP_FUSED_OPS_BUILD_EXT=1``."""
+
+    def initialize(self, version: str, build_data: dict[str, Any]) -> None:
+        """Add csrc/ to a regular wheel; with the variable set, also the compiled extension.
+
+        Args:
+            version: ``"standard"`` or ``"editable"``; editable installs compile just in time.
+            build_data: Hatchling's build data; gets the module, its note and the wheel tag.
+
+        Raises:
+            RuntimeError: If torch cannot be imported or the extension fails to compile.
+        """
+        if self.target_name != "wheel" or version == "editable":
+            return  # editable installs find csrc/ next to src/
+        csrc = Path(self.root) / "csrc"
+        if csrc.is_dir():
+            build_data["force_include"][str(csrc)] = "amp_fused_ops/csrc"
+        if os.environ.get(BUILD_ENV, "").strip() != "1":
+            return
+        try:
+            loader = _load_loader(Path(self.root))
+        except ImportError as error:
+            raise RuntimeError(
+                f"{BUILD_ENV}=1 needs torch in the build environment ({error}); build with "
+                "`python -m build --no-isolation` in an environment that has torch"
+            ) from error
+        # Objects and ninja files stay out of the output folder; finalize() removes them.
+        self._build_dir = Path(tempfile.mkdtemp(prefix="amp_fused_ops_ext_"))
+        build_dir = self._build_dir / "cpu"
+        try:
+            module_path = loader.build_extension("cpu", force=True, build_dir=build_dir)
+        except loader.ExtensionUnavailableError as error:
+            raise RuntimeError(f"{BUILD_ENV}=1: cannot build the CPU extension: {error}") from error
+        note = build_dir / "amp_fused_ops_cpu.json"
+        meta = {"file": module_path.name, "torch": loader.torch.__version__}
+        meta["python"] = loader._python_tag()
+        note.write_text(json.dumps(meta))
+        prebuilt = "amp_fused_ops/_prebuilt"
+        build_data["force_include"][str(module_path)] = f"{prebuilt}/{module_path.name}"
+        build_data["force_include"][str(note)] = f"{prebuilt}/{note.name}"
+        build_data["pure_python"] = False
+        build_data["infer_tag"] = True
+        self.app.display_info(f"{BUILD_ENV}=1: shipping the CPU extension {module_path.name}")
+
+    def finalize(self, version: str, build_data: dict[str, Any], artifact_path: str) -> None:
+        """Remove the temporary build folder once the wheel is written.
+
+        Args:
+            version: ``"standard"`` or ``"editable"``.
+            build_data: Hatchling's build data (unused).
+            artifact_path: The wheel that was written (unused).
+        """
+        build_dir = getattr(self, "_build_dir", None)
+        if build_dir is not None:
+            shutil.rmtree(build_dir, ignore_errors=True)

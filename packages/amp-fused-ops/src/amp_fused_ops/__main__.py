@@ -1,0 +1,87 @@
+"""Command line of ``amp_fused_ops``: ``python -m amp_fused_ops info|build``.
+
+``info`` says what this machine has (torch, CUDA, compiler, ninja) and, for each extension,
+whether it is prebuilt, built, buildable or unavailable and why. ``build`` compiles what this
+machine can (today: the C++ CPU extension) and exits non-zero when a build fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from amp_fused_ops import _loader
+
+
+def _info() -> int:
+    """Print the toolchain and the state of every extension kind; always returns 0."""
+    print(f"torch:        {torch.__version__}")
+    print(f"CUDA:         {torch.version.cuda if torch.version.cuda else 'CPU build'}")
+    print(f"compiler:     {_loader.compiler_path() or 'not found (set CXX or install g++)'}")
+    print(f"ninja:        {_loader.ninja_path() or 'not found (pip install ninja)'}")
+    source = _loader.source_dir()
+    print(f"sources:      {source if source is not None else 'not shipped'}")
+    print(f"cache:        {_loader.cache_root()}")
+    for kind in _loader.KINDS:
+        status = _loader.extension_status(kind)
+        print(f"{kind} extension: {status.state} ({status.detail})")
+    return 0
+
+
+def _build(kinds: Sequence[str], force: bool) -> int:
+    """Build each kind this machine can; returns 1 if a build failed, else 0."""
+    failed = False
+    for kind in kinds:
+        status = _loader.extension_status(kind)
+        if kind == "cuda" and status.state == "unavailable":
+            print(f"cuda extension: skipped ({status.detail})")
+            continue
+        if status.state in ("built", "prebuilt") and not force:
+            print(f"{kind} extension: already {status.state} ({status.detail}); --force rebuilds")
+            continue
+        try:
+            path = _loader.build_extension(kind, force=True)
+        except _loader.ExtensionUnavailableError as error:
+            print(f"{kind} extension: FAILED: {error}", file=sys.stderr)
+            failed = True
+        else:
+            print(f"{kind} extension: built {path}")
+    return 1 if failed else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line.
+
+    Args:
+        argv: Arguments without the program name; ``sys.argv[1:]`` when ``None``.
+
+    Returns:
+        The exit status: 0 on success, 1 when a build failed, 2 on a usage error.
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m amp_fused_ops", description="Inspect and build the compiled extensions."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("info", help="say what is built, buildable or unavailable, and why")
+    build = commands.add_parser("build", help="compile the extensions this machine can build")
+    build.add_argument(
+        "--kind", choices=[*_loader.KINDS, "all"], default="all", help="which extension"
+    )
+    build.add_argument(
+        "--force", action="store_true", help="compile again even if a build is cached"
+    )
+    args = parser.parse_args(argv)
+    # An application entry point may configure logging (the library never does).
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "info":
+        return _info()
+    kinds = list(_loader.KINDS) if args.kind == "all" else [args.kind]
+    return _build(kinds, args.force)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

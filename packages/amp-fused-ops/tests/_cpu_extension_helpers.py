@@ -1,0 +1,109 @@
+"""Builds the C++ CPU extension once per test session, by two processes at once.
+
+Both test modules that need the extension ask :func:`session_cache` for a cache folder in
+the session's temporary directory. The first call starts two fresh Python processes that
+call ``get_extension("cpu")`` at the same moment on that empty folder: one compiles under the
+build lock, the other waits and loads the result. Later calls (and other modules) only load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from amp_fused_ops import _loader
+
+# Run in each child: report whether the extension loaded and whether this process compiled.
+_CHILD = """
+import json, logging
+from amp_fused_ops import _loader
+
+class Recorder(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+recorder = Recorder()
+logging.getLogger("amp_fused_ops").addHandler(recorder)
+logging.getLogger("amp_fused_ops").setLevel(logging.INFO)
+ext = _loader.get_extension("cpu")
+print("RESULT " + json.dumps({
+    "loaded": ext is not None,
+    "compiled": any(m.startswith("compiling amp_fused_ops CPU") for m in recorder.messages),
+    "messages": recorder.messages,
+}))
+"""
+
+
+@dataclass(frozen=True)
+class SessionBuild:
+    """Where the session's extension lives and what the two building processes reported."""
+
+    cache: Path
+    reports: tuple[dict[str, object], ...]
+
+
+_builds: dict[Path, SessionBuild] = {}
+
+
+def child_env(cache: Path, **extra: str) -> dict[str, str]:
+    """Environment for a child Python that imports this checkout's amp_fused_ops."""
+    env = dict(os.environ)
+    src = str(Path(_loader.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    env[_loader.CACHE_ENV] = str(cache)
+    env.pop(_loader.DISABLE_ENV, None)
+    env.update(extra)
+    return env
+
+
+def session_cache(factory: pytest.TempPathFactory) -> SessionBuild:
+    """Build the CPU extension in this session's cache folder (once) and describe the build."""
+    cache = factory.getbasetemp() / "amp_fused_ops_cache"
+    if cache in _builds:
+        return _builds[cache]
+    missing = _loader._missing_tools_reason("cpu")
+    if missing is not None:
+        pytest.skip(f"cannot build the CPU extension here: {missing}")
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CHILD],
+            env=child_env(cache),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    reports = []
+    for child in children:
+        output, _ = child.communicate(timeout=900)
+        lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
+        if child.returncode != 0 or not lines:
+            pytest.fail(f"building the CPU extension failed (exit {child.returncode}):\n{output}")
+        reports.append(json.loads(lines[-1].removeprefix("RESULT ")))
+    _builds[cache] = SessionBuild(cache, tuple(reports))
+    return _builds[cache]
+
+
+def load_from(cache: Path) -> object:
+    """Load the extension from ``cache`` (never compiles: the session build made it)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(_loader.CACHE_ENV, str(cache))
+        patch.delenv(_loader.DISABLE_ENV, raising=False)
+        patch.setattr(_loader, "_compile", _no_compile)
+        ext = _loader.get_extension("cpu")
+    assert ext is not None, "the session build should have left a loadable extension"
+    return ext
+
+
+def _no_compile(kind: str, build_dir: Path) -> object:
+    raise AssertionError(f"the {kind} extension was compiled again in {build_dir}")
