@@ -187,6 +187,27 @@ def _amp_run(distributed: bool, always_fp32: bool) -> list[Tensor]:
     return [p.detach().clone() for p in amp.master_params(opt)]
 
 
+@scenario("amp_o2_masters_from_rank0")
+def amp_o2_masters_from_rank0() -> dict[str, Any]:
+    """Ranks built with different seeds: after the wrap every rank has rank 0's fp32 masters."""
+    from amp_core import amp
+
+    model = mlp(dist.get_rank())  # a different initialization on every rank
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    DistributedDataParallel(model)
+    masters = [p.detach().clone() for p in amp.master_params(opt)]
+    rank0 = [p.detach() for p in mlp(0).parameters()]  # fp32, as built on rank 0
+    model_from_masters = all(
+        torch.equal(p, m.to(p.dtype)) for p, m in zip(model.parameters(), masters, strict=True)
+    )
+    return {
+        "identical": same_on_all_ranks(masters),
+        "err": max_err(masters, rank0),
+        "model_from_masters": model_from_masters,
+    }
+
+
 @scenario("amp_o2_bf16")
 def amp_o2_bf16() -> dict[str, Any]:
     """amp O2 (bf16 model, fp32 masters): masters match a full-batch run within bf16 error."""

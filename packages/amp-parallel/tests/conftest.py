@@ -15,7 +15,8 @@ from _scenarios import DDP_CASES, SYNCBN_CASES
 
 ALL_SCENARIOS = (
     [f"ddp:{case}" for case in DDP_CASES]
-    + ["accumulate", "no_sync_local", "amp_o2_bf16", "reducer", "ddp_wrap_twice"]
+    + ["accumulate", "no_sync_local", "amp_o2_bf16", "amp_o2_masters_from_rank0", "reducer"]
+    + ["ddp_wrap_twice"]
     + [f"syncbn:{case}" for case in SYNCBN_CASES]
     + ["syncbn_group_of_one", "syncbn_bad_group_size"]
 )

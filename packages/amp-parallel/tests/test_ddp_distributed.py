@@ -39,6 +39,13 @@ def test_amp_o2_bf16_half_gradients(results):
             assert variant["err"] < 1.6e-2 * 2  # bf16 rounding, three steps
 
 
+def test_amp_o2_masters_come_from_rank0(results):
+    for value in values(results["amp_o2_masters_from_rank0"]):
+        assert value["identical"]
+        assert value["err"] == 0.0  # rank 0's fp32 initialization, not a half-rounded copy
+        assert value["model_from_masters"]
+
+
 def test_reducer(results):
     for value in values(results["reducer"]):
         assert value["broadcast"] == 0.0

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from ._comm import ProcessGroup, broadcast_tensors, require_initialized
 from ._ddp_hook import HookState, allreduce_hook
@@ -72,6 +72,14 @@ def _check_module(module: nn.Module) -> torch.device:
             f"Parameters on {device} are not supported; use CPU (Gloo) or CUDA (NCCL)."
         )
     return device
+
+
+def _amp_master_weights(module: nn.Module) -> list[Tensor]:
+    """The fp32 master weights amp-core keeps for ``module``'s params (O2), in param order."""
+    masters = getattr(getattr(module, "_amp_state", None), "masters", None)
+    if not isinstance(masters, dict):
+        return []
+    return [masters[p] for p in module.parameters() if p in masters]
 
 
 class DistributedDataParallel(nn.parallel.DistributedDataParallel):
@@ -221,6 +229,11 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             )
         if broadcast_buffers:
             broadcast_tensors([b.data for b in module.buffers()], src=0, group=process_group)
+        masters = _amp_master_weights(module)
+        if masters:
+            # amp O2 made fp32 masters on every rank before this wrap; the model's half weights
+            # now hold rank 0's values, so the masters must too (else ranks diverge at step 1).
+            broadcast_tensors(masters, src=0, group=process_group)
         setattr(module, _WRAPPED_MARK, True)
 
         self.message_size = message_size
