@@ -126,18 +126,9 @@ class OptimizerAmpState:
         Master weights receive the model's half grads as fp32 (the model's grads are freed).
         """
         self._backward_seen = True
-        new_direct = [p.grad for p in self.direct_params if p.grad is not None]
-        if new_direct:
-            scaler.unscale_(new_direct, found_inf, check=check)
-        if self._stash:
-            for p, stashed in zip(self.direct_params, self._stash, strict=True):
-                if stashed is None:
-                    continue
-                if p.grad is None:
-                    p.grad = stashed
-                else:
-                    p.grad.add_(stashed)
-            self._stash = []
+        stash = self._stash or [None] * len(self.direct_params)
+        scaler.unscale_with_stash_(self.direct_params, stash, found_inf, check=check)
+        self._stash = []
 
         pairs = [
             (p, m)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -113,6 +113,32 @@ class LossScaler:
                     found_inf.add_(local_inf.to(found_inf.device, non_blocking=True))
             else:
                 torch._foreach_mul_(group, inv_scale)
+
+    def unscale_with_stash_(
+        self,
+        params: Sequence[torch.Tensor],
+        stash: Sequence[torch.Tensor | None],
+        found_inf: torch.Tensor,
+        *,
+        check: bool = True,
+    ) -> None:
+        """Unscale the fresh grads of ``params``, then add back the grads set aside before the
+        backward (Apex's ``unscale_with_stashed``).
+
+        Args:
+            params: Params whose ``.grad`` holds only this backward's (scaled) gradient.
+            stash: One entry per param: its unscaled gradient from before, or ``None``.
+            found_inf: As in :meth:`unscale_`.
+            check: As in :meth:`unscale_`.
+        """
+        self.unscale_([p.grad for p in params if p.grad is not None], found_inf, check=check)
+        for param, stashed in zip(params, stash, strict=True):
+            if stashed is None:
+                continue
+            if param.grad is None:
+                param.grad = stashed
+            else:
+                param.grad.add_(stashed)
 
     def update_(self, found_inf: torch.Tensor) -> None:
         """Apex's update, on the device: backoff on overflow, growth after the window.

@@ -67,16 +67,8 @@ class _ScaledBackward:
         grads = [p.grad for p in self.params if p.grad is not None]
         device = grads[0].device if grads else torch.device("cpu")
         found_inf = torch.zeros((), dtype=torch.float32, device=device)
-        if grads:
-            scaler.unscale_(grads, found_inf, check=scaler.dynamic)
+        scaler.unscale_with_stash_(self.params, self.stash, found_inf, check=scaler.dynamic)
         scaler.update_(found_inf)
-        for p, old in zip(self.params, self.stash, strict=True):
-            if old is None:
-                continue
-            if p.grad is None:
-                p.grad = old
-            else:
-                p.grad.add_(old)
         return scaler.dynamic and bool(found_inf.item())
 
 

@@ -283,24 +283,21 @@ class FP16_Optimizer:
                 master.grad.copy_(model.grad)
             grads.append(master.grad)
         fresh_fp32 = self._fp32_grads_scaled
-        if fresh_fp32:
-            grads += [p.grad for p in self.all_fp32_from_fp32_params if p.grad is not None]
+        fp32_grads = [p.grad for p in self.all_fp32_from_fp32_params if p.grad is not None]
         check = self.dynamic_loss_scale
-        device = grads[0].device if grads else torch.device("cpu")
+        probe = grads or (fp32_grads if fresh_fp32 else [])
+        device = probe[0].device if probe else torch.device("cpu")
         found_inf = torch.zeros((), dtype=torch.float32, device=device)
         if grads:
             self.loss_scaler.unscale_(grads, found_inf, check=check)
         if fresh_fp32:
-            for p, stashed in zip(self.all_fp32_from_fp32_params, self._fp32_stash, strict=True):
-                if stashed is None:
-                    continue
-                if p.grad is None:
-                    p.grad = stashed
-                else:
-                    p.grad.add_(stashed)
+            stash = self._fp32_stash or [None] * len(self.all_fp32_from_fp32_params)
+            self.loss_scaler.unscale_with_stash_(
+                self.all_fp32_from_fp32_params, stash, found_inf, check=check
+            )
             self._fp32_stash = []
             self._fp32_grads_scaled = False
-        self.overflow = bool(found_inf.item()) if check and grads else False
+        self.overflow = bool(found_inf.item()) if check and probe else False
 
     def inspect_master_grad_data(self) -> list[list[torch.Tensor | None]] | None:
         """The unscaled grads the optimizer will step, per param group (``None`` on overflow).

@@ -83,6 +83,17 @@ class _ScalerBase:
         """Divide ``grads`` in place by the scale; raise ``found_inf`` on inf/nan if ``check``."""
         self._core.unscale_(grads, found_inf, check=check)
 
+    def unscale_with_stash_(
+        self,
+        params: list[torch.Tensor],
+        stash: list[torch.Tensor | None],
+        found_inf: torch.Tensor,
+        *,
+        check: bool,
+    ) -> None:
+        """Unscale the fresh grads of ``params`` and add back ``stash`` (amp-core's rule)."""
+        self._core.unscale_with_stash_(params, stash, found_inf, check=check)
+
     def scale_gradient(
         self, module: torch.nn.Module, grad_in: tuple[torch.Tensor, ...], grad_out: Any
     ) -> tuple[torch.Tensor, ...]:
