@@ -102,8 +102,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     world = 2
     if args.device == "cuda" and torch.cuda.device_count() < world:
-        LOG.error("--device cuda needs %d GPUs, found %d", world, torch.cuda.device_count())
-        return 2
+        # Not an error: `nox -s bench` runs every script on CUDA whenever one GPU exists.
+        LOG.warning(
+            "skipped: --device cuda needs %d GPUs for %d NCCL ranks, found %d",
+            world,
+            world,
+            torch.cuda.device_count(),
+        )
+        return 0
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     init = os.path.join(tempfile.mkdtemp(prefix="bench_ddp_"), "store")
