@@ -102,6 +102,8 @@ class _AmpC(types.ModuleType):
     )
     multi_tensor_sgd = staticmethod(_dispatching(_reference.multi_tensor_sgd))
     multi_tensor_adagrad = staticmethod(_dispatching(_reference.multi_tensor_adagrad))
+    multi_tensor_lamb = staticmethod(_dispatching(_reference.multi_tensor_lamb))
+    multi_tensor_novograd = staticmethod(_dispatching(_reference.multi_tensor_novograd))
 
 
 amp_C = _AmpC(

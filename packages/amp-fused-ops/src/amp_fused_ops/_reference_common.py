@@ -1,0 +1,180 @@
+"""Preconditions and device-side helpers shared by the reference ``amp_C`` ops.
+
+Private to :mod:`amp_fused_ops._reference`, :mod:`amp_fused_ops._reference_optim` and
+:mod:`amp_fused_ops._reference_layerwise`; see :mod:`amp_fused_ops._reference` for the
+conventions every reference op follows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+TensorLists = Sequence[Sequence[Tensor]]
+# What torch._foreach_* accept and return.
+_Tensors = list[Tensor] | tuple[Tensor, ...]
+
+# Storage dtypes every op accepts; math always runs in float32.
+_FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+_FP32_ONLY: tuple[torch.dtype, ...] = (torch.float32,)
+
+
+# ---------------------------------------------------------------------------------------------
+# Preconditions
+# ---------------------------------------------------------------------------------------------
+
+
+def _dtype_names(dtypes: Sequence[torch.dtype]) -> str:
+    return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+
+
+def _check(
+    op: str,
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    list_names: Sequence[Sequence[str]],
+    dtypes: Sequence[Sequence[torch.dtype]] | None = None,
+) -> torch.device | None:
+    """Validate the arguments every multi-tensor op shares.
+
+    Args:
+        op: Name of the op, used in error messages.
+        chunk_size: Elements per chunk; must be a positive int (results do not depend on it).
+        noop_flag: One-element int32 tensor on the device of the tensors.
+        tensor_lists: The op's lists of tensors.
+        list_names: Each accepted layout of ``tensor_lists``, as the names of its lists (for
+            example ``[("grads", "params", "momentum_bufs")]``).
+        dtypes: Allowed dtypes per list position; defaults to float32/float16/bfloat16 for all.
+
+    Returns:
+        The device of the tensors, or None when the lists hold no tensor.
+
+    Raises:
+        TypeError: An argument has the wrong type.
+        ValueError: The lists have the wrong count or lengths, sizes mismatch, or the noop flag
+            or a dtype is not accepted.
+        RuntimeError: Tensors (or the noop flag) sit on different devices.
+    """
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"{op}: chunk_size must be a positive int, got {chunk_size!r}")
+    if not isinstance(tensor_lists, (list, tuple)):
+        raise TypeError(
+            f"{op}: tensor_lists must be a list of lists of tensors, got "
+            f"{type(tensor_lists).__name__}"
+        )
+    counts = [len(names) for names in list_names]
+    if len(tensor_lists) not in counts:
+        layouts = " or ".join("[" + ", ".join(names) + "]" for names in list_names)
+        raise ValueError(
+            f"{op}: expected {' or '.join(map(str, counts))} tensor lists ({layouts}), "
+            f"got {len(tensor_lists)}"
+        )
+    n = len(tensor_lists[0])
+    for i, tensors in enumerate(tensor_lists):
+        if not isinstance(tensors, (list, tuple)):
+            raise TypeError(
+                f"{op}: tensor_lists[{i}] must be a list of tensors, got {type(tensors).__name__}"
+            )
+        if len(tensors) != n:
+            raise ValueError(
+                f"{op}: tensor_lists[{i}] has {len(tensors)} tensors but tensor_lists[0] has {n}; "
+                "every list must hold one tensor per position"
+            )
+    if not isinstance(noop_flag, Tensor):
+        raise TypeError(
+            f"{op}: noop_flag must be a tensor, got {type(noop_flag).__name__}; "
+            "create it with torch.zeros(1, dtype=torch.int32, device=...)"
+        )
+    if noop_flag.dtype != torch.int32 or noop_flag.numel() != 1:
+        raise ValueError(
+            f"{op}: noop_flag must be a one-element int32 tensor, got dtype "
+            f"{noop_flag.dtype} with {noop_flag.numel()} elements; "
+            "create it with torch.zeros(1, dtype=torch.int32, device=...)"
+        )
+    if n == 0:
+        return None
+    device = tensor_lists[0][0].device if isinstance(tensor_lists[0][0], Tensor) else None
+    allowed_per_list = dtypes if dtypes is not None else [_FLOAT_DTYPES] * len(tensor_lists)
+    for i, tensors in enumerate(tensor_lists):
+        allowed = allowed_per_list[i]
+        for j, t in enumerate(tensors):
+            if not isinstance(t, Tensor):
+                raise TypeError(
+                    f"{op}: tensor_lists[{i}][{j}] must be a tensor, got {type(t).__name__}"
+                )
+            if t.device != device:
+                raise RuntimeError(
+                    f"{op}: tensor_lists[{i}][{j}] is on {t.device} but tensor_lists[0][0] is on "
+                    f"{device}; move all tensors of one call to the same device"
+                )
+            if t.dtype not in allowed:
+                raise ValueError(
+                    f"{op}: tensor_lists[{i}][{j}] has dtype {t.dtype}; this list accepts "
+                    f"{_dtype_names(allowed)}"
+                )
+            if t.numel() != tensor_lists[0][j].numel():
+                raise ValueError(
+                    f"{op}: tensor_lists[{i}][{j}] has {t.numel()} elements but "
+                    f"tensor_lists[0][{j}] has {tensor_lists[0][j].numel()}; tensors at the same "
+                    "position must have the same number of elements"
+                )
+    if noop_flag.device != device:
+        raise RuntimeError(
+            f"{op}: noop_flag is on {noop_flag.device} but the tensors are on {device}; "
+            "create it on the tensors' device"
+        )
+    return device
+
+
+def _check_choice(op: str, name: str, value: int, choices: Sequence[int]) -> None:
+    if value not in choices:
+        raise ValueError(f"{op}: {name} must be one of {list(choices)}, got {value!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers (all device-side, no host sync)
+# ---------------------------------------------------------------------------------------------
+
+
+def _fp32(tensors: Sequence[Tensor], like: Sequence[Tensor] | None = None) -> _Tensors:
+    """Float32 values of ``tensors``, reshaped to the shapes of ``like`` where those differ.
+
+    The result may alias the input (a float32 tensor is returned as is): never modify it in
+    place.
+    """
+    out = [t.float() for t in tensors]
+    if like is not None:
+        out = [
+            t if t.shape == r.shape else t.reshape(r.shape) for t, r in zip(out, like, strict=True)
+        ]
+    return out
+
+
+def _write(dst: Sequence[Tensor], src: Sequence[Tensor], skip: Tensor | None = None) -> None:
+    """Copy ``src`` into ``dst`` (cast, layout kept); keep ``dst`` where ``skip`` is true."""
+    for d, s in zip(dst, src, strict=True):
+        if s.shape != d.shape:
+            s = s.reshape(d.shape)
+        d.copy_(s if skip is None else torch.where(skip, d, s))
+
+
+def _any_nonfinite(tensors: Sequence[Tensor], device: torch.device) -> Tensor:
+    """0-dim bool tensor: does any of ``tensors`` hold an inf or a nan."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.bool, device=device)
+    return torch.stack([~torch.isfinite(t).all() for t in tensors]).any()
+
+
+def _raise_flag(noop_flag: Tensor, condition: Tensor) -> None:
+    """Set ``noop_flag`` to 1 where the 0-dim bool ``condition`` holds (no host sync)."""
+    noop_flag.masked_fill_(condition, 1)
+
+
+def _scalar(value: Tensor | float, device: torch.device) -> Tensor:
+    """A 0-dim float32 tensor on ``device`` from a Python number or a one-element tensor."""
+    if isinstance(value, Tensor):
+        return value.reshape(()).to(device=device, dtype=torch.float32)
+    return torch.tensor(float(value), dtype=torch.float32, device=device)
