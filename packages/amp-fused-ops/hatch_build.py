@@ -74,6 +74,8 @@ class CustomBuildHook(BuildHookInterface):
         # Objects and ninja files stay out of the output folder; finalize() removes them.
         self._build_dir = Path(tempfile.mkdtemp(prefix="amp_fused_ops_ext_"))
         build_dir = self._build_dir / "cpu"
+        # A shipped wheel must run on any CPU of its architecture: no host-specific flags.
+        os.environ[loader.PORTABLE_ENV] = "1"
         try:
             module_path = loader.build_extension("cpu", force=True, build_dir=build_dir)
         except loader.ExtensionUnavailableError as error:
