@@ -12,6 +12,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -41,8 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         device = torch.device("cpu")
 
-    # The same seed on every rank: DDP broadcasts rank 0's (half) model weights, but amp O2
-    # made each rank's fp32 masters at amp.initialize, before DDP existed (as in Apex).
+    # Any seed works: the wrapper broadcasts rank 0's half weights and amp O2's fp32 masters.
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)
@@ -80,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
             losses[-1],
             bool(ok.item()),
         )
+    # Free what holds the process group (the DDP reducer above all) before destroying it, so
+    # no Gloo thread outlives the group and aborts the process at interpreter exit.
+    del model, optimizer
+    gc.collect()
     dist.barrier()  # nobody tears the group down while a peer still uses it
     dist.destroy_process_group()
     if not ok.item():

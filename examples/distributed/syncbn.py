@@ -11,6 +11,7 @@ Usage:
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -62,6 +63,10 @@ def main() -> int:
             sizes,
             bool(ok.item()),
         )
+    # Free what holds the process group (the DDP reducer above all) before destroying it, so
+    # no Gloo thread outlives the group and aborts the process at interpreter exit.
+    del model, net
+    gc.collect()
     dist.barrier()  # nobody tears the group down while a peer still uses it
     dist.destroy_process_group()
     if not ok.item():

@@ -11,6 +11,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -88,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     flags = torch.tensor([0.0 if same else 1.0], device=device)
     dist.all_reduce(flags)
     ok = flags.item() == 0
+    # Free what holds the process group (the DDP reducer above all) before destroying it, so
+    # no Gloo thread outlives the group and aborts the process at interpreter exit.
+    del ddp_model, model, optimizer
+    gc.collect()
     dist.barrier()  # no rank tears Gloo down while another still talks to it
     dist.destroy_process_group()
     return 0 if ok else 1
