@@ -52,20 +52,16 @@ if not where.is_relative_to(venv):
 print(f"{name} {module.__version__} imports from its wheel")
 """
 
-# Compiles the given CUDA/C++ sources into one extension with torch.utils.cpp_extension.
-# The pip package nvidia/cu13/include provides headers (cusparse.h) that PyTorch's CUDA
-# headers need when the toolkit lacks them.
-_CUDA_COMPILE = """
-import importlib.util, pathlib, sys
-from torch.utils.cpp_extension import load
-build_dir, *sources = sys.argv[1:]
-spec = importlib.util.find_spec("nvidia")
-bases = spec.submodule_search_locations if spec and spec.submodule_search_locations else []
-include = [str(p) for p in (pathlib.Path(b) / "cu13" / "include" for b in bases) if p.is_dir()]
-pathlib.Path(build_dir).mkdir(parents=True, exist_ok=True)
-load(name="amp_fused_ops_cuda_check", sources=sources, extra_include_paths=include,
-     build_directory=build_dir, is_python_module=False, verbose=True)
-print(f"compiled {len(sources)} source file(s) into {build_dir}")
+# Loads the CUDA extension the `build cuda` command just compiled (from the same cache, no
+# second compile) and checks it has its ops: proves the module links and imports.
+_CUDA_IMPORT_CHECK = """
+from amp_fused_ops import _loader
+_loader._compile = None  # a load that tried to compile again would fail here
+module = _loader.get_extension("cuda")
+if module is None:
+    raise SystemExit("the CUDA extension did not load: " + str(_loader.unavailable_reason("cuda")))
+ops = sorted(name for name in dir(module) if name.startswith("multi_tensor_"))
+print(f"imported {module.__file__} with {len(ops)} ops: {', '.join(ops)}")
 """
 
 
@@ -110,7 +106,10 @@ def tests(session: nox.Session, package: str) -> None:
         if package == "integration":
             session.skip("no test files under tests/integration yet")
         session.error(f"no test files (test_*.py) under {test_dir}")
-    _install_checkout(session, "pytest", "ninja")
+    # The integration tests run the demo and the examples: they plot (matplotlib) and load
+    # scikit-learn's digits, which the system site packages need not have.
+    extra = ["scikit-learn", "matplotlib"] if package == "integration" else []
+    _install_checkout(session, "pytest", "ninja", *extra)
     # pytest exits with 5 when it collected no test; nox treats every non-zero exit as failure.
     session.run("python", "-m", "pytest", test_dir, "-m", "not gpu", *session.posargs)
 
@@ -218,9 +217,14 @@ def gpu_tests(session: nox.Session) -> None:
 
 @nox.session
 def cuda_build(session: nox.Session) -> None:
-    """Compile-check the CUDA sources of amp-fused-ops with nvcc and a CUDA build of torch."""
+    """Compile the CUDA extension of amp-fused-ops as users get it, then import it.
+
+    Runs ``python -m amp_fused_ops build cuda --force`` (the loader's just-in-time build: every
+    .cu/.cpp of csrc/cuda into one module) for ``TORCH_CUDA_ARCH_LIST`` (default 9.0), so it
+    needs nvcc and a CUDA build of torch but no GPU, then loads the result.
+    """
     relative = CUDA_SOURCE_DIR.relative_to(ROOT).as_posix()
-    sources = sorted(CUDA_SOURCE_DIR.rglob("*.cu")) if CUDA_SOURCE_DIR.is_dir() else []
+    sources = sorted(CUDA_SOURCE_DIR.glob("*.cu")) if CUDA_SOURCE_DIR.is_dir() else []
     if not sources:
         session.skip(f"no CUDA sources under {relative} to compile")
     cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
@@ -238,15 +242,14 @@ def cuda_build(session: nox.Session) -> None:
             f"torch {version} in this session is a CPU build (torch.version.cuda is None); "
             "set AMP_CUDA_TORCH to a CUDA build of torch to compile the CUDA sources"
         )
-    _compile_cuda_sources(session, cuda_home, [*sources, *sorted(CUDA_SOURCE_DIR.rglob("*.cpp"))])
-
-
-def _compile_cuda_sources(session: nox.Session, cuda_home: str, sources: list[Path]) -> None:
-    """Build the sources into one extension with torch.utils.cpp_extension.load (needs no GPU)."""
-    build_dir = Path(session.create_tmp()) / "cuda-extension"
     env = {
         "CUDA_HOME": cuda_home,
         "TORCH_CUDA_ARCH_LIST": os.environ.get("TORCH_CUDA_ARCH_LIST", "9.0"),
         "MAX_JOBS": os.environ.get("MAX_JOBS", str(os.cpu_count() or 1)),
+        # A cache of this session's own: the build below always compiles (--force).
+        "AMP_FUSED_OPS_CACHE": str(Path(session.create_tmp()) / "amp_fused_ops_cache"),
+        "PYTHONPATH": str(ROOT / "packages" / "amp-fused-ops" / "src"),
     }
-    session.run("python", "-c", _CUDA_COMPILE, str(build_dir), *map(str, sources), env=env)
+    session.run("python", "-m", "amp_fused_ops", "info", env=env)
+    session.run("python", "-m", "amp_fused_ops", "build", "cuda", "--force", env=env)
+    session.run("python", "-c", _CUDA_IMPORT_CHECK, env=env)

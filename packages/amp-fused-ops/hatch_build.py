@@ -1,4 +1,4 @@
-"""Hatchling build hook: ship the C++ sources, and compile the CPU extension when asked.
+"""Hatchling build hook: ship the C++/CUDA sources, and compile the extensions when asked.
 
 Every regular wheel gets ``csrc/`` as ``amp_fused_ops/csrc`` (the loader compiles it just in
 time; editable installs find it next to ``src/``). The compile step is a no-op unless
@@ -12,6 +12,15 @@ match; otherwise it compiles as usual. The build needs torch importable, so buil
 ``python -m build --no-isolation`` (or put torch in the build requirements)::
 
     AMP_FUSED_OPS_BUILD_EXT=1 python -m build --no-isolation --wheel packages/amp-fused-ops
+
+The variable names the kinds: ``1`` or ``cpu`` (the CPU extension), ``cuda``, or
+``cpu,cuda`` / ``all``. The CUDA extension needs a CUDA build of torch and nvcc, and is
+compiled for ``TORCH_CUDA_ARCH_LIST`` (no GPU needed; set it to every architecture the wheel
+must serve, e.g. ``8.0;9.0;10.0+PTX``); the loader uses it only on a GPU of one of those
+architectures::
+
+    AMP_FUSED_OPS_BUILD_EXT=cpu,cuda TORCH_CUDA_ARCH_LIST="8.0;9.0" \\
+        python -m build --no-isolation --wheel packages/amp-fused-ops
 """
 
 from __future__ import annotations
@@ -29,6 +38,28 @@ from typing import Any
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
 BUILD_ENV = "AMP_FUSED_OPS_BUILD_EXT"
+_KIND_VALUES = {"1": ("cpu",), "all": ("cpu", "cuda")}
+
+
+def requested_kinds(value: str) -> tuple[str, ...]:
+    """The extension kinds ``AMP_FUSED_OPS_BUILD_EXT=value`` asks for (empty: none).
+
+    Raises:
+        ValueError: If the value names an unknown kind.
+    """
+    value = value.strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return ()
+    if value in _KIND_VALUES:
+        return _KIND_VALUES[value]
+    kinds = tuple(part.strip() for part in value.split(",") if part.strip())
+    unknown = [kind for kind in kinds if kind not in ("cpu", "cuda")]
+    if unknown:
+        raise ValueError(
+            f"{BUILD_ENV}={value!r} names unknown kinds {unknown}; "
+            "use 1, cpu, cuda, cpu,cuda or all"
+        )
+    return kinds
 
 
 def _load_loader(root: Path) -> ModuleType:
@@ -45,7 +76,7 @@ def _load_loader(root: Path) -> ModuleType:
 
 
 class CustomBuildHook(BuildHookInterface):
-    """Compile the CPU extension into the wheel when ``AMP_FUSED_OPS_BUILD_EXT=1``."""
+    """Compile the extensions named by ``AMP_FUSED_OPS_BUILD_EXT`` into the wheel."""
 
     def initialize(self, version: str, build_data: dict[str, Any]) -> None:
         """Add csrc/ to a regular wheel; with the variable set, also the compiled extension.
@@ -62,34 +93,45 @@ class CustomBuildHook(BuildHookInterface):
         csrc = Path(self.root) / "csrc"
         if csrc.is_dir():
             build_data["force_include"][str(csrc)] = "amp_fused_ops/csrc"
-        if os.environ.get(BUILD_ENV, "").strip() != "1":
+        kinds = requested_kinds(os.environ.get(BUILD_ENV, ""))
+        if not kinds:
             return
         try:
             loader = _load_loader(Path(self.root))
         except ImportError as error:
             raise RuntimeError(
-                f"{BUILD_ENV}=1 needs torch in the build environment ({error}); build with "
+                f"{BUILD_ENV} needs torch in the build environment ({error}); build with "
                 "`python -m build --no-isolation` in an environment that has torch"
             ) from error
         # Objects and ninja files stay out of the output folder; finalize() removes them.
         self._build_dir = Path(tempfile.mkdtemp(prefix="amp_fused_ops_ext_"))
-        build_dir = self._build_dir / "cpu"
         # A shipped wheel must run on any CPU of its architecture: no host-specific flags.
         os.environ[loader.PORTABLE_ENV] = "1"
+        for kind in kinds:
+            self._build_kind(loader, kind, build_data)
+        build_data["pure_python"] = False
+        build_data["infer_tag"] = True
+
+    def _build_kind(self, loader: ModuleType, kind: str, build_data: dict[str, Any]) -> None:
+        """Compile ``kind`` and add the module and its JSON note to the wheel."""
+        build_dir = self._build_dir / kind
         try:
-            module_path = loader.build_extension("cpu", force=True, build_dir=build_dir)
+            module_path = loader.build_extension(kind, force=True, build_dir=build_dir)
         except loader.ExtensionUnavailableError as error:
-            raise RuntimeError(f"{BUILD_ENV}=1: cannot build the CPU extension: {error}") from error
-        note = build_dir / "amp_fused_ops_cpu.json"
+            raise RuntimeError(
+                f"{BUILD_ENV}: cannot build the {kind} extension: {error}"
+            ) from error
+        name = loader._MODULE_NAMES[kind]
+        note = build_dir / f"{name}.json"
         meta = {"file": module_path.name, "torch": loader.torch.__version__}
         meta["python"] = loader._python_tag()
+        if kind == "cuda":
+            meta["arch"] = str(loader.cuda_arch_list())
         note.write_text(json.dumps(meta))
         prebuilt = "amp_fused_ops/_prebuilt"
         build_data["force_include"][str(module_path)] = f"{prebuilt}/{module_path.name}"
         build_data["force_include"][str(note)] = f"{prebuilt}/{note.name}"
-        build_data["pure_python"] = False
-        build_data["infer_tag"] = True
-        self.app.display_info(f"{BUILD_ENV}=1: shipping the CPU extension {module_path.name}")
+        self.app.display_info(f"{BUILD_ENV}: shipping the {kind} extension {module_path.name}")
 
     def finalize(self, version: str, build_data: dict[str, Any], artifact_path: str) -> None:
         """Remove the temporary build folder once the wheel is written.

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -83,15 +85,147 @@ def test_disable_cuda_only_keeps_cpu(build: SessionBuild, monkeypatch: pytest.Mo
     assert _loader.get_extension("cpu") is not None
 
 
-def test_cuda_says_there_are_no_cuda_kernels(
+# --- the CUDA kind: why it is unavailable, and what its build would compile ----------------
+
+CPU_TORCH = torch.version.cuda is None
+CUDA_DIR = Path(_loader.__file__).resolve().parents[2] / "csrc" / "cuda"
+
+
+@pytest.fixture
+def cuda_toolchain(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """Pretend torch is a CUDA 13.0 build and a CUDA 13.0 nvcc exists (no GPU, arch 9.0)."""
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(_loader, "nvcc_path", lambda: "/opt/cuda/bin/nvcc")
+    monkeypatch.setattr(_loader, "nvcc_version", lambda nvcc: (13, 0))
+    monkeypatch.setattr(_loader, "cuda_home", lambda: Path("/opt/cuda"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    monkeypatch.setenv(_loader.CACHE_ENV, str(tmp_path))
+    return tmp_path
+
+
+@pytest.mark.skipif(not CPU_TORCH, reason="needs a CPU build of torch")
+def test_cuda_on_a_cpu_build_of_torch_says_so_once(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(_loader, "_compile", _fail_compile)
     with caplog.at_level(logging.WARNING, logger="amp_fused_ops"):
         assert _loader.get_extension("cuda") is None
-    assert len(caplog.records) == 1
-    assert "no CUDA kernels in this release" in caplog.records[0].getMessage()
-    assert "no CUDA kernels" in str(_loader.unavailable_reason("cuda"))
+        assert _loader.get_extension("cuda") is None
+    (line,) = _warnings(caplog)
+    assert line == (
+        "amp_fused_ops CUDA extension unavailable, using the PyTorch reference path: "
+        f"torch {torch.__version__} is a CPU build (torch.version.cuda is None); install a "
+        "CUDA build of torch to use the CUDA kernels"
+    )
+    assert "is a CPU build" in str(_loader.unavailable_reason("cuda"))
+    with pytest.raises(_loader.ExtensionUnavailableError, match="is a CPU build"):
+        _loader.build_extension("cuda")
+
+
+def test_cuda_disabled_even_when_buildable(
+    cuda_toolchain: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(_loader.DISABLE_ENV, "cuda")
+    monkeypatch.setattr(_loader, "_compile", _fail_compile)
+    assert _loader.get_extension("cuda") is None
+    assert "disabled by AMP_FUSED_OPS_DISABLE=cuda" in str(_loader.unavailable_reason("cuda"))
+
+
+def test_cuda_without_nvcc_gives_the_fix(
+    cuda_toolchain: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_loader, "nvcc_path", lambda: None)
+    reason = str(_loader.unavailable_reason("cuda"))
+    assert reason.startswith("nvcc not found (no CUDA toolkit in $CUDA_HOME, on PATH or in")
+    assert "install the CUDA 13.0 toolkit and set CUDA_HOME" in reason
+
+
+def test_cuda_version_mismatch_between_nvcc_and_torch(
+    cuda_toolchain: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_loader, "nvcc_version", lambda nvcc: (12, 4))
+    reason = str(_loader.unavailable_reason("cuda"))
+    assert reason.startswith(
+        "CUDA version mismatch: nvcc (/opt/cuda/bin/nvcc) is CUDA 12.4 but torch "
+    )
+    assert "was built with CUDA 13.0; set CUDA_HOME to a CUDA 13.x toolkit" in reason
+
+
+def test_cuda_without_gpu_needs_an_arch_list(
+    cuda_toolchain: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")
+    assert str(_loader.unavailable_reason("cuda")) == (
+        "no CUDA GPU is visible (torch.cuda.is_available() is False) and TORCH_CUDA_ARCH_LIST "
+        "is not set; set TORCH_CUDA_ARCH_LIST (e.g. 9.0) to compile without a GPU"
+    )
+
+
+def test_cuda_with_an_arch_list_builds_without_gpu(cuda_toolchain: Path) -> None:
+    status = _loader.extension_status("cuda")
+    assert status.state == "not built", status
+    assert status.detail.startswith("compiles on first use (about ")
+    assert _loader.unavailable_reason("cuda") is None
+    name = _loader.build_directory("cuda").name
+    assert name.startswith(f"cuda-torch{torch.__version__}-cu13.0-sm90-py"), name
+
+
+def test_cuda_cache_key_follows_the_arch_list(
+    cuda_toolchain: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sm90 = _loader.build_directory("cuda")
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
+    both = _loader.build_directory("cuda")
+    assert sm90 != both and "-sm80-90+PTX-" in both.name
+    assert _loader._arch_covers("8.0;9.0+PTX", "9.0")
+    assert not _loader._arch_covers("8.0;9.0+PTX", "8.6")
+
+
+@pytest.mark.skipif(not (CUDA_DIR / "bindings.cpp").exists(), reason="no csrc/cuda sources")
+def test_cuda_build_compiles_every_source_of_csrc_cuda(
+    cuda_toolchain: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from torch.utils import cpp_extension
+
+    calls: list[dict[str, object]] = []
+
+    def fake_load(**kwargs: object) -> ModuleType:
+        env = {name: os.environ.get(name) for name in ("TORCH_CUDA_ARCH_LIST", "CUDA_HOME")}
+        calls.append({**kwargs, "env": env, "cuda_home": cpp_extension.CUDA_HOME})
+        built = Path(str(kwargs["build_directory"])) / "amp_fused_ops_cuda.so"
+        built.write_bytes(b"")
+        module = ModuleType("amp_fused_ops_cuda")
+        module.__file__ = str(built)
+        return module
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    with caplog.at_level(logging.WARNING, logger="amp_fused_ops"):
+        assert _loader.get_extension("cuda") is not None
+    (call,) = calls
+    expected = sorted(str(p) for p in CUDA_DIR.iterdir() if p.suffix in (".cu", ".cpp"))
+    assert sorted(map(str, call["sources"])) == expected  # type: ignore[call-overload]
+    assert call["name"] == "amp_fused_ops_cuda" and call["with_cuda"] is True
+    assert call["env"] == {"TORCH_CUDA_ARCH_LIST": "9.0", "CUDA_HOME": "/opt/cuda"}
+    assert call["cuda_home"] == "/opt/cuda"
+    (line,) = _warnings(caplog)
+    assert line.startswith("compiling amp_fused_ops CUDA extension (first use on this machine")
+    meta = json.loads((_loader.build_directory("cuda") / "amp_fused_ops_build.json").read_text())
+    assert meta["arch"] == "9.0"
+
+
+def test_cuda_home_skips_wrapper_scripts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    wrapper_bin = tmp_path / "wrapper" / "bin"
+    wrapper_bin.mkdir(parents=True)
+    (wrapper_bin / "nvcc").write_text('#!/bin/sh\nexec /elsewhere/nvcc "$@"\n')
+    (wrapper_bin / "nvcc").chmod(0o755)
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setenv("PATH", str(wrapper_bin))
+    home = _loader.cuda_home()
+    assert home != tmp_path / "wrapper"  # no include/cuda_runtime.h there
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "toolkit"))
+    assert _loader.cuda_home() == tmp_path / "toolkit"
 
 
 def test_unknown_kind_is_a_value_error() -> None:
@@ -193,14 +327,21 @@ def test_info_reports_the_cpu_extension(build: SessionBuild) -> None:
     assert result.returncode == 0, result.stderr
     assert f"torch:        {torch.__version__}" in result.stdout
     assert "cpu extension: built (cached: " in result.stdout
-    assert "cuda extension: unavailable (no CUDA kernels in this release" in result.stdout
+    if CPU_TORCH:
+        assert "cuda extension: unavailable (torch " in result.stdout
+        assert "is a CPU build (torch.version.cuda is None)" in result.stdout
 
 
+@pytest.mark.skipif(not CPU_TORCH, reason="would compile the CUDA extension")
 def test_build_command_exit_codes(build: SessionBuild, tmp_path: Path) -> None:
     cached = _cli(build.cache, "build")
     assert cached.returncode == 0, cached.stderr
     assert "cpu extension: already built" in cached.stdout
-    assert "cuda extension: skipped (no CUDA kernels" in cached.stdout
+    assert "cuda extension: skipped (torch " in cached.stdout  # `build` = all: skipped
     broken = _cli(tmp_path, "build", "--kind", "cpu", CXX="no-such-compiler-here")
     assert broken.returncode == 1
     assert "cpu extension: FAILED: no C++ compiler found" in broken.stderr
+    named = _cli(build.cache, "build", "cuda")  # named explicitly: it must build, or fail
+    assert named.returncode == 1
+    assert "cuda extension: FAILED: torch " in named.stderr
+    assert "is a CPU build" in named.stderr

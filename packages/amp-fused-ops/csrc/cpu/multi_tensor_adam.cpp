@@ -5,6 +5,7 @@
 // bias correction. Gradients and parameters may be float32, float16 or bfloat16 (each list
 // position on its own); the moments are float32; all math is float32. Plain loops that the
 // compiler vectorizes at -O3 (see multi_tensor_elementwise.cpp).
+#include <atomic>
 #include <cmath>
 
 #include "multi_tensor_apply.h"
@@ -19,36 +20,113 @@ struct AdamStep {
   float beta1;
   float beta2;
   float eps;
-  float step_size;     // lr / (1 - beta1**step), or lr without bias correction
-  float bc2_sqrt;      // sqrt(1 - beta2**step), or 1 without bias correction
-  float weight_decay;  // L2 coefficient (mode 0)
-  float decay_factor;  // 1 - lr * weight_decay (mode 1)
+  float step_size;       // lr / (1 - beta1**step), or lr without bias correction
+  float inv_bc2_sqrt;    // 1 / sqrt(1 - beta2**step), or 1 without bias correction
+  float weight_decay;    // L2 coefficient (mode 0)
+  float decay_factor;    // 1 - lr * weight_decay (mode 1)
 };
 
 template <typename g_t, typename p_t, bool kDecoupled>
 struct AdamFunctor {
-  // __restrict__: the four lists never overlap (checked by the launcher's callers), which
-  // lets the compiler vectorize the loop.
+  // __restrict__: the four lists never overlap (the op checks it), which lets the compiler
+  // vectorize the loop. One division per element: the bias correction of the second moment
+  // is a multiplication by a reciprocal computed on the host.
   static void run(const g_t* __restrict__ grad, p_t* __restrict__ param,
                   float* __restrict__ exp_avg, float* __restrict__ exp_avg_sq, int64_t n,
                   const AdamStep& s) {
+    const float one_minus_beta1 = 1.0f - s.beta1;
+    const float one_minus_beta2 = 1.0f - s.beta2;
     for (int64_t i = 0; i < n; ++i) {
       float g = static_cast<float>(grad[i]);
       float p = static_cast<float>(param[i]);
+      const float m0 = exp_avg[i];
+      const float v0 = exp_avg_sq[i];
       if (kDecoupled) {
         p *= s.decay_factor;
       } else {
         g += s.weight_decay * p;
       }
-      const float m = exp_avg[i] + (1.0f - s.beta1) * (g - exp_avg[i]);  // torch's lerp
-      const float v = s.beta2 * exp_avg_sq[i] + (1.0f - s.beta2) * g * g;
-      const float denom = std::sqrt(v) / s.bc2_sqrt + s.eps;
+      const float m = m0 + one_minus_beta1 * (g - m0);  // torch's lerp
+      const float v = s.beta2 * v0 + one_minus_beta2 * g * g;
+      const float denom = std::sqrt(v) * s.inv_bc2_sqrt + s.eps;
       exp_avg[i] = m;
       exp_avg_sq[i] = v;
-      param[i] = static_cast<p_t>(p - s.step_size * (m / denom));
+      param[i] = static_cast<p_t>(p - s.step_size * m / denom);
     }
   }
 };
+
+// Scalars of one capturable step, read from the tensors on the host (CPU tensors: no sync).
+struct MasterAdamStep {
+  float beta1;
+  float beta2;
+  float eps;
+  float lr;
+  float bc1;  // 1 - beta1**step, or 1 without bias correction
+  float bc2;  // 1 - beta2**step, or 1 without bias correction
+  float weight_decay;
+  float inv_scale;
+  bool decay;  // weight_decay != 0: the reference adds no wd * p term (0 * inf) otherwise
+};
+
+// Adam on float32 masters in the reference's order of operations (multi_tensor_adam_capturable
+// _master in _reference_optim.py): the unscaled gradient g = grad * inv_scale, then
+//   g += wd * p (mode 0); m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g g;
+//   u = (m / bc1) / (sqrt(v / bc2) + eps) (+ wd * p in mode 1); p -= lr u.
+template <bool kDecoupled>
+struct MasterAdamFunctor {
+  static void run(const float* grad, float* master, float* exp_avg, float* exp_avg_sq,
+                  int64_t n, const MasterAdamStep& s) {
+    const float one_minus_beta1 = 1.0f - s.beta1;
+    const float one_minus_beta2 = 1.0f - s.beta2;
+    for (int64_t i = 0; i < n; ++i) {
+      float g = grad[i] * s.inv_scale;
+      const float p = master[i];
+      if (!kDecoupled && s.decay) g += s.weight_decay * p;
+      const float m = s.beta1 * exp_avg[i] + one_minus_beta1 * g;
+      const float v = s.beta2 * exp_avg_sq[i] + one_minus_beta2 * (g * g);
+      float update = (m / s.bc1) / (std::sqrt(v / s.bc2) + s.eps);
+      if (kDecoupled && s.decay) update += s.weight_decay * p;
+      exp_avg[i] = m;
+      exp_avg_sq[i] = v;
+      master[i] = p - s.lr * update;
+    }
+  }
+};
+
+// Returns false when some grad * inv_scale is inf or nan.
+struct UnscaledFiniteFunctor {
+  static bool run(const float* grad, int64_t n, float inv_scale) {
+    int finite = 1;
+    for (int64_t i = 0; i < n; ++i) finite &= finite_bit(grad[i] * inv_scale);
+    return finite != 0;
+  }
+};
+
+void check_mode_and_bias_correction(const char* op, int64_t mode, int64_t bias_correction) {
+  TORCH_CHECK(mode == 0 || mode == 1, op,
+              ": mode must be 0 (Adam, L2 weight decay) or 1 (AdamW, decoupled weight ",
+              "decay), got ", mode);
+  TORCH_CHECK(bias_correction == 0 || bias_correction == 1, op,
+              ": bias_correction must be 0 or 1, got ", bias_correction);
+}
+
+// The lists must not share memory at one position (the Adam loop uses __restrict__).
+void check_no_overlap(const char* op, const TensorLists& lists) {
+  for (size_t i = 0; i < lists[0].size(); ++i) {
+    for (size_t a = 0; a < lists.size(); ++a) {
+      for (size_t b = a + 1; b < lists.size(); ++b) {
+        const at::Tensor& x = lists[a][i];
+        const at::Tensor& y = lists[b][i];
+        const auto* x0 = static_cast<const char*>(x.data_ptr());
+        const auto* y0 = static_cast<const char*>(y.data_ptr());
+        const bool disjoint = x.numel() == 0 || x0 + x.nbytes() <= y0 || y0 + y.nbytes() <= x0;
+        TORCH_CHECK(disjoint, op, ": tensor ", i, " of list ", a, " and tensor ", i,
+                    " of list ", b, " share memory; every list needs tensors of its own");
+      }
+    }
+  }
+}
 
 }  // namespace
 
@@ -58,19 +136,11 @@ void multi_tensor_adam(int64_t chunk_size, const at::Tensor& noop_flag,
                        int64_t bias_correction, double weight_decay) {
   constexpr const char* op = "multi_tensor_adam";
   check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 4);
-  TORCH_CHECK(mode == 0 || mode == 1, op,
-              ": mode must be 0 (Adam, L2 weight decay) or 1 (AdamW, decoupled weight ",
-              "decay), got ", mode);
+  check_mode_and_bias_correction(op, mode, bias_correction);
   TORCH_CHECK(step >= 1 || bias_correction == 0, op,
               ": step must be >= 1 when bias_correction is on, got ", step);
-  for (size_t l = 2; l < 4; ++l) {
-    for (size_t i = 0; i < tensor_lists[l].size(); ++i) {
-      TORCH_CHECK(tensor_lists[l][i].scalar_type() == at::kFloat, op, ": tensor ", i,
-                  " of list ", l, (l == 2 ? " (exp_avg)" : " (exp_avg_sq)"), " has dtype ",
-                  tensor_lists[l][i].scalar_type(),
-                  "; optimizer state must be float32");
-    }
-  }
+  check_fp32_lists(op, tensor_lists, {{2, "exp_avg"}, {3, "exp_avg_sq"}});
+  check_no_overlap(op, tensor_lists);
   // As Apex's kernel: the noop flag is neither read nor set; infs and nans propagate
   // into the results (the caller decides about skipping before calling).
 
@@ -81,7 +151,7 @@ void multi_tensor_adam(int64_t chunk_size, const at::Tensor& noop_flag,
   const double bc1 = bias_correction ? 1.0 - std::pow(beta1, static_cast<double>(step)) : 1.0;
   const double bc2 = bias_correction ? 1.0 - std::pow(beta2, static_cast<double>(step)) : 1.0;
   s.step_size = static_cast<float>(lr / bc1);
-  s.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  s.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
   s.weight_decay = static_cast<float>(weight_decay);
   s.decay_factor = static_cast<float>(1.0 - lr * weight_decay);
 
@@ -108,6 +178,74 @@ void multi_tensor_adam(int64_t chunk_size, const at::Tensor& noop_flag,
           AdamFunctor<g_t, p_t, false>::run(g, p, m, v, n, s);
         }
       });
+    });
+  });
+}
+
+void multi_tensor_adam_capturable_master(
+    int64_t chunk_size, const at::Tensor& noop_flag,
+    const std::vector<std::vector<at::Tensor>>& tensor_lists, const at::Tensor& lr,
+    double beta1, double beta2, double eps, const at::Tensor& step, int64_t mode,
+    int64_t bias_correction, double weight_decay, const at::Tensor& inv_scale) {
+  constexpr const char* op = "multi_tensor_adam_capturable_master";
+  check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 5);
+  check_mode_and_bias_correction(op, mode, bias_correction);
+  check_fp32_lists(op, tensor_lists,
+                   {{2, "exp_avg"}, {3, "exp_avg_sq"}, {4, "master_param"}});
+  MasterAdamStep s{};
+  s.beta1 = static_cast<float>(beta1);
+  s.beta2 = static_cast<float>(beta2);
+  s.eps = static_cast<float>(eps);
+  s.lr = static_cast<float>(scalar_value(op, "lr", lr));
+  s.weight_decay = static_cast<float>(weight_decay);
+  s.inv_scale = static_cast<float>(scalar_value(op, "inv_scale", inv_scale));
+  s.decay = weight_decay != 0.0;
+  // As the reference: step as float32, beta**step in float32.
+  const float step_f = static_cast<float>(scalar_value(op, "step", step));
+  s.bc1 = bias_correction ? 1.0f - std::pow(s.beta1, step_f) : 1.0f;
+  s.bc2 = bias_correction ? 1.0f - std::pow(s.beta2, step_f) : 1.0f;
+  // The found-inf pattern: a set flag means "skip this step", nothing is written.
+  if (noop_is_set(noop_flag)) return;
+
+  const auto& grads = tensor_lists[0];
+  const auto& params = tensor_lists[1];
+  const auto& exp_avgs = tensor_lists[2];
+  const auto& exp_avg_sqs = tensor_lists[3];
+  const auto& masters = tensor_lists[4];
+  const auto chunks = make_chunks(grads, chunk_size);
+
+  // Pass 1 reads the gradients only: a single inf/nan unscaled gradient skips the whole step,
+  // so it must be known before anything is written.
+  std::atomic<bool> nonfinite{false};
+  for_each_chunk(chunks, chunk_size, [&](int64_t, const Chunk& c) {
+    if (nonfinite.load(std::memory_order_relaxed)) return;
+    float buffer[kTile];
+    for_each_tile(c, [&](int64_t offset, int64_t n) {
+      const float* g = tile_in(grads[c.tensor], offset, n, buffer);
+      if (!UnscaledFiniteFunctor::run(g, n, s.inv_scale)) {
+        nonfinite.store(true, std::memory_order_relaxed);
+      }
+    });
+  });
+  if (nonfinite.load()) {
+    set_noop(noop_flag);
+    return;
+  }
+
+  // Pass 2: the step on the masters and moments, and the model copy, tile by tile.
+  for_each_chunk(chunks, chunk_size, [&](int64_t, const Chunk& c) {
+    float buffer[kTile];
+    for_each_tile(c, [&](int64_t offset, int64_t n) {
+      const float* g = tile_in(grads[c.tensor], offset, n, buffer);
+      float* master = data_as<float>(masters[c.tensor]) + offset;
+      float* m = data_as<float>(exp_avgs[c.tensor]) + offset;
+      float* v = data_as<float>(exp_avg_sqs[c.tensor]) + offset;
+      if (mode == 1) {
+        MasterAdamFunctor<true>::run(g, master, m, v, n, s);
+      } else {
+        MasterAdamFunctor<false>::run(g, master, m, v, n, s);
+      }
+      tile_out(params[c.tensor], offset, n, master);
     });
   });
 }

@@ -10,7 +10,11 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cmath>
+#include <initializer_list>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -137,6 +141,170 @@ T* data_as(const at::Tensor& t) {
 }
 
 inline void set_noop(const at::Tensor& noop_flag) { noop_flag.data_ptr<int32_t>()[0] = 1; }
+
+// 1 when x is finite, 0 for inf and nan (x - x is nan for both), without a branch, so that
+// loops which track finiteness still vectorize.
+inline int finite_bit(float x) { return static_cast<int>(x - x == 0.0f); }
+
+inline bool noop_is_set(const at::Tensor& noop_flag) {
+  return noop_flag.data_ptr<int32_t>()[0] != 0;
+}
+
+// Checks that every tensor of the named lists is float32 (optimizer state); `lists` pairs a
+// list index with its name for the message, e.g. {{2, "exp_avg"}, {3, "exp_avg_sq"}}.
+struct NamedList {
+  size_t index;
+  const char* name;
+};
+
+inline void check_fp32_lists(const char* op, const TensorLists& tensor_lists,
+                             std::initializer_list<NamedList> lists) {
+  for (const NamedList& list : lists) {
+    const auto& tensors = tensor_lists[list.index];
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      TORCH_CHECK(tensors[i].scalar_type() == at::kFloat, op, ": tensor ", i, " of list ",
+                  list.index, " (", list.name, ") has dtype ", tensors[i].scalar_type(),
+                  "; optimizer state must be float32");
+    }
+  }
+}
+
+// The value of a one-element CPU tensor of any number dtype, as a double; `name` names the
+// argument in the messages.
+inline double scalar_value(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.defined(), op, ": ", name, " is undefined (None)");
+  TORCH_CHECK(t.device().is_cpu(), op, ": ", name,
+              " must be a CPU tensor for the CPU extension, got device ", t.device());
+  TORCH_CHECK(t.numel() == 1, op, ": ", name, " must have one element, got ", t.numel());
+  return t.item<double>();
+}
+
+// --- float32 tiles --------------------------------------------------------------------------
+//
+// The optimizer ops run one float32 functor whatever the storage dtypes: a chunk is walked in
+// tiles of at most kTile elements, and each list's tile is either a pointer straight into a
+// float32 tensor or a stack buffer holding the converted float16 / bfloat16 values. This keeps
+// one instantiation of each functor instead of one per combination of list dtypes (up to 81
+// for four lists), and the conversion loops stay in L1.
+
+constexpr int64_t kTile = 512;
+
+template <typename T>
+inline void convert_n(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <typename T>
+inline void convert_n(const float* src, T* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+// Float32 values of elements [offset, offset + n) of `t` (n <= kTile): a pointer into `t`
+// when it is float32, else `buffer` (filled with the converted values when `load`).
+inline float* tile_in(const at::Tensor& t, int64_t offset, int64_t n, float* buffer,
+                      bool load = true) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return data_as<float>(t) + offset;
+    case at::kHalf:
+      if (load) convert_n(data_as<c10::Half>(t) + offset, buffer, n);
+      return buffer;
+    case at::kBFloat16:
+      if (load) convert_n(data_as<c10::BFloat16>(t) + offset, buffer, n);
+      return buffer;
+    default:
+      TORCH_CHECK(false, "unsupported dtype ", t.scalar_type());
+  }
+}
+
+// Writes `values` into elements [offset, offset + n) of `t`, rounded to its dtype, unless
+// they already live there (a float32 tile returned by tile_in for `t`).
+inline void tile_out(const at::Tensor& t, int64_t offset, int64_t n, const float* values) {
+  switch (t.scalar_type()) {
+    case at::kFloat: {
+      float* dst = data_as<float>(t) + offset;
+      if (dst != values) std::copy(values, values + n, dst);
+      return;
+    }
+    case at::kHalf:
+      convert_n(values, data_as<c10::Half>(t) + offset, n);
+      return;
+    case at::kBFloat16:
+      convert_n(values, data_as<c10::BFloat16>(t) + offset, n);
+      return;
+    default:
+      TORCH_CHECK(false, "unsupported dtype ", t.scalar_type());
+  }
+}
+
+// Calls fn(offset, n) for the tiles of chunk `c`.
+template <typename Fn>
+inline void for_each_tile(const Chunk& c, const Fn& fn) {
+  for (int64_t offset = c.begin; offset < c.end; offset += kTile) {
+    fn(offset, std::min(kTile, c.end - offset));
+  }
+}
+
+// --- per-tensor reductions ------------------------------------------------------------------
+
+template <typename T>
+struct SumOfSquaresFunctor {
+  static constexpr int64_t kLanes = 16;    // independent accumulators (vector lanes)
+  static constexpr int64_t kBlock = 2048;  // elements per block; blocks add into the total
+
+  // Sum of (x * scale)**2 in float32, blocked so that rounding error grows with n / kBlock
+  // only. An inf or nan element makes the sum inf or nan.
+  static float run(const T* x, int64_t n, float scale) {
+    float total = 0.0f;
+    for (int64_t block = 0; block < n; block += kBlock) {
+      const int64_t end = std::min(n, block + kBlock);
+      float lanes[kLanes] = {};
+      int64_t i = block;
+      for (; i + kLanes <= end; i += kLanes) {
+        for (int64_t j = 0; j < kLanes; ++j) {
+          const float v = static_cast<float>(x[i + j]) * scale;
+          lanes[j] += v * v;
+        }
+      }
+      float tail = 0.0f;
+      for (; i < end; ++i) {
+        const float v = static_cast<float>(x[i]) * scale;
+        tail += v * v;
+      }
+      for (int64_t width = kLanes / 2; width > 0; width /= 2) {  // pairwise lane sum
+        for (int64_t j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+      }
+      total += lanes[0] + tail;
+    }
+    return total;
+  }
+};
+
+template <typename T>
+struct MaxAbsFunctor {
+  // max |x| in float32; nan when an element is nan (as torch's inf-norm).
+  static float run(const T* x, int64_t n) {
+    float best = 0.0f;
+    int ordered = 1;  // stays 1 while no element is nan
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = std::fabs(static_cast<float>(x[i]));
+      ordered &= static_cast<int>(v == v);
+      best = v > best ? v : best;
+    }
+    return ordered ? best : std::numeric_limits<float>::quiet_NaN();
+  }
+};
+
+
+// Sums one float per chunk into one double per tensor, in chunk order (the result does not
+// depend on the number of threads).
+inline std::vector<double> sum_per_tensor(const std::vector<Chunk>& chunks,
+                                          const std::vector<float>& partials,
+                                          size_t n_tensors) {
+  std::vector<double> sums(n_tensors, 0.0);
+  for (size_t c = 0; c < chunks.size(); ++c) sums[chunks[c].tensor] += partials[c];
+  return sums;
+}
 
 }  // namespace cpu
 }  // namespace amp_fused_ops

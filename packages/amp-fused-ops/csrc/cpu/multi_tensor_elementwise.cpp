@@ -1,4 +1,4 @@
-// Elementwise multi-tensor ops on CPU: scale, axpby and the L2 norm.
+// Elementwise multi-tensor ops on CPU: scale, axpby and the L2 norms.
 //
 // Each op is a functor templated on the element types of its lists, run by the shared
 // launcher of multi_tensor_apply.h. Math is float32: half and bfloat16 are converted on load
@@ -16,8 +16,6 @@
 namespace amp_fused_ops {
 namespace cpu {
 namespace {
-
-inline int finite_bit(float x) { return static_cast<int>(x - x == 0.0f); }
 
 template <typename in_t, typename out_t>
 struct ScaleFunctor {
@@ -50,38 +48,6 @@ struct AxpbyFunctor {
     if (arg_to_check == 0) return finite_x != 0;
     if (arg_to_check == 1) return finite_y != 0;
     return (finite_x & finite_y) != 0;
-  }
-};
-
-template <typename T>
-struct SumOfSquaresFunctor {
-  static constexpr int64_t kLanes = 16;    // independent accumulators (vector lanes)
-  static constexpr int64_t kBlock = 2048;  // elements per block; blocks add into the total
-
-  // Sum of x*x in float32, blocked so that rounding error grows with n / kBlock only.
-  static float run(const T* x, int64_t n) {
-    float total = 0.0f;
-    for (int64_t block = 0; block < n; block += kBlock) {
-      const int64_t end = std::min(n, block + kBlock);
-      float lanes[kLanes] = {};
-      int64_t i = block;
-      for (; i + kLanes <= end; i += kLanes) {
-        for (int64_t j = 0; j < kLanes; ++j) {
-          const float v = static_cast<float>(x[i + j]);
-          lanes[j] += v * v;
-        }
-      }
-      float tail = 0.0f;
-      for (; i < end; ++i) {
-        const float v = static_cast<float>(x[i]);
-        tail += v * v;
-      }
-      for (int64_t width = kLanes / 2; width > 0; width /= 2) {  // pairwise lane sum
-        for (int64_t j = 0; j < width; ++j) lanes[j] += lanes[j + width];
-      }
-      total += lanes[0] + tail;
-    }
-    return total;
   }
 };
 
@@ -149,44 +115,60 @@ void multi_tensor_axpby(int64_t chunk_size, const at::Tensor& noop_flag,
   if (nonfinite.load()) set_noop(noop_flag);
 }
 
-std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(
-    int64_t chunk_size, const at::Tensor& noop_flag,
-    const std::vector<std::vector<at::Tensor>>& tensor_lists, bool per_tensor) {
-  constexpr const char* op = "multi_tensor_l2norm";
+namespace {
+
+// Norms of x * scale: the body of multi_tensor_l2norm and multi_tensor_unscale_l2norm.
+std::tuple<at::Tensor, at::Tensor> l2norms(const char* op, int64_t chunk_size,
+                                           const at::Tensor& noop_flag,
+                                           const TensorLists& tensor_lists, float scale,
+                                           bool per_tensor) {
   check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 1);
   const auto& xs = tensor_lists[0];
   const auto chunks = make_chunks(xs, chunk_size);
-  // One partial sum per chunk, merged below in chunk order: the result does not depend on
-  // the number of threads.
+  // One partial sum per chunk, merged in chunk order: the result does not depend on the
+  // number of threads.
   std::vector<float> partials(chunks.size(), 0.0f);
   for_each_chunk(chunks, chunk_size, [&](int64_t index, const Chunk& c) {
     const at::Tensor& x = xs[c.tensor];
     partials[index] = dispatch_float(x.scalar_type(), op, [&](auto tag) {
       using T = decltype(tag);
-      return SumOfSquaresFunctor<T>::run(data_as<T>(x) + c.begin, c.end - c.begin);
+      return SumOfSquaresFunctor<T>::run(data_as<T>(x) + c.begin, c.end - c.begin, scale);
     });
   });
   const auto options = at::TensorOptions().dtype(at::kFloat).device(at::kCPU);
   // Chunk partials are float32; merging them in double costs nothing and keeps large
   // tensors with small chunks accurate.
-  std::vector<double> per_tensor_sums(xs.size(), 0.0);
-  bool nonfinite = false;
-  for (size_t c = 0; c < chunks.size(); ++c) {
-    nonfinite = nonfinite || !std::isfinite(partials[c]);
-    per_tensor_sums[chunks[c].tensor] += partials[c];
-  }
-  if (nonfinite) set_noop(noop_flag);
+  const std::vector<double> sums = sum_per_tensor(chunks, partials, xs.size());
   double total = 0.0;
-  for (double sum : per_tensor_sums) total += sum;
-  at::Tensor total_norm = at::full({1}, static_cast<float>(std::sqrt(total)), options);
+  for (double sum : sums) total += sum;
+  // The sum of squares is a float32, as the reference's: one above FLT_MAX is inf (flagged)
+  // even when its square root would fit.
+  const float total_sq = static_cast<float>(total);
+  if (!std::isfinite(total_sq)) set_noop(noop_flag);
+  at::Tensor total_norm = at::full({1}, std::sqrt(total_sq), options);
   at::Tensor norms = at::empty({per_tensor ? static_cast<int64_t>(xs.size()) : 0}, options);
   if (per_tensor) {
     float* out = norms.data_ptr<float>();
-    for (size_t i = 0; i < xs.size(); ++i) {
-      out[i] = static_cast<float>(std::sqrt(per_tensor_sums[i]));
-    }
+    for (size_t i = 0; i < xs.size(); ++i) out[i] = static_cast<float>(std::sqrt(sums[i]));
   }
   return {total_norm, norms};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(
+    int64_t chunk_size, const at::Tensor& noop_flag,
+    const std::vector<std::vector<at::Tensor>>& tensor_lists, bool per_tensor) {
+  return l2norms("multi_tensor_l2norm", chunk_size, noop_flag, tensor_lists, 1.0f, per_tensor);
+}
+
+std::tuple<at::Tensor, at::Tensor> multi_tensor_unscale_l2norm(
+    int64_t chunk_size, const at::Tensor& noop_flag,
+    const std::vector<std::vector<at::Tensor>>& tensor_lists, const at::Tensor& inv_scale,
+    bool per_tensor) {
+  constexpr const char* op = "multi_tensor_unscale_l2norm";
+  const double scale = scalar_value(op, "inv_scale", inv_scale);
+  return l2norms(op, chunk_size, noop_flag, tensor_lists, static_cast<float>(scale), per_tensor);
 }
 
 }  // namespace cpu

@@ -25,12 +25,58 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(
     int64_t chunk_size, const at::Tensor& noop_flag,
     const std::vector<std::vector<at::Tensor>>& tensor_lists, bool per_tensor);
 
+// As multi_tensor_l2norm, of x * inv_scale (a one-element CPU tensor).
+std::tuple<at::Tensor, at::Tensor> multi_tensor_unscale_l2norm(
+    int64_t chunk_size, const at::Tensor& noop_flag,
+    const std::vector<std::vector<at::Tensor>>& tensor_lists, const at::Tensor& inv_scale,
+    bool per_tensor);
+
 // One Adam / AdamW step in place on [grads, params, exp_avgs, exp_avg_sqs]; does nothing
 // when noop_flag is nonzero on entry.
 void multi_tensor_adam(int64_t chunk_size, const at::Tensor& noop_flag,
                        const std::vector<std::vector<at::Tensor>>& tensor_lists, double lr,
                        double beta1, double beta2, double eps, int64_t step, int64_t mode,
                        int64_t bias_correction, double weight_decay);
+
+// Adam step on float32 masters of [grads, params, exp_avgs, exp_avg_sqs, masters], writing the
+// (float16 / bfloat16 / float32) params in the same pass; lr, step and inv_scale are one-element
+// tensors. Writes nothing when noop_flag is set on entry or when an unscaled gradient is
+// inf/nan (then sets noop_flag).
+void multi_tensor_adam_capturable_master(
+    int64_t chunk_size, const at::Tensor& noop_flag,
+    const std::vector<std::vector<at::Tensor>>& tensor_lists, const at::Tensor& lr,
+    double beta1, double beta2, double eps, const at::Tensor& step, int64_t mode,
+    int64_t bias_correction, double weight_decay, const at::Tensor& inv_scale);
+
+// SGD step on [grads, params, momentum_bufs(, model_copies)]; writes nothing when noop_flag
+// is set on entry.
+void multi_tensor_sgd(int64_t chunk_size, const at::Tensor& noop_flag,
+                      const std::vector<std::vector<at::Tensor>>& tensor_lists,
+                      double weight_decay, double momentum, double dampening, double lr,
+                      bool nesterov, bool first_run, bool wd_after_momentum, double scale);
+
+// Adagrad step (mode 0 L2, 1 decoupled decay) on [grads, params, state_sums].
+void multi_tensor_adagrad(int64_t chunk_size, const at::Tensor& noop_flag,
+                          const std::vector<std::vector<at::Tensor>>& tensor_lists, double lr,
+                          double epsilon, int64_t mode, double weight_decay);
+
+// LAMB step on [grads, params, exp_avgs, exp_avg_sqs]; sets noop_flag when a parameter or
+// update norm is inf/nan.
+void multi_tensor_lamb(int64_t chunk_size, const at::Tensor& noop_flag,
+                       const std::vector<std::vector<at::Tensor>>& tensor_lists, double lr,
+                       double beta1, double beta2, double epsilon, int64_t step,
+                       int64_t bias_correction, double weight_decay, int64_t grad_averaging,
+                       int64_t mode, const at::Tensor& global_grad_norm, double max_grad_norm,
+                       bool use_nvlamb);
+
+// NovoGrad step on [grads, params, exp_avgs]; grad_norms (float32, one per tensor) is blended
+// in place; sets noop_flag when a gradient norm is inf/nan.
+void multi_tensor_novograd(int64_t chunk_size, const at::Tensor& noop_flag,
+                           const std::vector<std::vector<at::Tensor>>& tensor_lists,
+                           const at::Tensor& grad_norms, double lr, double beta1, double beta2,
+                           double epsilon, int64_t step, int64_t bias_correction,
+                           double weight_decay, int64_t grad_averaging, int64_t mode,
+                           int64_t norm_type);
 
 }  // namespace cpu
 }  // namespace amp_fused_ops

@@ -2,7 +2,11 @@
 
 ``info`` says what this machine has (torch, CUDA, compiler, ninja) and, for each extension,
 whether it is prebuilt, built, buildable or unavailable and why. ``build`` compiles what this
-machine can (today: the C++ CPU extension) and exits non-zero when a build fails.
+machine can (the C++ CPU extension; the CUDA extension where torch is a CUDA build and nvcc
+is found) and exits non-zero when a build fails. ``build cuda`` (a kind named explicitly)
+also fails when that kind cannot be built here, instead of skipping it::
+
+    TORCH_CUDA_ARCH_LIST=9.0 python -m amp_fused_ops build cuda   # works without a GPU
 """
 
 from __future__ import annotations
@@ -23,6 +27,12 @@ def _info() -> int:
     print(f"CUDA:         {torch.version.cuda if torch.version.cuda else 'CPU build'}")
     print(f"compiler:     {_loader.compiler_path() or 'not found (set CXX or install g++)'}")
     print(f"ninja:        {_loader.ninja_path() or 'not found (pip install ninja)'}")
+    nvcc = _loader.nvcc_path()
+    version = _loader.nvcc_version(nvcc) if nvcc is not None else None
+    release = f" (CUDA {version[0]}.{version[1]})" if version is not None else ""
+    print(f"nvcc:         {nvcc + release if nvcc else 'not found (set CUDA_HOME)'}")
+    archs = _loader.cuda_arch_list() if torch.version.cuda else None
+    print(f"CUDA archs:   {archs or f'none (no GPU visible and {_loader.ARCH_ENV} unset)'}")
     source = _loader.source_dir()
     print(f"sources:      {source if source is not None else 'not shipped'}")
     print(f"cache:        {_loader.cache_root()}")
@@ -32,12 +42,16 @@ def _info() -> int:
     return 0
 
 
-def _build(kinds: Sequence[str], force: bool) -> int:
-    """Build each kind this machine can; returns 1 if a build failed, else 0."""
+def _build(kinds: Sequence[str], force: bool, *, explicit: bool) -> int:
+    """Build each kind this machine can; returns 1 if a build failed, else 0.
+
+    Without ``explicit`` (``build`` or ``build all``), a CUDA extension that cannot be built
+    here is skipped with its reason; a kind named explicitly fails instead.
+    """
     failed = False
     for kind in kinds:
         status = _loader.extension_status(kind)
-        if kind == "cuda" and status.state == "unavailable":
+        if kind == "cuda" and status.state == "unavailable" and not explicit:
             print(f"cuda extension: skipped ({status.detail})")
             continue
         if status.state in ("built", "prebuilt") and not force:
@@ -69,7 +83,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands.add_parser("info", help="say what is built, buildable or unavailable, and why")
     build = commands.add_parser("build", help="compile the extensions this machine can build")
     build.add_argument(
-        "--kind", choices=[*_loader.KINDS, "all"], default="all", help="which extension"
+        "kind",
+        nargs="?",
+        choices=[*_loader.KINDS, "all"],
+        default=None,
+        help="which extension (default: all); a kind named here fails if it cannot be built",
+    )
+    build.add_argument(
+        "--kind",
+        dest="kind_option",
+        choices=[*_loader.KINDS, "all"],
+        default=None,
+        help="same as the positional argument",
     )
     build.add_argument(
         "--force", action="store_true", help="compile again even if a build is cached"
@@ -79,8 +104,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "info":
         return _info()
-    kinds = list(_loader.KINDS) if args.kind == "all" else [args.kind]
-    return _build(kinds, args.force)
+    if args.kind is not None and args.kind_option is not None and args.kind != args.kind_option:
+        parser.error(f"build: kind {args.kind!r} and --kind {args.kind_option!r} disagree")
+    chosen = args.kind or args.kind_option or "all"
+    kinds = list(_loader.KINDS) if chosen == "all" else [chosen]
+    return _build(kinds, args.force, explicit=chosen != "all")
 
 
 if __name__ == "__main__":

@@ -1,17 +1,23 @@
 """Find, build (just in time) and load the compiled extensions of ``amp_fused_ops``.
 
-``get_extension("cpu")`` returns the C++ CPU extension, in this order of preference:
+Two kinds exist: ``"cpu"`` (C++ kernels in ``csrc/cpu``) and ``"cuda"`` (CUDA kernels: every
+``.cu`` and ``.cpp`` file of ``csrc/cuda`` compiled into one module, ``amp_fused_ops_cuda``).
+``get_extension(kind)`` returns the extension, in this order of preference:
 
 1. a prebuilt module shipped in the wheel (``_prebuilt/``, made by ``hatch_build.py`` when
    ``AMP_FUSED_OPS_BUILD_EXT=1``), if it was built for this torch and Python;
 2. a module already compiled into the cache (``$AMP_FUSED_OPS_CACHE`` or
    ``~/.cache/amp_fused_ops``), in a folder keyed by torch version, CUDA version (or
-   ``cpu``), Python version, machine and a hash of the sources and flags;
+   ``cpu``), the GPU architectures (CUDA kind: ``TORCH_CUDA_ARCH_LIST``, else the current
+   device's compute capability), Python version, machine and a hash of the sources and flags;
 3. a fresh just-in-time build into that folder with ``torch.utils.cpp_extension`` and ninja,
    under a file lock so that when many ranks start at once one compiles and the others wait.
 
 When none of these works it returns ``None`` and logs one WARNING line that says why and how
-to fix it; callers then use the PyTorch reference path. ``AMP_FUSED_OPS_DISABLE=1`` (or a
+to fix it; callers then use the PyTorch reference path. The CUDA kind needs a CUDA build of
+torch, ``nvcc`` of the same CUDA major version (``$CUDA_HOME``, else found on ``PATH`` or in
+``/usr/local/cuda``), ninja, and a GPU or ``TORCH_CUDA_ARCH_LIST`` (which lets a machine
+without a GPU build it, e.g. for a compile check). ``AMP_FUSED_OPS_DISABLE=1`` (or a
 comma-separated list of kinds, e.g. ``cpu``) makes the extensions unavailable on purpose.
 
 This module imports nothing from the rest of the package (``hatch_build.py`` loads it by
@@ -29,14 +35,17 @@ import json
 import logging
 import os
 import platform
+import re
 import shlex
 import shutil
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -48,7 +57,7 @@ KINDS = ("cpu", "cuda")
 CACHE_ENV = "AMP_FUSED_OPS_CACHE"
 DISABLE_ENV = "AMP_FUSED_OPS_DISABLE"
 
-_MODULE_NAMES = {"cpu": "amp_fused_ops_cpu"}
+_MODULE_NAMES = {"cpu": "amp_fused_ops_cpu", "cuda": "amp_fused_ops_cuda"}
 # -fno-math-errno lets sqrt vectorize (the kernels never read errno). No -march=native: the
 # AVX2 flags are added only where torch reports AVX2 on this host (the cache key includes the
 # flags), and never for a wheel built ahead of time (PORTABLE_ENV, set by hatch_build.py).
@@ -68,10 +77,16 @@ def _extra_cflags() -> tuple[str, ...]:
 
 
 _BUILD_SECONDS = {"cpu": 45}  # measured: 40 s on 2 cores (gcc 12, torch 2.13)
+# CUDA: seconds per translation unit on one core (nvcc 13.0, torch 2.14, one architecture);
+# the units compile MAX_JOBS at a time.
+_CUDA_SECONDS_PER_UNIT = 100
+_CUDA_CFLAGS = ("-O3",)
+# No --use_fast_math: the kernels match the reference's IEEE float32 division and sqrt.
+_CUDA_NVCC_FLAGS = ("-O3",)
+ARCH_ENV = "TORCH_CUDA_ARCH_LIST"
 _MARKER = "amp_fused_ops_build.json"  # written once a build has finished
 _FAILED = "amp_fused_ops_build_failed.log"  # written when a build failed
 _LOCK = "amp_fused_ops.lock"  # flock'ed while building (torch's own baton is "lock")
-_NO_CUDA_KERNELS = "no CUDA kernels in this release (only the C++ CPU extension exists)"
 _PACKAGE_DIR = Path(__file__).resolve().parent
 _PREBUILT_DIR = _PACKAGE_DIR / "_prebuilt"
 
@@ -112,7 +127,7 @@ def get_extension(kind: str) -> ModuleType | None:
     one WARNING line (once per process and reason) saying why and how to fix it.
 
     Args:
-        kind: ``"cpu"`` (C++ CPU kernels) or ``"cuda"`` (CUDA kernels; none in this release).
+        kind: ``"cpu"`` (C++ CPU kernels) or ``"cuda"`` (CUDA kernels).
 
     Returns:
         The extension module, whose functions have Apex's ``amp_C`` signatures, or ``None``.
@@ -180,7 +195,7 @@ def build_extension(kind: str, *, force: bool = False, build_dir: Path | None = 
     """Build extension ``kind`` now (used by ``python -m amp_fused_ops build`` and the hook).
 
     Args:
-        kind: ``"cpu"`` (``"cuda"`` has no kernels in this release).
+        kind: ``"cpu"`` or ``"cuda"`` (needs ``TORCH_CUDA_ARCH_LIST`` where no GPU is visible).
         force: Compile again even when the cache holds a build or a failed attempt.
         build_dir: Folder to build in; defaults to :func:`build_directory`.
 
@@ -236,7 +251,7 @@ def extension_status(kind: str) -> ExtensionStatus:
     if missing is not None:
         return ExtensionStatus(kind, "unavailable", missing)
     return ExtensionStatus(
-        kind, "not built", f"compiles on first use (about {_BUILD_SECONDS[kind]} s) in {build_dir}"
+        kind, "not built", f"compiles on first use (about {_build_seconds(kind)} s) in {build_dir}"
     )
 
 
@@ -261,20 +276,36 @@ def build_directory(kind: str) -> Path:
         kind: ``"cpu"`` or ``"cuda"``.
 
     Returns:
-        ``cache_root() / "<kind>-torch<version>-<cuda or cpu>-py<XY>-<machine>-<hash>"``.
+        ``cache_root() / "<kind>-torch<version>-<cuda or cpu>[-sm<archs>]-py<XY>-<machine>-<hash>"``
+        (the architectures only for ``"cuda"``).
     """
     _check_kind(kind)
     env = os.environ
-    return _build_directory(kind, env.get(CACHE_ENV), env.get("XDG_CACHE_HOME"), env.get("CXX"))
+    return _build_directory(
+        kind,
+        env.get(CACHE_ENV),
+        env.get("XDG_CACHE_HOME"),
+        env.get("CXX"),
+        env.get(ARCH_ENV),
+        env.get("CUDA_HOME"),
+    )
 
 
 @functools.lru_cache(maxsize=32)
-def _build_directory(kind: str, cache: str | None, xdg: str | None, cxx: str | None) -> Path:
+def _build_directory(
+    kind: str,
+    cache: str | None,
+    xdg: str | None,
+    cxx: str | None,
+    arch_list: str | None,
+    cuda_home: str | None,
+) -> Path:
     # Memoized on the environment it depends on: get_extension runs on every op call.
-    del cache, xdg, cxx  # read again through os.environ by the helpers below
+    del cache, xdg, cxx, arch_list, cuda_home  # read again through os.environ by the helpers
     cuda = f"cu{torch.version.cuda}" if torch.version.cuda else "cpu"
     python = f"py{sys.version_info.major}{sys.version_info.minor}"
-    key = f"{kind}-torch{torch.__version__}-{cuda}-{python}-{platform.machine()}"
+    archs = f"-sm{_arch_tag(cuda_arch_list())}" if kind == "cuda" else ""
+    key = f"{kind}-torch{torch.__version__}-{cuda}{archs}-{python}-{platform.machine()}"
     return cache_root() / f"{key}-{_source_hash(kind)[:16]}"
 
 
@@ -324,16 +355,29 @@ def _static_reason(kind: str) -> str | None:
     if kind in _disabled_kinds():
         value = os.environ.get(DISABLE_ENV)
         return f"disabled by {DISABLE_ENV}={value}; unset it to use the compiled kernels"
-    if kind == "cuda":
-        return _NO_CUDA_KERNELS
+    if kind == "cuda" and not torch.version.cuda:
+        return (
+            f"torch {torch.__version__} is a CPU build (torch.version.cuda is None); install a "
+            "CUDA build of torch to use the CUDA kernels"
+        )
     return None
+
+
+# Files of csrc/<kind> that make the extension (hashed) and that are compiled.
+_SOURCE_SUFFIXES = {"cpu": (".cpp", ".h"), "cuda": (".cu", ".cpp", ".h", ".cuh")}
+_COMPILED_SUFFIXES = {"cpu": (".cpp",), "cuda": (".cu", ".cpp")}
 
 
 def _sources(kind: str) -> list[Path]:
     root = source_dir()
-    if root is None:
+    if root is None or not (root / kind).is_dir():
         return []
-    return sorted(path for path in (root / kind).iterdir() if path.suffix in (".cpp", ".h"))
+    suffixes = _SOURCE_SUFFIXES[kind]
+    return sorted(path for path in (root / kind).iterdir() if path.suffix in suffixes)
+
+
+def _compiled_sources(kind: str) -> list[Path]:
+    return [path for path in _sources(kind) if path.suffix in _COMPILED_SUFFIXES[kind]]
 
 
 def _source_hash(kind: str) -> str:
@@ -341,8 +385,126 @@ def _source_hash(kind: str) -> str:
     for path in _sources(kind):
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
-    digest.update(" ".join((*_extra_cflags(), _compiler_command()[0])).encode())
+    flags = (*_extra_cflags(), _compiler_command()[0])
+    if kind == "cuda":
+        flags = (*_CUDA_CFLAGS, *_CUDA_NVCC_FLAGS, _compiler_command()[0], str(cuda_home()))
+    digest.update(" ".join(flags).encode())
     return digest.hexdigest()
+
+
+def _build_seconds(kind: str) -> int:
+    """Rough compile time of ``kind`` on this machine, for the "compiling ..." line."""
+    if kind == "cpu":
+        return _BUILD_SECONDS["cpu"]
+    units = max(1, len(_compiled_sources(kind)))
+    cores = os.cpu_count() or 1
+    try:
+        jobs = int(os.environ.get("MAX_JOBS", "") or cores)
+    except ValueError:
+        jobs = cores
+    jobs = max(1, min(jobs, cores, units))
+    return _CUDA_SECONDS_PER_UNIT * -(-units // jobs)
+
+
+# --- CUDA toolkit -------------------------------------------------------------------------
+
+
+def cuda_home() -> Path | None:
+    """The CUDA toolkit the CUDA extension is compiled with.
+
+    ``$CUDA_HOME`` (or ``$CUDA_PATH``) when set; otherwise the toolkit of the ``nvcc`` on
+    ``PATH`` (symbolic links resolved), then ``/usr/local/cuda``. A folder counts as a toolkit
+    only when it has ``bin/nvcc`` and ``include/cuda_runtime.h`` (a wrapper script's folder,
+    such as ``/usr/local/bin``, does not).
+
+    Returns:
+        The toolkit folder, or ``None`` when none is found.
+    """
+    configured = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if configured:
+        return Path(configured)
+    candidates = []
+    nvcc = shutil.which("nvcc")
+    if nvcc is not None:
+        candidates.append(Path(nvcc).resolve().parents[1])
+    candidates.append(Path("/usr/local/cuda"))
+    for candidate in candidates:
+        if (candidate / "bin" / "nvcc").exists() and (
+            candidate / "include" / "cuda_runtime.h"
+        ).exists():
+            return candidate
+    return None
+
+
+def nvcc_path() -> str | None:
+    """The ``nvcc`` of :func:`cuda_home`, or ``None``."""
+    home = cuda_home()
+    if home is None:
+        return None
+    nvcc = home / "bin" / ("nvcc.exe" if os.name == "nt" else "nvcc")
+    return str(nvcc) if nvcc.exists() else None
+
+
+@functools.lru_cache(maxsize=8)
+def nvcc_version(nvcc: str) -> tuple[int, int] | None:
+    """``(major, minor)`` of the CUDA release ``nvcc --version`` reports, or ``None``."""
+    try:
+        output = subprocess.run(
+            [nvcc, "--version"], capture_output=True, text=True, timeout=60, check=False
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(r"release (\d+)\.(\d+)", output)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def cuda_arch_list() -> str | None:
+    """The GPU architectures to compile for: ``$TORCH_CUDA_ARCH_LIST``, else the current device's.
+
+    Returns:
+        An arch list as ``TORCH_CUDA_ARCH_LIST`` spells it (``"9.0"``, ``"8.0;9.0+PTX"``), or
+        ``None`` when the variable is unset and no GPU is visible.
+    """
+    configured = os.environ.get(ARCH_ENV, "").strip()
+    if configured:
+        return configured
+    if torch.version.cuda and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"{major}.{minor}"
+    return None
+
+
+def _arch_tag(arch_list: str | None) -> str:
+    """``"8.0;9.0+PTX"`` -> ``"80-90+PTX"``: a folder-name-safe form of an arch list."""
+    if not arch_list:
+        return "none"
+    parts = [p for p in re.split(r"[;\s,]+", arch_list) if p]
+    return "-".join(re.sub(r"[^0-9A-Za-z+]", "", p) for p in parts) or "none"
+
+
+def _arch_covers(arch_list: str, capability: str) -> bool:
+    """Whether code built for ``arch_list`` runs on a device of ``capability`` (``"9.0"``)."""
+    parts = [p for p in re.split(r"[;\s,]+", arch_list) if p]
+    return any(p.removesuffix("+PTX") == capability for p in parts)
+
+
+def _extra_cuda_include_paths(home: Path) -> list[str]:
+    """Headers PyTorch's CUDA headers need that the toolkit may lack (``cusparse.h``).
+
+    pip's ``nvidia-*`` packages ship them under ``site-packages/nvidia/cu<major>/include``;
+    they are added only when the toolkit has no ``cusparse.h`` of its own.
+    """
+    if (home / "include" / "cusparse.h").exists():
+        return []
+    spec = importlib.util.find_spec("nvidia")
+    bases = list(spec.submodule_search_locations or []) if spec is not None else []
+    major = (torch.version.cuda or "").split(".")[0]
+    found = []
+    for base in bases:
+        include = Path(base) / f"cu{major}" / "include"
+        if (include / "cusparse.h").exists():
+            found.append(str(include))
+    return found
 
 
 def _compiler_command() -> list[str]:
@@ -368,11 +530,15 @@ def ninja_path() -> str | None:
 
 
 def _missing_tools_reason(kind: str) -> str | None:
-    if not _sources(kind):
+    if not _compiled_sources(kind):
         return (
             f"the C++ sources (csrc/{kind}) are not shipped with this installation "
             f"(looked next to {_PACKAGE_DIR}); reinstall amp-fused-ops from its wheel or sdist"
         )
+    if kind == "cuda":
+        missing = _missing_cuda_reason()
+        if missing is not None:
+            return missing
     if compiler_path() is None:
         return (
             f"no C++ compiler found ({_compiler_command()[0]!r} is not on PATH); install one "
@@ -381,6 +547,33 @@ def _missing_tools_reason(kind: str) -> str | None:
     if ninja_path() is None:
         return (
             "ninja is not installed; run `pip install ninja`, then `python -m amp_fused_ops build`"
+        )
+    return None
+
+
+def _missing_cuda_reason() -> str | None:
+    """Why the CUDA extension cannot be compiled here (torch is a CUDA build), or None."""
+    nvcc = nvcc_path()
+    if nvcc is None:
+        return (
+            "nvcc not found (no CUDA toolkit in $CUDA_HOME, on PATH or in /usr/local/cuda); "
+            f"install the CUDA {torch.version.cuda} toolkit and set CUDA_HOME to it, then run "
+            "`python -m amp_fused_ops build cuda`"
+        )
+    version = nvcc_version(nvcc)
+    torch_major = int(str(torch.version.cuda).split(".")[0])
+    if version is None:
+        return f"cannot read the CUDA version of {nvcc} (`nvcc --version`); check the toolkit"
+    if version[0] != torch_major:
+        return (
+            f"CUDA version mismatch: nvcc ({nvcc}) is CUDA {version[0]}.{version[1]} but torch "
+            f"{torch.__version__} was built with CUDA {torch.version.cuda}; set CUDA_HOME to a "
+            f"CUDA {torch_major}.x toolkit (or install the torch build for your toolkit)"
+        )
+    if cuda_arch_list() is None:
+        return (
+            "no CUDA GPU is visible (torch.cuda.is_available() is False) and "
+            f"{ARCH_ENV} is not set; set {ARCH_ENV} (e.g. 9.0) to compile without a GPU"
         )
     return None
 
@@ -404,7 +597,7 @@ def _import_compiled(path: Path) -> ModuleType:
 
 
 def _prebuilt_module_path(kind: str) -> Path | None:
-    """The module shipped in the wheel, if it was built for this torch and Python."""
+    """The module shipped in the wheel, if it was built for this torch, Python (and GPU)."""
     name = _MODULE_NAMES.get(kind)
     meta_path = _PREBUILT_DIR / f"{name}.json"
     if name is None or not meta_path.is_file():
@@ -413,6 +606,12 @@ def _prebuilt_module_path(kind: str) -> Path | None:
     if meta.get("torch") != torch.__version__ or meta.get("python") != _python_tag():
         logger.debug("ignoring prebuilt %s: built for %s", name, meta)
         return None
+    if kind == "cuda" and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        if not _arch_covers(str(meta.get("arch", "")), f"{major}.{minor}"):
+            logger.debug("ignoring prebuilt %s: built for %s, device is sm_%d%d", name, meta,
+                         major, minor)  # fmt: skip
+            return None
     path = _PREBUILT_DIR / str(meta.get("file", ""))
     return path if path.is_file() else None
 
@@ -490,18 +689,22 @@ def _compile(kind: str, build_dir: Path) -> ModuleType:
     logger.warning(
         "compiling amp_fused_ops %s extension (first use on this machine, about %d s) into %s",
         kind.upper(),
-        _BUILD_SECONDS[kind],
+        _build_seconds(kind),
         build_dir,
     )
     start = time.perf_counter()
+    sources = [str(path) for path in _compiled_sources(kind)]
     try:
-        module = cpp_extension.load(
-            name=_MODULE_NAMES[kind],
-            sources=[str(path) for path in _sources(kind) if path.suffix == ".cpp"],
-            extra_cflags=list(_extra_cflags()),
-            build_directory=str(build_dir),
-            verbose=False,
-        )
+        if kind == "cuda":
+            module = _load_cuda(cpp_extension, sources, build_dir)
+        else:
+            module = cpp_extension.load(
+                name=_MODULE_NAMES[kind],
+                sources=sources,
+                extra_cflags=list(_extra_cflags()),
+                build_directory=str(build_dir),
+                verbose=False,
+            )
     except Exception as error:
         log = build_dir / _FAILED
         log.write_text(f"{type(error).__name__}: {error}\n")
@@ -509,9 +712,55 @@ def _compile(kind: str, build_dir: Path) -> ModuleType:
     seconds = time.perf_counter() - start
     path = Path(str(module.__file__))
     meta = {"file": path.name, "torch": torch.__version__, "python": _python_tag()}
+    if kind == "cuda":
+        meta["arch"] = str(cuda_arch_list())
     meta["seconds"] = f"{seconds:.1f}"
     tmp = build_dir / f"{_MARKER}.tmp"
     tmp.write_text(json.dumps(meta))
     tmp.replace(build_dir / _MARKER)
     logger.info("compiled amp_fused_ops %s extension in %.1f s: %s", kind.upper(), seconds, path)
+    return module
+
+
+@contextlib.contextmanager
+def _environment(**values: str) -> Iterator[None]:
+    """Set environment variables for the duration of a build, then restore them."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _load_cuda(cpp_extension: Any, sources: list[str], build_dir: Path) -> ModuleType:
+    """Compile every CUDA/C++ source into ``amp_fused_ops_cuda`` with the toolkit found here.
+
+    The arch list and toolkit are pinned for the build (they are part of the cache key), and
+    torch's own guess of the toolkit (made at import, from ``PATH``) is replaced by
+    :func:`cuda_home`, which skips wrapper scripts.
+    """
+    home = cuda_home()
+    arch_list = cuda_arch_list()
+    assert home is not None and arch_list is not None  # checked by _missing_cuda_reason
+    previous_home = cpp_extension.CUDA_HOME
+    cpp_extension.CUDA_HOME = str(home)
+    try:
+        with _environment(CUDA_HOME=str(home), **{ARCH_ENV: arch_list}):
+            module: ModuleType = cpp_extension.load(
+                name=_MODULE_NAMES["cuda"],
+                sources=sources,
+                extra_cflags=list(_CUDA_CFLAGS),
+                extra_cuda_cflags=list(_CUDA_NVCC_FLAGS),
+                extra_include_paths=_extra_cuda_include_paths(home),
+                build_directory=str(build_dir),
+                with_cuda=True,
+                verbose=False,
+            )
+    finally:
+        cpp_extension.CUDA_HOME = previous_home
     return module

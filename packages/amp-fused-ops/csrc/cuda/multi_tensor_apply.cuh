@@ -1,0 +1,565 @@
+// Shared multi-tensor launcher of the CUDA kernels of amp_fused_ops.
+//
+// Design (Apex's multi_tensor_apply, written our own way):
+// - The host checks the tensor lists once (check_tensor_lists), cuts every tensor into chunks
+//   of `chunk_size` elements and packs the addresses of a batch of tensors, and which chunk
+//   each block works on, into a TensorListMetadata passed by value as a kernel argument. One
+//   launch covers up to kMaxBlocks chunks of up to MaxTensors<Depth> tensors.
+// - One generic kernel (multi_tensor_kernel) runs one op functor per element: it loads the
+//   element of every list into float registers, calls the functor (fp32 math), and stores
+//   the lists the functor writes. The kernel is templated on the storage dtype of each list,
+//   the functor is not: one functor per op serves every dtype combination.
+// - 16-byte vectorized loads and stores when every pointer of the chunk is aligned to the
+//   vector width, a scalar loop for the tail and for misaligned chunks.
+// - Functors may reduce (sum or max) one or two values per chunk into `partials` (one slot per
+//   chunk of the whole call, in chunk order); segment_reduce turns them into per-tensor and
+//   total results without leaving the device.
+// - The noop flag lives on the device: functors may read it (skip the step) or raise it
+//   (inf/nan found). Nothing here synchronizes the host.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace amp_fused_ops {
+namespace cuda {
+
+using TensorLists = std::vector<std::vector<at::Tensor>>;
+
+constexpr int kBlockSize = 512;
+constexpr int kMaxBlocks = 320;  // chunks per launch
+constexpr int kVectorBytes = 16;
+
+// Tensors per launch by list depth: the metadata must stay under the 4 KiB kernel-argument
+// limit of older toolkits (static_assert below).
+template <int Depth>
+struct MaxTensors;
+template <>
+struct MaxTensors<1> {
+  static constexpr int value = 110;
+};
+template <>
+struct MaxTensors<2> {
+  static constexpr int value = 64;
+};
+template <>
+struct MaxTensors<3> {
+  static constexpr int value = 48;
+};
+template <>
+struct MaxTensors<4> {
+  static constexpr int value = 36;
+};
+template <>
+struct MaxTensors<5> {
+  static constexpr int value = 30;
+};
+
+// What one launch needs to know: the tensors of this batch and the chunk of each block.
+template <int Depth>
+struct TensorListMetadata {
+  void* addresses[Depth][MaxTensors<Depth>::value];
+  int64_t sizes[MaxTensors<Depth>::value];
+  unsigned char block_to_tensor[kMaxBlocks];
+  int block_to_chunk[kMaxBlocks];
+  int start_tensor;     // index (in the caller's lists) of this batch's tensor 0
+  int64_t first_chunk;  // index (among all chunks of the call) of this launch's block 0
+};
+
+static_assert(sizeof(TensorListMetadata<1>) <= 3584, "metadata too large for a kernel arg");
+static_assert(sizeof(TensorListMetadata<2>) <= 3584, "metadata too large for a kernel arg");
+static_assert(sizeof(TensorListMetadata<3>) <= 3584, "metadata too large for a kernel arg");
+static_assert(sizeof(TensorListMetadata<4>) <= 3584, "metadata too large for a kernel arg");
+static_assert(sizeof(TensorListMetadata<5>) <= 3584, "metadata too large for a kernel arg");
+
+// ---------------------------------------------------------------------------------------
+// Host-side checks
+// ---------------------------------------------------------------------------------------
+
+inline bool is_supported_float(at::ScalarType type) {
+  return type == at::kFloat || type == at::kHalf || type == at::kBFloat16;
+}
+
+// Checks the preconditions every op shares and returns the number of tensors per list.
+// Tensors of one list must share one dtype (group them by dtype, as Apex's optimizers do).
+inline size_t check_tensor_lists(const char* op, int64_t chunk_size, const at::Tensor& noop_flag,
+                                 const TensorLists& lists, size_t depth) {
+  TORCH_CHECK(chunk_size > 0 && chunk_size <= (int64_t{1} << 30), op,
+              ": chunk_size must be in [1, 2**30], got ", chunk_size);
+  TORCH_CHECK(noop_flag.defined() && noop_flag.is_cuda(), op,
+              ": noop_flag must be a CUDA tensor for the CUDA extension, got device ",
+              noop_flag.defined() ? noop_flag.device() : at::Device(at::kCPU));
+  TORCH_CHECK(noop_flag.scalar_type() == at::kInt && noop_flag.numel() == 1, op,
+              ": noop_flag must be an int32 tensor with one element, got dtype ",
+              noop_flag.scalar_type(), " and ", noop_flag.numel(),
+              " elements; create it with torch.zeros(1, dtype=torch.int32, device=...)");
+  TORCH_CHECK(lists.size() == depth, op, ": expected ", depth, " tensor lists, got ",
+              lists.size());
+  const size_t n = lists[0].size();
+  for (size_t l = 0; l < depth; ++l) {
+    TORCH_CHECK(lists[l].size() == n, op, ": all tensor lists must have the same length, ",
+                "but list 0 has ", n, " tensors and list ", l, " has ", lists[l].size());
+  }
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& first = lists[0][i];
+    bool all_contiguous = true;
+    for (size_t l = 0; l < depth; ++l) {
+      const at::Tensor& t = lists[l][i];
+      TORCH_CHECK(t.defined(), op, ": tensor ", i, " of list ", l, " is undefined (None)");
+      TORCH_CHECK(t.is_cuda(), op, ": tensor ", i, " of list ", l, " is on device ",
+                  t.device(), "; the CUDA extension takes CUDA tensors only");
+      TORCH_CHECK(t.device() == noop_flag.device(), op, ": tensor ", i, " of list ", l,
+                  " is on ", t.device(), " but noop_flag is on ", noop_flag.device(),
+                  "; move all tensors of one call to the same device");
+      TORCH_CHECK(is_supported_float(t.scalar_type()), op, ": tensor ", i, " of list ", l,
+                  " has dtype ", t.scalar_type(),
+                  "; supported dtypes are float32, float16 and bfloat16");
+      TORCH_CHECK(t.scalar_type() == lists[l][0].scalar_type(), op, ": tensor ", i,
+                  " of list ", l, " has dtype ", t.scalar_type(), " but tensor 0 of list ", l,
+                  " has dtype ", lists[l][0].scalar_type(),
+                  "; the tensors of one list must share one dtype (group them by dtype)");
+      TORCH_CHECK(t.numel() == first.numel(), op, ": tensor ", i, " of list ", l, " has ",
+                  t.numel(), " elements but tensor ", i, " of list 0 has ", first.numel(),
+                  "; tensors at one position must have the same number of elements");
+      TORCH_CHECK(t.is_non_overlapping_and_dense(), op, ": tensor ", i, " of list ", l,
+                  " is neither contiguous nor dense in another memory format (sizes ",
+                  t.sizes(), ", strides ", t.strides(), "); call .contiguous() on it first");
+      all_contiguous = all_contiguous && t.is_contiguous();
+    }
+    if (!all_contiguous) {
+      // Elements are visited in memory order: every layout at one position must agree.
+      for (size_t l = 1; l < depth; ++l) {
+        const at::Tensor& t = lists[l][i];
+        TORCH_CHECK(t.sizes() == first.sizes() && t.strides() == first.strides(), op,
+                    ": tensor ", i, " of list ", l, " (sizes ", t.sizes(), ", strides ",
+                    t.strides(), ") and tensor ", i, " of list 0 (sizes ", first.sizes(),
+                    ", strides ", first.strides(), ") have different memory layouts; ",
+                    "give them the same memory_format or call .contiguous() on both");
+      }
+    }
+  }
+  return n;
+}
+
+// A one-element scalar argument (lr, step, inv_scale, ...) as a float32 tensor on `device`.
+inline at::Tensor device_scalar(const char* op, const char* name, const at::Tensor& value,
+                                const at::Device& device) {
+  TORCH_CHECK(value.defined() && value.numel() == 1, op, ": ", name,
+              " must be a tensor with one element, got ",
+              value.defined() ? value.numel() : 0, " elements");
+  TORCH_CHECK(value.is_floating_point() || at::isIntegralType(value.scalar_type(), false), op,
+              ": ", name, " must be a real number tensor, got dtype ", value.scalar_type());
+  return value.reshape({}).to(device, at::kFloat);
+}
+
+// Number of chunks of every tensor of `tensors`, and the total.
+inline std::vector<int64_t> chunk_offsets(const std::vector<at::Tensor>& tensors,
+                                          int64_t chunk_size) {
+  std::vector<int64_t> offsets(tensors.size() + 1, 0);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    offsets[i + 1] = offsets[i] + (tensors[i].numel() + chunk_size - 1) / chunk_size;
+  }
+  return offsets;
+}
+
+// ---------------------------------------------------------------------------------------
+// Dtype dispatch: fn(TypeList<T0, ..., TK-1>{}) for the C++ types of K dtypes
+// ---------------------------------------------------------------------------------------
+
+template <typename... Ts>
+struct TypeList {};
+
+// TypeAt<I, TypeList<Ts...>>: the I-th type of the list.
+template <size_t I, typename L>
+struct TypeAtImpl;
+template <size_t I, typename... Ts>
+struct TypeAtImpl<I, TypeList<Ts...>> {
+  using type = std::tuple_element_t<I, std::tuple<Ts...>>;
+};
+template <size_t I, typename L>
+using TypeAt = typename TypeAtImpl<I, L>::type;
+
+template <size_t K, size_t I, typename Fn, typename... Ts>
+void dispatch_float_types(const char* op, const std::array<at::ScalarType, K>& types, Fn& fn) {
+  if constexpr (I == K) {
+    fn(TypeList<Ts...>{});
+  } else {
+    switch (types[I]) {
+      case at::kFloat:
+        dispatch_float_types<K, I + 1, Fn, Ts..., float>(op, types, fn);
+        break;
+      case at::kHalf:
+        dispatch_float_types<K, I + 1, Fn, Ts..., at::Half>(op, types, fn);
+        break;
+      case at::kBFloat16:
+        dispatch_float_types<K, I + 1, Fn, Ts..., at::BFloat16>(op, types, fn);
+        break;
+      default:
+        TORCH_CHECK(false, op, ": unsupported dtype ", types[I],
+                    "; supported dtypes are float32, float16 and bfloat16");
+    }
+  }
+}
+
+template <size_t K, typename Fn>
+void dispatch_float_types(const char* op, const std::array<at::ScalarType, K>& types, Fn fn) {
+  dispatch_float_types<K, 0, Fn>(op, types, fn);
+}
+
+// ---------------------------------------------------------------------------------------
+// Device helpers
+// ---------------------------------------------------------------------------------------
+
+__device__ __forceinline__ bool is_finite(float x) { return isfinite(x); }
+
+// max that propagates NaN (as torch.max and torch.linalg.norm(ord=inf) do).
+__device__ __forceinline__ float nan_max(float a, float b) {
+  return (isnan(a) || isnan(b)) ? NAN : fmaxf(a, b);
+}
+
+template <bool kMax>
+__device__ __forceinline__ float combine(float a, float b) {
+  if constexpr (kMax) {
+    return nan_max(a, b);
+  } else {
+    return a + b;
+  }
+}
+
+// Reduces `value` over the block; the result is valid in thread 0. Uses `shared` (32 floats).
+template <bool kMax>
+__device__ float block_reduce(float value, float* shared) {
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  for (int offset = 16; offset > 0; offset /= 2) {
+    value = combine<kMax>(value, __shfl_down_sync(0xffffffffu, value, offset));
+  }
+  __syncthreads();  // `shared` may still be read by a previous reduction
+  if (lane == 0) {
+    shared[warp] = value;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    value = lane < static_cast<int>(blockDim.x / 32) ? shared[lane] : 0.0f;
+    for (int offset = 16; offset > 0; offset /= 2) {
+      value = combine<kMax>(value, __shfl_down_sync(0xffffffffu, value, offset));
+    }
+  }
+  return value;
+}
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+// Elements per thread and vector step: 16 bytes of the narrowest dtype.
+template <typename... Ts>
+constexpr int vector_width() {
+  size_t smallest = kVectorBytes;
+  ((smallest = sizeof(Ts) < smallest ? sizeof(Ts) : smallest), ...);
+  return static_cast<int>(kVectorBytes / smallest);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ bool aligned(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % (sizeof(T) * N) == 0;
+}
+
+// The op functor interface (see the functors in the .cu files):
+//   static constexpr unsigned kStores;   bit l set: list l is written back
+//   static constexpr int kReduce;        0, 1 or 2 values reduced per chunk into partials
+//   static constexpr bool kReduceMax;    reduce with max (else sum)
+//   __device__ bool prepare(int tensor, const int* noop);   per block; false: skip the chunk
+//   __device__ void operator()(float (&x)[Depth], float (&acc)[2], bool& nonfinite) const;
+// `nonfinite` set by any thread raises the noop flag at the end of the block.
+
+// An op may also declare `__device__ bool stores(int list) const` to skip, at run time, a list
+// its kStores names (SGD without momentum leaves its buffers alone).
+template <typename Op, typename = void>
+struct HasStoreFilter : std::false_type {};
+template <typename Op>
+struct HasStoreFilter<Op, std::void_t<decltype(std::declval<const Op&>().stores(0))>>
+    : std::true_type {};
+
+template <size_t I, typename Op>
+__device__ __forceinline__ bool should_store(const Op& op) {
+  if constexpr (((Op::kStores >> I) & 1u) == 0) {
+    return false;
+  } else if constexpr (HasStoreFilter<Op>::value) {
+    return op.stores(static_cast<int>(I));
+  } else {
+    return true;
+  }
+}
+
+template <size_t I, int N, typename T, int Depth>
+__device__ __forceinline__ void load_vector(float (&x)[N][Depth], void* const (&p)[Depth],
+                                            int64_t i) {
+  const Vec<T, N> v = *reinterpret_cast<const Vec<T, N>*>(static_cast<const T*>(p[I]) + i);
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    x[j][I] = static_cast<float>(v.v[j]);
+  }
+}
+
+template <size_t I, int N, typename T, typename Op, int Depth>
+__device__ __forceinline__ void store_vector(const Op& op, const float (&x)[N][Depth],
+                                             void* const (&p)[Depth], int64_t i) {
+  if (should_store<I>(op)) {
+    Vec<T, N> v;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      v.v[j] = static_cast<T>(x[j][I]);
+    }
+    *reinterpret_cast<Vec<T, N>*>(static_cast<T*>(p[I]) + i) = v;
+  }
+}
+
+template <size_t I, typename T, typename Op, int Depth>
+__device__ __forceinline__ void store_scalar(const Op& op, const float (&x)[Depth],
+                                             void* const (&p)[Depth], int64_t i) {
+  if (should_store<I>(op)) {
+    static_cast<T*>(p[I])[i] = static_cast<T>(x[I]);
+  }
+}
+
+// The elements [0, n) of one chunk (p: the chunk's start in every list) through `op`.
+template <typename Op, typename... Ts, size_t... I>
+__device__ __forceinline__ void run_chunk(void* const (&p)[sizeof...(Ts)], int64_t n,
+                                          const Op& op, float (&acc)[2], bool& nonfinite,
+                                          std::index_sequence<I...>) {
+  constexpr int Depth = sizeof...(Ts);
+  constexpr int N = vector_width<Ts...>();
+  const bool all_aligned = (aligned<Ts, N>(p[I]) && ...);
+  int64_t vector_end = 0;
+  if (all_aligned) {
+    vector_end = n - n % N;
+    for (int64_t i = static_cast<int64_t>(threadIdx.x) * N; i < vector_end;
+         i += static_cast<int64_t>(blockDim.x) * N) {
+      float x[N][Depth];
+      (load_vector<I, N, Ts>(x, p, i), ...);
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        op(x[j], acc, nonfinite);
+      }
+      (store_vector<I, N, Ts, Op>(op, x, p, i), ...);
+    }
+  }
+  for (int64_t i = vector_end + threadIdx.x; i < n; i += blockDim.x) {
+    float x[Depth];
+    ((x[I] = static_cast<float>(static_cast<const Ts*>(p[I])[i])), ...);
+    op(x, acc, nonfinite);
+    (store_scalar<I, Ts, Op>(op, x, p, i), ...);
+  }
+}
+
+template <typename... Ts, size_t... I>
+__device__ __forceinline__ void chunk_pointers(void* (&p)[sizeof...(Ts)],
+                                               const TensorListMetadata<sizeof...(Ts)>& meta,
+                                               int local, int64_t begin,
+                                               std::index_sequence<I...>) {
+  ((p[I] = static_cast<Ts*>(meta.addresses[I][local]) + begin), ...);
+}
+
+// One block per chunk: the chunk's elements through `op`, vectorized where aligned.
+template <typename Op, typename... Ts>
+__global__ void __launch_bounds__(kBlockSize)
+    multi_tensor_kernel(int64_t chunk_size, int* noop, TensorListMetadata<sizeof...(Ts)> meta,
+                        Op op_arg, float* partials) {
+  constexpr int Depth = sizeof...(Ts);
+  static_assert(Op::kReduce >= 0 && Op::kReduce <= 2 && (Op::kReduceMax || Op::kReduce >= 0),
+                "an op reduces 0, 1 or 2 values per chunk");
+  using Index = std::index_sequence_for<Ts...>;
+  const int local = meta.block_to_tensor[blockIdx.x];
+  const int64_t begin = static_cast<int64_t>(meta.block_to_chunk[blockIdx.x]) * chunk_size;
+  const int64_t left = meta.sizes[local] - begin;
+  const int64_t n = left < chunk_size ? left : chunk_size;
+
+  Op op = op_arg;
+  float acc[2] = {0.0f, 0.0f};
+  bool nonfinite = false;
+  // prepare() reads nothing that changes during this launch, so the whole block agrees.
+  if (op.prepare(meta.start_tensor + local, noop)) {
+    void* p[Depth];
+    chunk_pointers<Ts...>(p, meta, local, begin, Index{});
+    run_chunk<Op, Ts...>(p, n, op, acc, nonfinite, Index{});
+    if (nonfinite) {
+      *noop = 1;  // benign race: every writer writes 1
+    }
+  }
+  if constexpr (Op::kReduce > 0) {
+    __shared__ float shared[32];
+    const int64_t slot = (meta.first_chunk + blockIdx.x) * Op::kReduce;
+#pragma unroll
+    for (int k = 0; k < Op::kReduce; ++k) {
+      const float total = block_reduce<Op::kReduceMax>(acc[k], shared);
+      if (threadIdx.x == 0) {
+        partials[slot + k] = total;
+      }
+    }
+  }
+}
+
+// Launches multi_tensor_kernel<Op, Ts...> over `lists` (already checked), in batches.
+// `partials`, when the op reduces, holds Op::kReduce floats per chunk of the call.
+template <typename Op, typename... Ts>
+void multi_tensor_apply(int64_t chunk_size, const at::Tensor& noop_flag, const TensorLists& lists,
+                        const Op& op, float* partials = nullptr) {
+  constexpr int Depth = sizeof...(Ts);
+  static_assert(Depth >= 1 && Depth <= 5, "multi_tensor_apply supports 1 to 5 lists");
+  TORCH_INTERNAL_ASSERT(lists.size() == static_cast<size_t>(Depth));
+  const size_t n = lists[0].size();
+  if (n == 0) {
+    return;
+  }
+  const c10::cuda::CUDAGuard guard(noop_flag.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  int* noop = noop_flag.data_ptr<int>();
+
+  TensorListMetadata<Depth> meta{};
+  int tensors = 0;  // in the current batch
+  int blocks = 0;   // in the current launch
+  int64_t chunks_done = 0;
+  meta.start_tensor = 0;
+  meta.first_chunk = 0;
+  auto launch = [&]() {
+    multi_tensor_kernel<Op, Ts...>
+        <<<blocks, kBlockSize, 0, stream>>>(chunk_size, noop, meta, op, partials);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    chunks_done += blocks;
+    blocks = 0;
+  };
+  for (size_t t = 0; t < n; ++t) {
+    const int64_t numel = lists[0][t].numel();
+    if (tensors == 0) {
+      meta.start_tensor = static_cast<int>(t);
+    }
+    if (numel == 0) {
+      // Owns no chunk; keep indices consecutive by closing the batch around it.
+      if (tensors > 0) {
+        if (blocks > 0) {
+          launch();
+        }
+        tensors = 0;
+      }
+      continue;
+    }
+    for (int l = 0; l < Depth; ++l) {
+      meta.addresses[l][tensors] = lists[l][t].data_ptr();
+    }
+    meta.sizes[tensors] = numel;
+    ++tensors;
+    const int64_t chunks = (numel + chunk_size - 1) / chunk_size;
+    for (int64_t c = 0; c < chunks; ++c) {
+      if (blocks == 0) {
+        meta.first_chunk = chunks_done;
+      }
+      meta.block_to_tensor[blocks] = static_cast<unsigned char>(tensors - 1);
+      meta.block_to_chunk[blocks] = static_cast<int>(c);
+      ++blocks;
+      const bool blocks_full = blocks == kMaxBlocks;
+      const bool tensors_full = tensors == MaxTensors<Depth>::value;
+      const bool last_chunk = c == chunks - 1;
+      if (blocks_full || (tensors_full && last_chunk)) {
+        launch();
+        if (last_chunk) {
+          tensors = 0;  // the next tensor starts a new batch
+        } else {
+          // The current tensor continues in the next launch as the batch's tensor 0.
+          for (int l = 0; l < Depth; ++l) {
+            meta.addresses[l][0] = meta.addresses[l][tensors - 1];
+          }
+          meta.sizes[0] = meta.sizes[tensors - 1];
+          meta.start_tensor = static_cast<int>(t);
+          tensors = 1;
+        }
+      }
+    }
+  }
+  if (blocks > 0) {
+    launch();
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Per-tensor and total results from the per-chunk partials
+// ---------------------------------------------------------------------------------------
+
+constexpr int kMaxSegments = 256;
+
+struct Segments {
+  int begin[kMaxSegments + 1];  // chunk ranges [begin[s], begin[s + 1])
+  int first;                    // output index of segment 0
+};
+
+// out[first + s] = reduce(partials[c * stride + component] for c in segment s), optionally
+// its square root; raises the noop flag when a result is inf or nan (if noop is given).
+template <bool kMax>
+__global__ void segment_reduce_kernel(const float* partials, int stride, int component,
+                                      Segments segments, bool take_sqrt, float* out,
+                                      int* noop) {
+  __shared__ float shared[32];
+  const int s = blockIdx.x;
+  float value = 0.0f;  // identity of sum, and of max over absolute values
+  for (int c = segments.begin[s] + threadIdx.x; c < segments.begin[s + 1]; c += blockDim.x) {
+    value = combine<kMax>(value, partials[static_cast<int64_t>(c) * stride + component]);
+  }
+  value = block_reduce<kMax>(value, shared);
+  if (threadIdx.x == 0) {
+    const float result = take_sqrt ? sqrtf(value) : value;
+    out[segments.first + s] = result;
+    if (noop != nullptr && !isfinite(result)) {
+      *noop = 1;
+    }
+  }
+}
+
+// Reduces the chunks of each tensor (offsets from chunk_offsets) into out[0..n), and, when
+// `total` is given, all chunks into total[0]. Raises the noop flag on a non-finite result
+// of the kinds named by flag_per_tensor / flag_total.
+template <bool kMax>
+void segment_reduce(const float* partials, int stride, int component,
+                    const std::vector<int64_t>& offsets, bool take_sqrt, float* per_tensor,
+                    float* total, int* noop, bool flag_per_tensor, bool flag_total) {
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  constexpr int threads = 256;
+  const int64_t n = static_cast<int64_t>(offsets.size()) - 1;
+  TORCH_CHECK(offsets.back() < (int64_t{1} << 31), "segment_reduce: too many chunks (",
+              offsets.back(), "); use a larger chunk_size");
+  if (per_tensor != nullptr) {
+    for (int64_t first = 0; first < n; first += kMaxSegments) {
+      const int count = static_cast<int>(std::min<int64_t>(kMaxSegments, n - first));
+      Segments segments{};
+      segments.first = static_cast<int>(first);
+      for (int s = 0; s <= count; ++s) {
+        segments.begin[s] = static_cast<int>(offsets[first + s]);
+      }
+      segment_reduce_kernel<kMax><<<count, threads, 0, stream>>>(
+          partials, stride, component, segments, take_sqrt, per_tensor,
+          flag_per_tensor ? noop : nullptr);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  }
+  if (total != nullptr) {
+    Segments all{};
+    all.first = 0;
+    all.begin[0] = 0;
+    all.begin[1] = static_cast<int>(offsets.back());
+    segment_reduce_kernel<kMax><<<1, threads, 0, stream>>>(
+        partials, stride, component, all, take_sqrt, total, flag_total ? noop : nullptr);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+}  // namespace cuda
+}  // namespace amp_fused_ops

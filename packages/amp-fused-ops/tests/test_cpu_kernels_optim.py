@@ -1,0 +1,423 @@
+"""The C++ CPU kernels of the optimizer ops and the unscaled norm against the reference.
+
+The pure-PyTorch reference (``amp_fused_ops._reference``) is the oracle: both run on copies of
+the same inputs and must agree within the rounding of each output's dtype. To cover every
+dtype combination without one test per combination, one call carries a tensor list in which
+each position has its own combination of list dtypes, its own size (cycling through
+``SIZES``) and, at some positions, channels-last 4-D tensors; each test then runs with both
+chunk sizes, so chunks cross tensor and tile boundaries.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from _cpu_extension_helpers import load_from, session_cache
+from amp_fused_ops import _reference
+
+SIZES = (1, 7, 555, 33333, 2048 * 32 + 1, 2 * 2048 * 32)
+CHUNKS = (333, 2048 * 32)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP32 = (torch.float32,)
+CHANNELS_LAST_SHAPE = (2, 6, 5, 7)  # 420 elements, channels-last strides differ from rows
+# Two independent float32 computations (different order of operations and reductions);
+# low-precision results may differ by a rounding tie (two ulps).
+TOL = {
+    torch.float32: {"rtol": 1e-5, "atol": 1e-6},
+    torch.float16: {"rtol": 2 * 2.0**-10, "atol": 1e-5},
+    torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-5},
+}
+
+Lists = list[list[Tensor]]
+
+
+@pytest.fixture(scope="module")
+def ext(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return load_from(session_cache(tmp_path_factory).cache)
+
+
+def flag(value: int = 0) -> Tensor:
+    return torch.full((1,), value, dtype=torch.int32)
+
+
+def make_lists(
+    allowed: Sequence[Sequence[torch.dtype]],
+    seed: int,
+    init: Sequence[Callable[[Tensor], Tensor]] | None = None,
+) -> Lists:
+    """One list per entry of ``allowed``; position k has the k-th dtype combination.
+
+    There are at least 9 positions (combinations repeat); every third holds channels-last 4-D
+    tensors, the others 1-D tensors of the sizes of ``SIZES`` in turn (so positions 0, 1, 3,
+    4, 6, 7 have 1, 7, 555, 33333, 65537 and 131072 elements). ``init[l]`` maps standard
+    normal values to list l's values (float32).
+    """
+    combos = list(itertools.product(*allowed))
+    generator = torch.Generator().manual_seed(seed)
+    lists: Lists = [[] for _ in allowed]
+    n_flat = 0
+    for k in range(max(len(combos), 9)):  # at least every size once
+        channels_last = k % 3 == 2
+        if channels_last:
+            shape: tuple[int, ...] = CHANNELS_LAST_SHAPE
+        else:
+            shape, n_flat = (SIZES[n_flat % len(SIZES)],), n_flat + 1
+        for index, dtype in enumerate(combos[k % len(combos)]):
+            values = torch.randn(shape, generator=generator)
+            if init is not None:
+                values = init[index](values)
+            t = values.to(dtype)
+            if channels_last:
+                t = t.to(memory_format=torch.channels_last)
+            lists[index].append(t)
+    return lists
+
+
+def poke(t: Tensor, value: float) -> None:
+    """Set the last element of ``t`` (in logical order, any layout) to ``value``."""
+    t[(-1,) * t.dim()] = value
+
+
+def clone(lists: Lists) -> Lists:
+    return [[t.clone() for t in ts] for ts in lists]
+
+
+def assert_lists_close(got: Lists, want: Lists, equal_nan: bool = False) -> None:
+    for ts_got, ts_want in zip(got, want, strict=True):
+        for a, b in zip(ts_got, ts_want, strict=True):
+            assert a.dtype == b.dtype and a.stride() == b.stride()
+            torch.testing.assert_close(a, b, equal_nan=equal_nan, **TOL[a.dtype])
+
+
+def run_both(ext: Any, name: str, lists: Lists, *args: Any, noop: int = 0) -> tuple[Any, ...]:
+    """Run op ``name`` of the extension and of the reference on copies of ``lists``."""
+    runs = []
+    for impl in (ext, _reference):
+        copies, noop_flag = clone(lists), flag(noop)
+        result = getattr(impl, name)(CHUNKS[0], noop_flag, copies, *args)
+        runs.append((copies, noop_flag, result))
+    return tuple(runs)
+
+
+def positive(x: Tensor) -> Tensor:
+    return x.square() + 0.1
+
+
+def small(x: Tensor) -> Tensor:
+    return x * 0.1
+
+
+def identity(x: Tensor) -> Tensor:
+    return x
+
+
+# --- multi_tensor_unscale_l2norm ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("inject", [None, math.inf, math.nan])
+def test_unscale_l2norm_matches_reference(ext: Any, chunk: int, inject: float | None) -> None:
+    (xs,) = make_lists([DTYPES], seed=1)
+    if inject is not None:
+        poke(xs[4], inject)
+    inv_scale = torch.tensor([2.0**-7])
+    flags = [flag(), flag()]
+    got = ext.multi_tensor_unscale_l2norm(chunk, flags[0], [xs], inv_scale, True)
+    want = _reference.multi_tensor_unscale_l2norm(chunk, flags[1], [xs], inv_scale, True)
+    assert flags[0].item() == flags[1].item() == (0 if inject is None else 1)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, equal_nan=True)
+
+
+def test_unscale_l2norm_takes_a_number_and_none(ext: Any) -> None:
+    (xs,) = make_lists([DTYPES], seed=2)
+    total, per = ext.multi_tensor_unscale_l2norm(2048, flag(), [xs], 0.5, None)
+    want, _ = _reference.multi_tensor_unscale_l2norm(2048, flag(), [xs], 0.5)
+    torch.testing.assert_close(total, want, rtol=1e-5, atol=0.0)
+    assert per.numel() == 0
+
+
+def test_unscale_l2norm_overflowing_sum_flags(ext: Any) -> None:
+    # Every element is finite but the float32 sum of squares is not (as in the reference).
+    xs = [torch.full((4,), 3e19)]
+    flags = [flag(), flag()]
+    got, _ = ext.multi_tensor_unscale_l2norm(64, flags[0], [xs], 1.0)
+    want, _ = _reference.multi_tensor_unscale_l2norm(64, flags[1], [xs], 1.0)
+    assert flags[0].item() == flags[1].item() == 1
+    assert math.isinf(got.item()) and math.isinf(want.item())
+
+
+# --- multi_tensor_adam_capturable_master --------------------------------------------------
+
+MASTER_DTYPES = [DTYPES, DTYPES, FP32, FP32, FP32]
+
+
+def master_lists(seed: int) -> Lists:
+    lists = make_lists(MASTER_DTYPES, seed, [lambda x: x * 128.0, identity, small, positive,
+                                             identity])  # fmt: skip
+    # The model params are the masters rounded to their dtype.
+    lists[1] = [m.to(p.dtype) for p, m in zip(lists[1], lists[4], strict=True)]
+    return lists
+
+
+def master_args(mode: int, bias_correction: int = 1) -> tuple[Any, ...]:
+    lr, step, inv_scale = torch.tensor([1e-2]), torch.tensor([3], dtype=torch.int32), 1 / 128.0
+    return (lr, 0.9, 0.999, 1e-8, step, mode, bias_correction, 0.01, torch.tensor([inv_scale]))
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("mode", [0, 1])
+def test_adam_capturable_master_matches_reference(ext: Any, chunk: int, mode: int) -> None:
+    lists = master_lists(seed=3)
+    got, want = clone(lists), clone(lists)
+    flags = [flag(), flag()]
+    ext.multi_tensor_adam_capturable_master(chunk, flags[0], got, *master_args(mode))
+    _reference.multi_tensor_adam_capturable_master(chunk, flags[1], want, *master_args(mode))
+    assert flags[0].item() == flags[1].item() == 0
+    assert_lists_close(got, want)
+    # The model copy is the new master rounded once.
+    for p, m in zip(got[1], got[4], strict=True):
+        assert torch.equal(p, m.to(p.dtype))
+
+
+def test_adam_capturable_master_number_arguments_no_bias_correction(ext: Any) -> None:
+    lists = master_lists(seed=4)
+    args = (1e-3, 0.8, 0.99, 1e-6, 2, 1, 0, 0.0, 0.25)
+    (got, f0, _), (want, f1, _) = run_both(ext, "multi_tensor_adam_capturable_master", lists,
+                                           *args)  # fmt: skip
+    assert f0.item() == f1.item() == 0
+    assert_lists_close(got, want)
+
+
+@pytest.mark.parametrize(
+    ("inject", "inv_scale", "noop"),
+    [(math.inf, 1 / 128.0, 0), (math.nan, 1 / 128.0, 0), (None, 1e38, 0), (None, 1 / 128.0, 1)],
+    ids=["inf-grad", "nan-grad", "overflowing-unscale", "flag-set-on-entry"],
+)
+def test_adam_capturable_master_skips(
+    ext: Any, inject: float | None, inv_scale: float, noop: int
+) -> None:
+    lists = master_lists(seed=5)
+    if inject is not None:
+        poke(lists[0][5], inject)
+    args = (*master_args(1)[:-1], torch.tensor([inv_scale]))
+    (got, f0, _), (want, f1, _) = run_both(ext, "multi_tensor_adam_capturable_master", lists,
+                                           *args, noop=noop)  # fmt: skip
+    assert f0.item() == f1.item() == 1
+    for tensors in (got, want):
+        for ts, before in zip(tensors, lists, strict=True):
+            for t, b in zip(ts, before, strict=True):
+                assert torch.equal(t, b) or (t.isnan() == b.isnan()).all()
+
+
+# --- multi_tensor_sgd ---------------------------------------------------------------------
+
+SGD_CASES = {
+    # weight_decay, momentum, dampening, lr, nesterov, first_run, wd_after_momentum, scale
+    "momentum": (1e-2, 0.9, 0.1, 0.05, False, False, False, 0.5),
+    "nesterov-first-run": (1e-2, 0.9, 0.0, 0.05, True, True, False, 1.0),
+    "nesterov-wd-after": (1e-2, 0.9, 0.0, 0.05, True, False, True, 0.25),
+    "first-run-wd-after": (1e-2, 0.8, 0.2, 0.05, False, True, True, 1.0),
+    "no-momentum": (1e-2, 0.0, 0.0, 0.1, False, False, False, 2.0),
+    "no-decay": (0.0, 0.9, 0.0, 0.1, False, False, False, 1.0),
+}
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("case", list(SGD_CASES))
+def test_sgd_with_model_copies_matches_reference(ext: Any, case: str, chunk: int) -> None:
+    lists = make_lists([DTYPES] * 4, seed=6, init=[identity, identity, small, identity])
+    got, want = clone(lists), clone(lists)
+    flags = [flag(), flag()]
+    ext.multi_tensor_sgd(chunk, flags[0], got, *SGD_CASES[case])
+    _reference.multi_tensor_sgd(chunk, flags[1], want, *SGD_CASES[case])
+    assert flags[0].item() == flags[1].item() == 0
+    assert_lists_close(got, want)
+
+
+@pytest.mark.parametrize("case", ["momentum", "no-decay"])
+def test_sgd_three_lists_and_nan_propagates(ext: Any, case: str) -> None:
+    lists = make_lists([DTYPES] * 3, seed=7, init=[identity, identity, small])
+    lists[0][3][100] = math.nan
+    lists[1][4][7] = math.inf  # an inf param: 0 * inf must not turn it into nan
+    (got, f0, _), (want, f1, _) = run_both(ext, "multi_tensor_sgd", lists, *SGD_CASES[case])
+    assert f0.item() == f1.item() == 0  # never set by SGD
+    assert_lists_close(got, want, equal_nan=True)
+
+
+def test_sgd_skips_when_flag_is_set(ext: Any) -> None:
+    lists = make_lists([DTYPES] * 4, seed=8)
+    (got, f0, _), (_, f1, _) = run_both(ext, "multi_tensor_sgd", lists,
+                                        *SGD_CASES["momentum"], noop=1)  # fmt: skip
+    assert f0.item() == f1.item() == 1
+    for ts, before in zip(got, lists, strict=True):
+        for t, b in zip(ts, before, strict=True):
+            assert torch.equal(t, b)
+
+
+# --- multi_tensor_adagrad -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize(("mode", "weight_decay"), [(0, 0.01), (1, 0.01), (0, 0.0)])
+def test_adagrad_matches_reference(ext: Any, chunk: int, mode: int, weight_decay: float) -> None:
+    lists = make_lists([DTYPES] * 3, seed=9, init=[identity, identity, positive])
+    got, want = clone(lists), clone(lists)
+    flags = [flag(), flag()]
+    ext.multi_tensor_adagrad(chunk, flags[0], got, 0.1, 1e-10, mode, weight_decay)
+    _reference.multi_tensor_adagrad(chunk, flags[1], want, 0.1, 1e-10, mode, weight_decay)
+    assert flags[0].item() == flags[1].item() == 0
+    assert_lists_close(got, want)
+
+
+def test_adagrad_ignores_and_keeps_the_flag(ext: Any) -> None:
+    lists = make_lists([DTYPES] * 3, seed=10, init=[identity, identity, positive])
+    lists[0][4][0] = math.inf
+    (got, f0, _), (want, f1, _) = run_both(ext, "multi_tensor_adagrad", lists, 0.1, 1e-10, 1,
+                                           0.01, noop=1)  # fmt: skip
+    assert f0.item() == f1.item() == 1
+    assert_lists_close(got, want, equal_nan=True)
+
+
+# --- multi_tensor_lamb --------------------------------------------------------------------
+
+
+def lamb_args(mode: int, weight_decay: float, nvlamb: bool | None, grad_norm: Any,
+              max_grad_norm: float = 1.0, grad_averaging: int = 1) -> tuple[Any, ...]:  # fmt: skip
+    return (1e-2, 0.9, 0.999, 1e-6, 4, 1, weight_decay, grad_averaging, mode, grad_norm,
+            max_grad_norm, nvlamb)  # fmt: skip
+
+
+LAMB_CASES = {
+    "decoupled-clipped": lamb_args(1, 0.01, False, torch.tensor([5.0])),
+    "l2-not-clipped": lamb_args(0, 0.01, None, torch.tensor([0.5]), grad_averaging=0),
+    "nvlamb-no-decay": lamb_args(1, 0.0, True, 2.0),
+    "no-ratio": lamb_args(0, 0.0, False, 0.5),
+    "max-norm-zero": lamb_args(1, 0.01, False, torch.tensor([3.0]), max_grad_norm=0.0),
+}
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("case", list(LAMB_CASES))
+def test_lamb_matches_reference(ext: Any, case: str, chunk: int) -> None:
+    lists = make_lists([DTYPES] * 4, seed=11, init=[identity, identity, small, positive])
+    got, want = clone(lists), clone(lists)
+    flags = [flag(), flag()]
+    ext.multi_tensor_lamb(chunk, flags[0], got, *LAMB_CASES[case])
+    _reference.multi_tensor_lamb(chunk, flags[1], want, *LAMB_CASES[case])
+    assert flags[0].item() == flags[1].item() == 0
+    assert_lists_close(got, want)
+
+
+def test_lamb_zero_param_keeps_ratio_one_and_nan_flags(ext: Any) -> None:
+    lists = make_lists([DTYPES] * 4, seed=12, init=[identity, identity, small, positive])
+    lists[1][1].zero_()  # ||p|| = 0: ratio 1
+    lists[0][4][3] = math.nan  # nan update norm: flag set, nan propagates
+    (got, f0, _), (want, f1, _) = run_both(ext, "multi_tensor_lamb", lists,
+                                           *LAMB_CASES["decoupled-clipped"])  # fmt: skip
+    assert f0.item() == f1.item() == 1
+    assert_lists_close(got, want, equal_nan=True)
+
+
+# --- multi_tensor_novograd ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize(("mode", "norm_type"), [(0, 2), (1, 2), (0, 0), (1, 0)])
+def test_novograd_matches_reference(ext: Any, chunk: int, mode: int, norm_type: int) -> None:
+    lists = make_lists([DTYPES] * 3, seed=13, init=[identity, identity, small])
+    norms = torch.rand(len(lists[0]), generator=torch.Generator().manual_seed(0)) + 0.5
+    got, want = clone(lists), clone(lists)
+    got_norms, want_norms = norms.clone(), norms.clone()
+    flags = [flag(), flag()]
+    args = (1e-2, 0.95, 0.98, 1e-8, 3, 1, 0.001, 1, mode, norm_type)
+    ext.multi_tensor_novograd(chunk, flags[0], got, got_norms, *args)
+    _reference.multi_tensor_novograd(chunk, flags[1], want, want_norms, *args)
+    assert flags[0].item() == flags[1].item() == 0
+    torch.testing.assert_close(got_norms, want_norms, rtol=1e-5, atol=0.0)
+    assert_lists_close(got, want)
+
+
+@pytest.mark.parametrize("norm_type", [2, 0])
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+def test_novograd_nonfinite_gradient_flags(ext: Any, norm_type: int, bad: float) -> None:
+    lists = make_lists([DTYPES] * 3, seed=14, init=[identity, identity, small])
+    poke(lists[0][5], bad)
+    norms = torch.ones(len(lists[0]))
+    runs = []
+    for impl in (ext, _reference):
+        copies, noop, n = clone(lists), flag(), norms.clone()
+        impl.multi_tensor_novograd(CHUNKS[0], noop, copies, n, 1e-2, 0.95, 0.98, 1e-8, 1, 0,
+                                   0.0, 0, 1, norm_type)  # fmt: skip
+        runs.append((copies, noop, n))
+    assert runs[0][1].item() == runs[1][1].item() == 1
+    torch.testing.assert_close(runs[0][2], runs[1][2], equal_nan=True, rtol=1e-5, atol=0.0)
+    assert_lists_close(runs[0][0], runs[1][0], equal_nan=True)
+
+
+# --- preconditions ------------------------------------------------------------------------
+
+
+def _lists(depth: int, n: int = 8) -> Lists:
+    return [[torch.randn(n)] for _ in range(depth)]
+
+
+PRECONDITIONS = [
+    ("multi_tensor_unscale_l2norm", lambda: (_lists(1), torch.ones(2), False),
+     "inv_scale must have one element, got 2"),
+    ("multi_tensor_unscale_l2norm", lambda: (_lists(1), "x", False),
+     "inv_scale must be a tensor or a number, got str"),
+    ("multi_tensor_adam_capturable_master", lambda: (_lists(4), *master_args(1)),
+     "expected 5 tensor lists, got 4"),
+    ("multi_tensor_adam_capturable_master",
+     lambda: ([*_lists(4), [torch.randn(8).half()]], *master_args(1)),
+     "tensor 0 of list 4 \\(master_param\\) has dtype Half; optimizer state must be float32"),
+    ("multi_tensor_adam_capturable_master", lambda: (_lists(5), *master_args(2)),
+     "mode must be 0"),
+    ("multi_tensor_adam_capturable_master", lambda: (_lists(5), *master_args(1, 2)),
+     "bias_correction must be 0 or 1, got 2"),
+    ("multi_tensor_adam_capturable_master",
+     lambda: (_lists(5), torch.ones(3), *master_args(1)[1:]), "lr must have one element"),
+    ("multi_tensor_sgd", lambda: (_lists(5), *SGD_CASES["momentum"]),
+     r"expected 3 tensor lists \[grads, params, momentum_bufs\] or 4"),
+    ("multi_tensor_sgd",
+     lambda: ([[torch.randn(8)], [torch.randn(9)], [torch.randn(8)]], *SGD_CASES["momentum"]),
+     "same number of elements"),
+    ("multi_tensor_adagrad", lambda: (_lists(3), 0.1, 1e-10, 3, 0.0), "mode must be 0"),
+    ("multi_tensor_adagrad", lambda: ([[torch.randn(8, dtype=torch.float64)], *_lists(2)], 0.1,
+                                      1e-10, 0, 0.0), "supported dtypes are float32"),
+    ("multi_tensor_lamb", lambda: (_lists(4), *lamb_args(2, 0.0, False, 1.0)), "mode must be 0"),
+    ("multi_tensor_lamb", lambda: (_lists(4), *lamb_args(0, 0.0, False, 1.0, grad_averaging=2)),
+     "grad_averaging must be 0 or 1, got 2"),
+    ("multi_tensor_lamb", lambda: (_lists(3), *lamb_args(0, 0.0, False, 1.0)),
+     "expected 4 tensor lists, got 3"),
+    ("multi_tensor_novograd",
+     lambda: (_lists(3), torch.ones(2), 1e-2, 0.9, 0.9, 1e-8, 1, 1, 0.0, 1, 0, 2),
+     "grad_norms must be a float32 tensor of 1 elements"),
+    ("multi_tensor_novograd",
+     lambda: (_lists(3), torch.ones(1), 1e-2, 0.9, 0.9, 1e-8, 1, 1, 0.0, 1, 0, 1),
+     "norm_type must be 2"),
+    ("multi_tensor_novograd",
+     lambda: ([[torch.randn(4, 4)[:, ::2]], *_lists(2)], torch.ones(1), 1e-2, 0.9, 0.9, 1e-8,
+              1, 1, 0.0, 1, 0, 2), "not contiguous in any memory format"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("op", "make_args", "match"), PRECONDITIONS)
+def test_preconditions_raise(ext: Any, op: str, make_args: Any, match: str) -> None:
+    with pytest.raises((RuntimeError, TypeError), match=match):
+        getattr(ext, op)(64, flag(), *make_args())
+
+
+def test_adam_rejects_lists_that_share_memory(ext: Any) -> None:
+    g, p = torch.randn(8), torch.randn(8)
+    with pytest.raises(RuntimeError, match="tensor 0 of list 1 and tensor 0 of list 2 share"):
+        ext.multi_tensor_adam(64, flag(), [[g], [p], [p], [torch.zeros(8)]], 1e-3, 0.9, 0.999,
+                              1e-8, 1, 1, 1, 0.0)  # fmt: skip
