@@ -3,16 +3,38 @@
 Replaces ``apex.multi_tensor_apply`` and Apex's ``amp_C`` extension::
 
     from amp_fused_ops import amp_C, multi_tensor_applier
+    from amp_fused_ops import FusedLayerNorm, FusedRMSNorm   # apex.normalization
+    from amp_fused_ops import syncbn, flatten, unflatten      # apex.parallel's kernels
 
 Every op has a pure-PyTorch reference (CPU and CUDA, float32 / float16 / bfloat16) that runs
 whenever no compiled kernel is available for the tensors' device.
 """
 
+# SyncBatchNorm kernels (Apex: the syncbn extension), as the module amp_fused_ops.syncbn
+from amp_fused_ops import syncbn
+
 # The op namespace (Apex: the amp_C extension)
 from amp_fused_ops._amp_C import amp_C
 
+# Flatten / unflatten for bucketing (Apex: apex_C)
+from amp_fused_ops._flatten import flatten, unflatten
+
 # Multi-tensor apply (Apex: apex.multi_tensor_apply)
 from amp_fused_ops._multi_tensor_apply import MultiTensorApply, multi_tensor_applier
+
+# Fused LayerNorm / RMSNorm (Apex: apex.normalization)
+from amp_fused_ops._normalization import (
+    FusedLayerNorm,
+    FusedRMSNorm,
+    MixedFusedLayerNorm,
+    MixedFusedRMSNorm,
+    fused_layer_norm,
+    fused_layer_norm_affine,
+    fused_rms_norm,
+    fused_rms_norm_affine,
+    mixed_dtype_fused_layer_norm_affine,
+    mixed_dtype_fused_rms_norm_affine,
+)
 from amp_fused_ops._version import __version__
 
 __all__ = [
@@ -22,4 +44,19 @@ __all__ = [
     "multi_tensor_applier",
     # Ops
     "amp_C",
+    # Normalization
+    "FusedLayerNorm",
+    "FusedRMSNorm",
+    "MixedFusedLayerNorm",
+    "MixedFusedRMSNorm",
+    "fused_layer_norm",
+    "fused_layer_norm_affine",
+    "fused_rms_norm",
+    "fused_rms_norm_affine",
+    "mixed_dtype_fused_layer_norm_affine",
+    "mixed_dtype_fused_rms_norm_affine",
+    # SyncBatchNorm kernels and bucketing
+    "syncbn",
+    "flatten",
+    "unflatten",
 ]

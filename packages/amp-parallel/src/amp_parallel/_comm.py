@@ -1,16 +1,17 @@
 """Communication helpers shared by DDP, Reducer and SyncBatchNorm.
 
 Everything here runs on ``torch.distributed`` collectives (Gloo on CPU, NCCL on CUDA). The
-flatten/unflatten pair is the single dispatch point where amp-fused-ops kernels (multi-tensor
-flatten, Apex's ``flatten``/``unflatten`` extension) can plug in later; today it is PyTorch's
-``torch._utils`` implementation on every device.
+flatten/unflatten pair is the single dispatch point for amp-fused-ops' ``flatten`` /
+``unflatten`` (Apex's ``apex_C``): used when ``amp_fused_ops`` is installed (the ``kernels``
+extra), PyTorch's ``torch._utils`` pair otherwise. Both give the same buffers and views.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -53,11 +54,30 @@ def require_initialized(who: str) -> None:
         )
 
 
-def flatten(tensors: Sequence[Tensor]) -> Tensor:
-    """Concatenate dense tensors of one device and dtype into one 1-D tensor.
+FlattenPair = tuple[
+    Callable[[Sequence[Tensor]], Tensor], Callable[[Tensor, Sequence[Tensor]], list[Tensor]]
+]
 
-    Dispatch point for a fused flatten kernel (amp-fused-ops); PyTorch's path for now.
+
+@functools.cache
+def fused_flatten() -> FlattenPair | None:
+    """amp-fused-ops' ``(flatten, unflatten)`` when it is installed, else ``None``."""
+    try:
+        from amp_fused_ops import flatten as fused
+        from amp_fused_ops import unflatten as fused_un
+    except ImportError:
+        return None
+    return fused, fused_un
+
+
+def flatten(tensors: Sequence[Tensor]) -> Tensor:
+    """Concatenate dense tensors of one device and dtype into a new 1-D tensor.
+
+    Always a copy, also for a single tensor. Uses amp-fused-ops' ``flatten`` when installed.
     """
+    fused = fused_flatten()
+    if fused is not None and len(tensors) > 0:
+        return fused[0](tensors)
     if len(tensors) == 1:
         return tensors[0].reshape(-1).clone()
     return _flatten_dense_tensors(list(tensors))
@@ -65,6 +85,9 @@ def flatten(tensors: Sequence[Tensor]) -> Tensor:
 
 def unflatten(flat: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
     """Split ``flat`` into views shaped like ``like`` (inverse of :func:`flatten`)."""
+    fused = fused_flatten()
+    if fused is not None:
+        return fused[1](flat, like)
     return list(_unflatten_dense_tensors(flat, list(like)))
 
 

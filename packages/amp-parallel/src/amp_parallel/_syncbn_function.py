@@ -6,12 +6,16 @@ parallel Welford merge combines them, so ranks with unequal batch sizes (even em
 give exactly the statistics of the concatenated batch. The backward pass all-reduces
 ``(sum dy, sum dy * (x - mean))``.
 
-:func:`local_moments` is the dispatch point where amp-fused-ops' Welford kernels can plug in
-later; today every device uses PyTorch ops.
+:func:`local_moments` is the dispatch point for amp-fused-ops' Welford kernels: when
+``amp_fused_ops`` is installed (the ``kernels`` extra) it computes the local statistics with
+``amp_fused_ops.syncbn.welford_mean_var`` (a CUDA kernel on CUDA tensors, PyTorch ops
+elsewhere); without it, with PyTorch ops. Both give the same results up to float rounding.
 """
 
 from __future__ import annotations
 
+import functools
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -20,7 +24,7 @@ from torch import Tensor
 
 from ._comm import ProcessGroup
 
-__all__ = ["SyncBNFunction", "batch_stats", "local_moments"]
+__all__ = ["SyncBNFunction", "batch_stats", "fused_syncbn", "local_moments"]
 
 
 def reduce_dims(x: Tensor, channel_last: bool) -> list[int]:
@@ -36,6 +40,16 @@ def stat_shape(x: Tensor, channel_last: bool) -> list[int]:
     return [1, x.shape[1]] + [1] * (x.dim() - 2)
 
 
+@functools.cache
+def fused_syncbn() -> ModuleType | None:
+    """``amp_fused_ops.syncbn`` when amp-fused-ops is installed, else ``None`` (imported once)."""
+    try:
+        from amp_fused_ops import syncbn
+    except ImportError:
+        return None
+    return syncbn
+
+
 def local_moments(x: Tensor, channel_last: bool) -> tuple[Tensor, Tensor, int]:
     """Per-channel fp32 ``(mean, M2 = sum (x - mean)^2, count)`` of this rank's input."""
     channels = x.shape[-1] if channel_last else x.shape[1]
@@ -43,7 +57,11 @@ def local_moments(x: Tensor, channel_last: bool) -> tuple[Tensor, Tensor, int]:
     if count == 0:
         zeros = torch.zeros(channels, device=x.device, dtype=torch.float32)
         return zeros, zeros.clone(), 0
-    var, mean = torch.var_mean(x.float(), dim=reduce_dims(x, channel_last), correction=0)
+    kernels = fused_syncbn()
+    if kernels is not None:
+        mean, var = kernels.welford_mean_var(x, channel_last=channel_last)
+    else:
+        var, mean = torch.var_mean(x.float(), dim=reduce_dims(x, channel_last), correction=0)
     return mean, var * count, count
 
 

@@ -1,0 +1,518 @@
+// Fused LayerNorm / RMSNorm forward and backward kernels (Apex's fused_layer_norm_cuda).
+//
+// Ops, registered in torch.ops.amp_fused_ops_cuda_ops (the Python side is
+// amp_fused_ops/_norm_ops.py):
+//   layer_norm_fwd(x, gamma?, beta?, eps, rms, mixed) -> (y, mean, invvar)
+//   layer_norm_bwd(dy, saved, mean, invvar, gamma?, beta?, rms, memory_efficient,
+//                  input_dtype) -> (dx, dgamma, dbeta)
+// x is (rows, hidden), contiguous, hidden in [1, 65536]. Statistics are fp32 (per-row Welford
+// for LayerNorm, mean square for RMSNorm). With memory_efficient, `saved` is the output y and
+// the normalized input is recomputed as (y - beta) / gamma.
+//
+// Layout: one block per row; each thread walks the row in chunks of VEC elements (16-byte
+// loads when every pointer is aligned and hidden % VEC == 0, else VEC = 1). The backward runs
+// one block per row for dx, then a column kernel writes per-row-slice partial sums of
+// dy * xhat and dy, and a last kernel reduces them into dgamma / dbeta.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+
+namespace {
+
+constexpr int64_t kMaxHidden = 65536;
+constexpr int kMaxThreads = 512;
+constexpr int kColumns = 32;   // columns per block in the gamma/beta partial kernel
+constexpr int kRowLanes = 16;  // threads along rows in that kernel
+
+template <typename T>
+struct Tag {
+  using type = T;
+};
+
+// VEC elements of type T; aligned to min(16, VEC * sizeof(T)) bytes so that loads of it
+// compile to vector loads (two 16-byte loads for 8 floats).
+template <typename T, int VEC>
+struct alignas(VEC * sizeof(T) < 16 ? VEC * sizeof(T) : 16) Pack {
+  T v[VEC];
+};
+
+template <int VEC, typename T>
+__device__ __forceinline__ void load(const T* __restrict__ p, int64_t i, float (&out)[VEC]) {
+  const Pack<T, VEC> pack = reinterpret_cast<const Pack<T, VEC>*>(p)[i];
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) out[k] = static_cast<float>(pack.v[k]);
+}
+
+template <int VEC, typename T>
+__device__ __forceinline__ void store(T* __restrict__ p, int64_t i, const float (&in)[VEC]) {
+  Pack<T, VEC> pack;
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) pack.v[k] = static_cast<T>(in[k]);
+  reinterpret_cast<Pack<T, VEC>*>(p)[i] = pack;
+}
+
+// Chan's merge of Welford states (count, mean, m2); b is merged into a.
+__device__ __forceinline__ void welford_merge(float& n, float& mean, float& m2, float nb,
+                                              float mean_b, float m2_b) {
+  const float total = n + nb;
+  if (total == 0.f) return;
+  const float delta = mean_b - mean;
+  const float wb = nb / total;
+  mean += delta * wb;
+  m2 += m2_b + delta * delta * n * wb;
+  n = total;
+}
+
+// Block-wide Welford reduction; every thread gets the result. blockDim.x is a multiple of 32.
+__device__ void block_welford(float& n, float& mean, float& m2) {
+  __shared__ float shared[3][kMaxThreads / 32];
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const float nb = __shfl_xor_sync(0xffffffffu, n, offset);
+    const float mb = __shfl_xor_sync(0xffffffffu, mean, offset);
+    const float m2b = __shfl_xor_sync(0xffffffffu, m2, offset);
+    welford_merge(n, mean, m2, nb, mb, m2b);
+  }
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int warps = blockDim.x / 32;
+  __syncthreads();  // shared is reused across calls
+  if (lane == 0) {
+    shared[0][warp] = n;
+    shared[1][warp] = mean;
+    shared[2][warp] = m2;
+  }
+  __syncthreads();
+  n = 0.f;
+  mean = 0.f;
+  m2 = 0.f;
+  for (int w = 0; w < warps; ++w) welford_merge(n, mean, m2, shared[0][w], shared[1][w], shared[2][w]);
+}
+
+// Block-wide sum of two values; every thread gets the result.
+__device__ void block_sum2(float& a, float& b) {
+  __shared__ float shared[2][kMaxThreads / 32];
+  for (int offset = 16; offset > 0; offset /= 2) {
+    a += __shfl_xor_sync(0xffffffffu, a, offset);
+    b += __shfl_xor_sync(0xffffffffu, b, offset);
+  }
+  const int warp = threadIdx.x / 32;
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) {
+    shared[0][warp] = a;
+    shared[1][warp] = b;
+  }
+  __syncthreads();
+  a = 0.f;
+  b = 0.f;
+  for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) {
+    a += shared[0][w];
+    b += shared[1][w];
+  }
+}
+
+template <typename TIn, typename TP, typename TOut, int VEC>
+__global__ void norm_forward_kernel(const TIn* __restrict__ x, const TP* __restrict__ gamma,
+                                    const TP* __restrict__ beta, TOut* __restrict__ y,
+                                    float* __restrict__ mean_out, float* __restrict__ invvar_out,
+                                    int64_t hidden, float eps, bool rms) {
+  const int64_t row = blockIdx.x;
+  const int64_t chunks = hidden / VEC;
+  const TIn* xr = x + row * hidden;
+  float n = 0.f, mean = 0.f, m2 = 0.f;
+  for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+    float v[VEC];
+    load<VEC>(xr, c, v);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      if (rms) {
+        m2 += v[k] * v[k];
+      } else {
+        n += 1.f;
+        const float delta = v[k] - mean;
+        mean += delta / n;
+        m2 += delta * (v[k] - mean);
+      }
+    }
+  }
+  if (rms) {
+    float unused = 0.f;
+    block_sum2(m2, unused);
+    mean = 0.f;
+  } else {
+    block_welford(n, mean, m2);
+  }
+  const float invvar = rsqrtf(m2 / static_cast<float>(hidden) + eps);
+  if (threadIdx.x == 0) {
+    mean_out[row] = mean;
+    invvar_out[row] = invvar;
+  }
+  TOut* yr = y + row * hidden;
+  for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+    float v[VEC], g[VEC], b[VEC];
+    load<VEC>(xr, c, v);
+    if (gamma != nullptr) load<VEC>(gamma, c, g);
+    if (beta != nullptr) load<VEC>(beta, c, b);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      float out = (v[k] - mean) * invvar;
+      if (gamma != nullptr) out *= g[k];
+      if (beta != nullptr) out += b[k];
+      v[k] = out;
+    }
+    store<VEC>(yr, c, v);
+  }
+}
+
+// xhat of VEC elements from the saved input (or the saved output when memory_efficient).
+template <int VEC, typename TS, typename TP>
+__device__ __forceinline__ void normalized(const TS* __restrict__ saved_row,
+                                           const TP* __restrict__ gamma,
+                                           const TP* __restrict__ beta, int64_t c, float mean,
+                                           float invvar, bool memory_efficient,
+                                           float (&xhat)[VEC]) {
+  load<VEC>(saved_row, c, xhat);
+  if (memory_efficient) {
+    float g[VEC], b[VEC];
+    if (gamma != nullptr) load<VEC>(gamma, c, g);
+    if (beta != nullptr) load<VEC>(beta, c, b);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      if (beta != nullptr) xhat[k] -= b[k];
+      if (gamma != nullptr) xhat[k] /= g[k];
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) xhat[k] = (xhat[k] - mean) * invvar;
+  }
+}
+
+template <typename TIn, typename TP, typename TOut, typename TS, int VEC>
+__global__ void norm_backward_input_kernel(const TOut* __restrict__ dy, const TS* __restrict__ saved,
+                                           const float* __restrict__ mean,
+                                           const float* __restrict__ invvar,
+                                           const TP* __restrict__ gamma,
+                                           const TP* __restrict__ beta, TIn* __restrict__ dx,
+                                           int64_t hidden, bool rms, bool memory_efficient) {
+  const int64_t row = blockIdx.x;
+  const int64_t chunks = hidden / VEC;
+  const float mu = rms ? 0.f : mean[row];
+  const float iv = invvar[row];
+  const TOut* dyr = dy + row * hidden;
+  const TS* sr = saved + row * hidden;
+  float sum_g = 0.f, sum_gx = 0.f;
+  for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+    float d[VEC], g[VEC], xh[VEC];
+    load<VEC>(dyr, c, d);
+    if (gamma != nullptr) load<VEC>(gamma, c, g);
+    normalized<VEC>(sr, gamma, beta, c, mu, iv, memory_efficient, xh);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      const float gk = gamma != nullptr ? d[k] * g[k] : d[k];
+      sum_g += gk;
+      sum_gx += gk * xh[k];
+    }
+  }
+  block_sum2(sum_g, sum_gx);
+  const float inv_n = 1.f / static_cast<float>(hidden);
+  const float mean_g = rms ? 0.f : sum_g * inv_n;
+  const float proj = sum_gx * inv_n;
+  TIn* dxr = dx + row * hidden;
+  for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+    float d[VEC], g[VEC], xh[VEC];
+    load<VEC>(dyr, c, d);
+    if (gamma != nullptr) load<VEC>(gamma, c, g);
+    normalized<VEC>(sr, gamma, beta, c, mu, iv, memory_efficient, xh);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      const float gk = gamma != nullptr ? d[k] * g[k] : d[k];
+      d[k] = (gk - mean_g - xh[k] * proj) * iv;
+    }
+    store<VEC>(dxr, c, d);
+  }
+}
+
+// Partial sums over a slice of rows of dy * xhat (-> dgamma) and dy (-> dbeta), per column.
+// Block (kColumns, kRowLanes); grid (ceil(hidden / kColumns), slices).
+template <typename TP, typename TOut, typename TS>
+__global__ void norm_backward_params_partial(const TOut* __restrict__ dy, const TS* __restrict__ saved,
+                                             const float* __restrict__ mean,
+                                             const float* __restrict__ invvar,
+                                             const TP* __restrict__ gamma,
+                                             const TP* __restrict__ beta, float* __restrict__ part_g,
+                                             float* __restrict__ part_b, int64_t rows,
+                                             int64_t hidden, bool rms, bool memory_efficient) {
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * kColumns + threadIdx.x;
+  const int64_t per_slice = (rows + gridDim.y - 1) / gridDim.y;
+  const int64_t begin = blockIdx.y * per_slice;
+  const int64_t end = begin + per_slice < rows ? begin + per_slice : rows;
+  float acc_g = 0.f, acc_b = 0.f;
+  if (col < hidden) {
+    float g = 1.f, b = 0.f;
+    if (memory_efficient) {
+      if (gamma != nullptr) g = static_cast<float>(gamma[col]);
+      if (beta != nullptr) b = static_cast<float>(beta[col]);
+    }
+    for (int64_t r = begin + threadIdx.y; r < end; r += kRowLanes) {
+      const float d = static_cast<float>(dy[r * hidden + col]);
+      const float s = static_cast<float>(saved[r * hidden + col]);
+      float xh;
+      if (memory_efficient) {
+        xh = (s - b) / g;
+      } else {
+        xh = (s - (rms ? 0.f : mean[r])) * invvar[r];
+      }
+      acc_g += d * xh;
+      acc_b += d;
+    }
+  }
+  __shared__ float sg[kRowLanes][kColumns + 1];
+  __shared__ float sb[kRowLanes][kColumns + 1];
+  sg[threadIdx.y][threadIdx.x] = acc_g;
+  sb[threadIdx.y][threadIdx.x] = acc_b;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < hidden) {
+    for (int i = 1; i < kRowLanes; ++i) {
+      acc_g += sg[i][threadIdx.x];
+      acc_b += sb[i][threadIdx.x];
+    }
+    part_g[blockIdx.y * hidden + col] = acc_g;
+    part_b[blockIdx.y * hidden + col] = acc_b;
+  }
+}
+
+template <typename TP>
+__global__ void norm_backward_params_final(const float* __restrict__ part_g,
+                                           const float* __restrict__ part_b, TP* __restrict__ dgamma,
+                                           TP* __restrict__ dbeta, int64_t slices, int64_t hidden) {
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (col >= hidden) return;
+  float g = 0.f, b = 0.f;
+  for (int64_t s = 0; s < slices; ++s) {
+    g += part_g[s * hidden + col];
+    b += part_b[s * hidden + col];
+  }
+  if (dgamma != nullptr) dgamma[col] = static_cast<TP>(g);
+  if (dbeta != nullptr) dbeta[col] = static_cast<TP>(b);
+}
+
+// --- host side -----------------------------------------------------------------------------
+
+bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Threads per row: a power of two in [32, 512] giving each thread about 4 chunks.
+int threads_for(int64_t chunks) {
+  int threads = 32;
+  while (threads < kMaxThreads && threads * 4 < chunks) threads *= 2;
+  return threads;
+}
+
+template <typename T>
+const T* ptr_or_null(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? t->data_ptr<T>() : nullptr;
+}
+
+// Calls f(Tag<TIn>, Tag<TP>, Tag<TOut>) for the supported dtype combinations: all equal, or
+// float parameters with half / bfloat16 input and an output in either.
+template <typename F>
+void dispatch_types(at::ScalarType in, at::ScalarType p, at::ScalarType out, const char* op,
+                    F&& f) {
+  using at::kBFloat16;
+  using at::kFloat;
+  using at::kHalf;
+  using H = at::Half;
+  using B = at::BFloat16;
+  if (in == kFloat && p == kFloat && out == kFloat) return f(Tag<float>{}, Tag<float>{}, Tag<float>{});
+  if (in == kHalf && p == kHalf && out == kHalf) return f(Tag<H>{}, Tag<H>{}, Tag<H>{});
+  if (in == kBFloat16 && p == kBFloat16 && out == kBFloat16) return f(Tag<B>{}, Tag<B>{}, Tag<B>{});
+  if (in == kHalf && p == kFloat && out == kHalf) return f(Tag<H>{}, Tag<float>{}, Tag<H>{});
+  if (in == kHalf && p == kFloat && out == kFloat) return f(Tag<H>{}, Tag<float>{}, Tag<float>{});
+  if (in == kBFloat16 && p == kFloat && out == kBFloat16) return f(Tag<B>{}, Tag<float>{}, Tag<B>{});
+  if (in == kBFloat16 && p == kFloat && out == kFloat) return f(Tag<B>{}, Tag<float>{}, Tag<float>{});
+  TORCH_CHECK(false, op, ": unsupported dtypes (input ", in, ", parameters ", p, ", output ", out,
+              "); supported: float32/float16/bfloat16 with parameters of the input's dtype, or "
+              "float32 parameters with float16/bfloat16 input");
+}
+
+void check_params(const at::Tensor& x, const std::optional<at::Tensor>& gamma,
+                  const std::optional<at::Tensor>& beta, const char* op) {
+  const int64_t hidden = x.size(1);
+  for (const auto* t : {&gamma, &beta}) {
+    if (!t->has_value()) continue;
+    const at::Tensor& p = t->value();
+    TORCH_CHECK(p.is_cuda() && p.device() == x.device(), op,
+                ": parameters must be on the input's device ", x.device(), ", got ", p.device());
+    TORCH_CHECK(p.dim() == 1 && p.size(0) == hidden && p.is_contiguous(), op,
+                ": parameters must be contiguous of shape (", hidden, "), got ", p.sizes());
+  }
+  if (gamma.has_value() && beta.has_value()) {
+    TORCH_CHECK(gamma->scalar_type() == beta->scalar_type(), op, ": weight (",
+                gamma->scalar_type(), ") and bias (", beta->scalar_type(),
+                ") must have the same dtype");
+  }
+}
+
+void check_rows(const at::Tensor& t, const char* name, const char* op) {
+  TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got ", t.device());
+  TORCH_CHECK(t.dim() == 2 && t.is_contiguous(), op, ": ", name,
+              " must be a contiguous (rows, hidden) tensor, got sizes ", t.sizes());
+  TORCH_CHECK(t.size(1) >= 1 && t.size(1) <= kMaxHidden, op, ": hidden size ", t.size(1),
+              " is outside [1, ", kMaxHidden, "]; use torch.nn.functional.layer_norm instead");
+  TORCH_CHECK(t.size(0) <= INT32_MAX, op, ": too many rows (", t.size(0), ")");
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(
+    const at::Tensor& x, const std::optional<at::Tensor>& gamma,
+    const std::optional<at::Tensor>& beta, double eps, bool rms, bool mixed) {
+  constexpr const char* op = "layer_norm_fwd";
+  check_rows(x, "input", op);
+  check_params(x, gamma, beta, op);
+  TORCH_CHECK(!mixed || gamma.has_value(), op, ": the mixed-dtype variant needs a weight");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  const at::ScalarType pdt =
+      gamma.has_value() ? gamma->scalar_type() : (beta.has_value() ? beta->scalar_type() : x.scalar_type());
+  const at::ScalarType odt = mixed ? pdt : x.scalar_type();
+  at::Tensor y = at::empty_like(x, x.options().dtype(odt));
+  at::Tensor mean = at::empty({rows}, x.options().dtype(at::kFloat));
+  at::Tensor invvar = at::empty({rows}, x.options().dtype(at::kFloat));
+  if (rows == 0) return {y, mean, invvar};
+  dispatch_types(x.scalar_type(), pdt, odt, op, [&](auto tin, auto tp, auto tout) {
+    using TIn = typename decltype(tin)::type;
+    using TP = typename decltype(tp)::type;
+    using TOut = typename decltype(tout)::type;
+    constexpr int VEC = 16 / sizeof(TIn);
+    const TP* g = ptr_or_null<TP>(gamma);
+    const TP* b = rms ? nullptr : ptr_or_null<TP>(beta);
+    const bool vec = hidden % VEC == 0 && aligned(x.data_ptr()) && aligned(y.data_ptr()) &&
+                     (g == nullptr || aligned(g)) && (b == nullptr || aligned(b));
+    const auto stream = at::cuda::getCurrentCUDAStream();
+    if (vec) {
+      norm_forward_kernel<TIn, TP, TOut, VEC><<<static_cast<unsigned>(rows), threads_for(hidden / VEC), 0, stream>>>(
+          x.data_ptr<TIn>(), g, b, y.data_ptr<TOut>(), mean.data_ptr<float>(),
+          invvar.data_ptr<float>(), hidden, static_cast<float>(eps), rms);
+    } else {
+      norm_forward_kernel<TIn, TP, TOut, 1><<<static_cast<unsigned>(rows), threads_for(hidden), 0, stream>>>(
+          x.data_ptr<TIn>(), g, b, y.data_ptr<TOut>(), mean.data_ptr<float>(),
+          invvar.data_ptr<float>(), hidden, static_cast<float>(eps), rms);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {y, mean, invvar};
+}
+
+template <typename TIn, typename TP, typename TOut, typename TS>
+void launch_backward(const at::Tensor& dy, const at::Tensor& saved, const at::Tensor& mean,
+                     const at::Tensor& invvar, const std::optional<at::Tensor>& gamma,
+                     const std::optional<at::Tensor>& beta, bool rms, bool memory_efficient,
+                     at::Tensor& dx, at::Tensor& dgamma, at::Tensor& dbeta) {
+  const int64_t rows = dy.size(0), hidden = dy.size(1);
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const TP* g = ptr_or_null<TP>(gamma);
+  const TP* b = ptr_or_null<TP>(beta);
+  constexpr int VEC = 16 / (sizeof(TIn) > sizeof(TOut) ? sizeof(TIn) : sizeof(TOut));
+  const bool vec = hidden % VEC == 0 && aligned(dy.data_ptr()) && aligned(saved.data_ptr()) &&
+                   aligned(dx.data_ptr()) && (g == nullptr || aligned(g)) &&
+                   (b == nullptr || aligned(b));
+  if (vec) {
+    norm_backward_input_kernel<TIn, TP, TOut, TS, VEC><<<static_cast<unsigned>(rows), threads_for(hidden / VEC), 0, stream>>>(
+        dy.data_ptr<TOut>(), saved.data_ptr<TS>(), mean.data_ptr<float>(),
+        invvar.data_ptr<float>(), g, b, dx.data_ptr<TIn>(), hidden, rms, memory_efficient);
+  } else {
+    norm_backward_input_kernel<TIn, TP, TOut, TS, 1><<<static_cast<unsigned>(rows), threads_for(hidden), 0, stream>>>(
+        dy.data_ptr<TOut>(), saved.data_ptr<TS>(), mean.data_ptr<float>(),
+        invvar.data_ptr<float>(), g, b, dx.data_ptr<TIn>(), hidden, rms, memory_efficient);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (!gamma.has_value() && !beta.has_value()) return;
+  // Enough row slices to fill the device about four times, each at least kRowLanes rows.
+  const int64_t col_blocks = (hidden + kColumns - 1) / kColumns;
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  int64_t slices = std::max<int64_t>(1, (4 * sms + col_blocks - 1) / col_blocks);
+  slices = std::min<int64_t>({slices, (rows + kRowLanes - 1) / kRowLanes, 1024});
+  at::Tensor part = at::empty({2, slices, hidden}, dy.options().dtype(at::kFloat));
+  const dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(slices));
+  norm_backward_params_partial<TP, TOut, TS><<<grid, dim3(kColumns, kRowLanes), 0, stream>>>(
+      dy.data_ptr<TOut>(), saved.data_ptr<TS>(), mean.data_ptr<float>(),
+      invvar.data_ptr<float>(), g, b, part[0].data_ptr<float>(), part[1].data_ptr<float>(), rows,
+      hidden, rms, memory_efficient);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  norm_backward_params_final<TP><<<(hidden + 255) / 256, 256, 0, stream>>>(
+      part[0].data_ptr<float>(), part[1].data_ptr<float>(),
+      dgamma.numel() ? dgamma.data_ptr<TP>() : nullptr,
+      dbeta.numel() ? dbeta.data_ptr<TP>() : nullptr, slices, hidden);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
+    const at::Tensor& dy, const at::Tensor& saved, const at::Tensor& mean,
+    const at::Tensor& invvar, const std::optional<at::Tensor>& gamma,
+    const std::optional<at::Tensor>& beta, bool rms, bool memory_efficient,
+    at::ScalarType input_dtype) {
+  constexpr const char* op = "layer_norm_bwd";
+  check_rows(dy, "grad_output", op);
+  check_rows(saved, "saved tensor", op);
+  TORCH_CHECK(saved.sizes() == dy.sizes() && saved.device() == dy.device(), op,
+              ": saved tensor ", saved.sizes(), " and grad_output ", dy.sizes(),
+              " must have the same shape and device");
+  check_params(dy, gamma, beta, op);
+  const int64_t rows = dy.size(0), hidden = dy.size(1);
+  for (const at::Tensor* s : {&mean, &invvar}) {
+    TORCH_CHECK(s->scalar_type() == at::kFloat && s->numel() == rows && s->is_contiguous() &&
+                    s->device() == dy.device(),
+                op, ": mean and invvar must be contiguous float32 (", rows, ",) tensors on ",
+                dy.device(), ", got ", s->scalar_type(), " ", s->sizes());
+  }
+  const c10::cuda::CUDAGuard guard(dy.device());
+  // With rms, beta is ignored entirely (no shift, no gradient).
+  const std::optional<at::Tensor> shift = rms ? std::nullopt : beta;
+  const at::ScalarType pdt =
+      gamma.has_value() ? gamma->scalar_type() : (shift.has_value() ? shift->scalar_type() : input_dtype);
+  const at::ScalarType odt = dy.scalar_type();
+  const at::ScalarType expected_saved = memory_efficient ? odt : input_dtype;
+  TORCH_CHECK(saved.scalar_type() == expected_saved, op, ": saved tensor has dtype ",
+              saved.scalar_type(), " but ", expected_saved, " was expected (",
+              memory_efficient ? "the output's" : "the input's", " dtype)");
+  at::Tensor dx = at::empty_like(dy, dy.options().dtype(input_dtype));
+  at::Tensor dgamma = gamma.has_value() ? at::empty_like(*gamma) : dy.new_empty({0});
+  at::Tensor dbeta = shift.has_value() ? at::empty_like(*shift) : dy.new_empty({0});
+  if (rows == 0) {
+    dgamma.zero_();
+    dbeta.zero_();
+    return {dx, dgamma, dbeta};
+  }
+  dispatch_types(input_dtype, pdt, odt, op, [&](auto tin, auto tp, auto tout) {
+    using TIn = typename decltype(tin)::type;
+    using TP = typename decltype(tp)::type;
+    using TOut = typename decltype(tout)::type;
+    if (memory_efficient) {
+      launch_backward<TIn, TP, TOut, TOut>(dy, saved, mean, invvar, gamma, shift, rms, true, dx,
+                                           dgamma, dbeta);
+    } else {
+      launch_backward<TIn, TP, TOut, TIn>(dy, saved, mean, invvar, gamma, shift, rms, false, dx,
+                                          dgamma, dbeta);
+    }
+  });
+  return {dx, dgamma, dbeta};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(amp_fused_ops_cuda_ops, m) {
+  m.def(
+      "layer_norm_fwd(Tensor x, Tensor? gamma, Tensor? beta, float eps, bool rms, bool mixed)"
+      " -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "layer_norm_bwd(Tensor dy, Tensor saved, Tensor mean, Tensor invvar, Tensor? gamma, "
+      "Tensor? beta, bool rms, bool memory_efficient, ScalarType input_dtype)"
+      " -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(amp_fused_ops_cuda_ops, CUDA, m) {
+  m.impl("layer_norm_fwd", &layer_norm_fwd);
+  m.impl("layer_norm_bwd", &layer_norm_bwd);
+}

@@ -1,0 +1,263 @@
+"""The LayerNorm / RMSNorm custom ops: ``torch.ops.amp_fused_ops.norm_forward`` / ``_backward``.
+
+Both are ``torch.library`` custom ops with fake (meta) implementations, so ``torch.compile``
+treats them as opaque nodes, and ``norm_forward`` has its autograd formula registered. Each
+runs the CUDA kernels of ``csrc/cuda/layer_norm.cu`` (``torch.ops.amp_fused_ops_cuda_ops``)
+when the input is on CUDA and the CUDA extension is loaded, and the fp32-accumulating
+PyTorch reference of :mod:`amp_fused_ops._norm_reference` everywhere else.
+
+Under autocast, ``norm_forward`` follows ``aten::layer_norm``: where autocast has a kernel for
+``layer_norm`` on the input's device (PyTorch's CUDA policy, and amp O1's policy on every
+device), its half inputs are cast to fp32 and the output is fp32; where it has none (PyTorch's
+CPU autocast leaves ``layer_norm`` alone), it runs on its inputs as given. The math is fp32
+either way.
+
+This module deliberately does not use ``from __future__ import annotations``: the custom-op
+decorators read the annotations at import time.
+"""
+
+import logging
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from amp_fused_ops import _loader
+from amp_fused_ops._norm_reference import (
+    norm_backward_reference,
+    norm_forward_reference,
+    output_dtype,
+)
+
+__all__ = ["cuda_op", "layer_norm_autocasts_to_fp32", "norm_backward", "norm_forward"]
+
+logger = logging.getLogger(__name__)
+
+CUDA_NAMESPACE = "amp_fused_ops_cuda_ops"
+"""Namespace of the ops that the CUDA extension registers with ``TORCH_LIBRARY_FRAGMENT``."""
+
+_found: dict[str, Any] = {}
+
+
+def cuda_op(name: str) -> Any | None:
+    """The CUDA op ``torch.ops.amp_fused_ops_cuda_ops.<name>``, or ``None`` when not loaded.
+
+    Loads (building just in time on first use) the CUDA extension through
+    :func:`amp_fused_ops._loader.get_extension`; the op is used when it is registered, whoever
+    loaded the library that defines it.
+
+    Args:
+        name: The op's name, e.g. ``"layer_norm_fwd"``.
+
+    Returns:
+        The op overload packet, or ``None`` (the caller then takes the reference path).
+    """
+    if name in _found:
+        return _found[name]
+    _loader.get_extension("cuda")  # registers the ops as a side effect of loading
+    namespace = getattr(torch.ops, CUDA_NAMESPACE)
+    if not hasattr(namespace, name):
+        return None
+    op = getattr(namespace, name)
+    _found[name] = op
+    return op
+
+
+_HALF = (torch.float16, torch.bfloat16)
+MAX_CUDA_HIDDEN = 65536
+"""The largest row length (product of ``normalized_shape``) the CUDA kernels take."""
+
+
+def _kernel_supports(x_dtype: torch.dtype, x: Tensor, params: tuple[Tensor | None, ...]) -> bool:
+    """Whether the CUDA kernels take these dtypes, devices and sizes (else: reference path)."""
+    if not x.is_cuda or x.dim() != 2 or not 1 <= x.shape[1] <= MAX_CUDA_HIDDEN:
+        return False
+    present = [p for p in params if p is not None]
+    if any(p.device != x.device for p in present):
+        return False
+    dtypes = {p.dtype for p in present}
+    if len(dtypes) > 1:
+        return False
+    param_dtype = dtypes.pop() if dtypes else x_dtype
+    return param_dtype == x_dtype or (param_dtype == torch.float32 and x_dtype in _HALF)
+
+
+def _dense(t: Tensor | None) -> Tensor | None:
+    """The kernels take contiguous tensors (a no-op for the ones the modules pass)."""
+    return t.contiguous() if t is not None else None
+
+
+@torch.library.custom_op("amp_fused_ops::norm_forward", mutates_args=())
+def norm_forward(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    rms: bool,
+    mixed: bool,
+    memory_efficient: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Normalize the rows of ``x`` (rows, hidden): ``(out, mean, invvar)``.
+
+    ``memory_efficient`` only decides what autograd saves (the output instead of the input).
+    """
+    del memory_efficient
+    supported = _kernel_supports(x.dtype, x, (weight, bias if not rms else None))
+    op = cuda_op("layer_norm_fwd") if supported else None
+    if op is not None:
+        shift = bias if not rms else None
+        out, mean, invvar = op(_dense(x), _dense(weight), _dense(shift), eps, rms, mixed)
+        return out, mean, invvar
+    return norm_forward_reference(x, weight, bias, eps, rms, mixed)
+
+
+@norm_forward.register_fake
+def _norm_forward_fake(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    rms: bool,
+    mixed: bool,
+    memory_efficient: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    out = x.new_empty(x.shape, dtype=output_dtype(x, weight, mixed))
+    stats = x.new_empty((x.shape[0],), dtype=torch.float32)
+    return out, stats, stats.clone()
+
+
+@torch.library.custom_op("amp_fused_ops::norm_backward", mutates_args=())
+def norm_backward(
+    grad_out: Tensor,
+    saved: Tensor,
+    mean: Tensor,
+    invvar: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    rms: bool,
+    memory_efficient: bool,
+    input_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(grad_input, grad_weight, grad_bias)``; empty tensors for absent parameters."""
+    supported = _kernel_supports(input_dtype, grad_out, (weight, bias if not rms else None))
+    op = cuda_op("layer_norm_bwd") if supported else None
+    if op is not None:
+        dx, dw, db = op(
+            _dense(grad_out), _dense(saved), _dense(mean), _dense(invvar), _dense(weight),
+            _dense(bias if not rms else None), rms, memory_efficient, input_dtype,
+        )  # fmt: skip
+        return dx, dw, db
+    return norm_backward_reference(
+        grad_out, saved, mean, invvar, weight, bias, rms, memory_efficient, input_dtype
+    )
+
+
+@norm_backward.register_fake
+def _norm_backward_fake(
+    grad_out: Tensor,
+    saved: Tensor,
+    mean: Tensor,
+    invvar: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    rms: bool,
+    memory_efficient: bool,
+    input_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor]:
+    dx = grad_out.new_empty(grad_out.shape, dtype=input_dtype)
+    dw = torch.empty_like(weight) if weight is not None else grad_out.new_empty((0,))
+    has_bias = bias is not None and not rms
+    db = torch.empty_like(bias) if bias is not None and has_bias else grad_out.new_empty((0,))
+    return dx, dw, db
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+    x, weight, bias, _eps, rms, _mixed, memory_efficient = inputs
+    out, mean, invvar = output
+    saved = out if memory_efficient else x
+    ctx.save_for_backward(saved, mean, invvar, weight, bias)
+    ctx.rms = rms
+    ctx.memory_efficient = memory_efficient
+    ctx.input_dtype = x.dtype
+    ctx.mark_non_differentiable(mean, invvar)
+
+
+def _backward(ctx: Any, grad_out: Tensor, _grad_mean: Tensor, _grad_invvar: Tensor) -> tuple:
+    saved, mean, invvar, weight, bias = ctx.saved_tensors
+    dx, dw, db = norm_backward(
+        grad_out.contiguous(),
+        saved,
+        mean,
+        invvar,
+        weight,
+        bias,
+        ctx.rms,
+        ctx.memory_efficient,
+        ctx.input_dtype,
+    )
+    grad_weight = dw if weight is not None else None
+    grad_bias = db if bias is not None and not ctx.rms else None
+    return dx, grad_weight, grad_bias, None, None, None, None
+
+
+norm_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --- autocast ---------------------------------------------------------------------------------
+
+_AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
+
+
+def layer_norm_autocasts_to_fp32(device_type: str) -> bool:
+    """Whether autocast runs ``layer_norm`` in fp32 on ``device_type``.
+
+    True where the dispatcher holds an autocast kernel for ``aten::layer_norm`` on that device:
+    PyTorch's own on CUDA, and amp O1's (amp_core registers one per device while O1 casting is
+    on). PyTorch's CPU autocast has none and leaves ``layer_norm`` in the input's dtype.
+
+    Args:
+        device_type: ``"cpu"`` or ``"cuda"`` (other devices: False).
+
+    Returns:
+        Whether the fused norms should cast half inputs to fp32 under autocast there.
+    """
+    key = _AUTOCAST_KEYS.get(device_type)
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
+        "aten::layer_norm", key
+    )
+
+
+def _to_fp32(t: Tensor | None, device_type: str) -> Tensor | None:
+    if t is not None and t.dtype in _HALF and t.device.type == device_type:
+        return t.float()
+    return t
+
+
+def _autocast_kernel(device_type: str, key: str) -> Any:
+    below = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+
+    def kernel(
+        x: Tensor,
+        weight: Tensor | None,
+        bias: Tensor | None,
+        eps: float,
+        rms: bool,
+        mixed: bool,
+        memory_efficient: bool,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        if layer_norm_autocasts_to_fp32(device_type):
+            x = _to_fp32(x, device_type)  # type: ignore[assignment]
+            weight = _to_fp32(weight, device_type)
+            bias = _to_fp32(bias, device_type)
+        with torch._C._ExcludeDispatchKeyGuard(below):
+            return torch.ops.amp_fused_ops.norm_forward.default(
+                x, weight, bias, eps, rms, mixed, memory_efficient
+            )
+
+    return kernel
+
+
+# Kept alive for the life of the process: dropping the library removes the registrations.
+_autocast_lib = torch.library.Library("amp_fused_ops", "IMPL")
+for _device_type, _key in _AUTOCAST_KEYS.items():
+    _autocast_lib.impl("norm_forward", _autocast_kernel(_device_type, _key), _key)

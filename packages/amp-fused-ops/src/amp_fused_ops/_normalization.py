@@ -1,0 +1,460 @@
+"""Apex's fused LayerNorm / RMSNorm: modules and functions (``apex.normalization``).
+
+Every entry point reshapes the input to ``(rows, hidden)`` and calls the custom op
+``torch.ops.amp_fused_ops.norm_forward`` (CUDA kernel or fp32-accumulating PyTorch reference,
+see :mod:`amp_fused_ops._norm_ops`). The math is fp32 whatever the dtypes. Under
+``torch.autocast`` (and amp O1, which runs on it) these norms behave as ``layer_norm`` does
+there: where autocast runs ``layer_norm`` in fp32 (PyTorch on CUDA, amp O1 everywhere) they
+take fp32 copies of half inputs and return fp32; under PyTorch's CPU autocast, which leaves
+``layer_norm`` alone, they return the input's dtype. (Apex cast to half instead; see the
+package CHANGELOG.)
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from amp_fused_ops._norm_ops import norm_forward
+
+__all__ = [
+    "FusedLayerNorm",
+    "FusedRMSNorm",
+    "MixedFusedLayerNorm",
+    "MixedFusedRMSNorm",
+    "fused_layer_norm",
+    "fused_layer_norm_affine",
+    "fused_rms_norm",
+    "fused_rms_norm_affine",
+    "mixed_dtype_fused_layer_norm_affine",
+    "mixed_dtype_fused_rms_norm_affine",
+]
+
+ShapeArg = int | Sequence[int] | torch.Size
+
+
+def _as_shape(normalized_shape: ShapeArg) -> tuple[int, ...]:
+    if isinstance(normalized_shape, (int, numbers.Integral)):
+        shape: tuple[int, ...] = (int(normalized_shape),)
+    else:
+        shape = tuple(int(d) for d in normalized_shape)
+    if not shape or any(d <= 0 for d in shape):
+        raise ValueError(
+            f"normalized_shape must be a non-empty sequence of positive sizes, got "
+            f"{normalized_shape!r}; pass the trailing dimensions of the input, e.g. (1024,)"
+        )
+    return shape
+
+
+def _normalize(
+    input: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    normalized_shape: ShapeArg,
+    eps: float,
+    *,
+    rms: bool,
+    mixed: bool,
+    memory_efficient: bool,
+) -> Tensor:
+    shape = _as_shape(normalized_shape)
+    if tuple(input.shape[input.dim() - len(shape) :]) != shape or input.dim() < len(shape):
+        raise ValueError(
+            f"input of shape {tuple(input.shape)} does not end with normalized_shape {shape}; "
+            "the normalized dimensions must be the input's last ones"
+        )
+    hidden = 1
+    for d in shape:
+        hidden *= d
+    for name, param in (("weight", weight), ("bias", bias)):
+        if param is not None and tuple(param.shape) != shape:
+            raise ValueError(
+                f"{name} has shape {tuple(param.shape)} but normalized_shape is {shape}; "
+                f"give a {name} of shape {shape}"
+            )
+    if mixed and weight is None:
+        raise ValueError(
+            "the mixed-dtype norms need a weight (their output takes its dtype); pass one, or "
+            "use fused_layer_norm / fused_rms_norm without parameters"
+        )
+    rows = input.reshape(-1, hidden).contiguous()  # (M, N)
+    flat_weight = weight.reshape(hidden).contiguous() if weight is not None else None
+    flat_bias = bias.reshape(hidden).contiguous() if bias is not None and not rms else None
+    # Autocast is handled by the op's autocast kernel (it follows aten::layer_norm's policy).
+    out, _, _ = norm_forward(rows, flat_weight, flat_bias, float(eps), rms, mixed, memory_efficient)
+    return out.view(input.shape)
+
+
+def fused_layer_norm_affine(
+    input: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    normalized_shape: ShapeArg,
+    eps: float = 1e-6,
+    memory_efficient: bool = False,
+) -> Tensor:
+    """LayerNorm with scale and shift over the trailing dimensions (Apex's signature).
+
+    Args:
+        input: Input whose trailing dimensions equal ``normalized_shape``.
+        weight: Scale of shape ``normalized_shape``.
+        bias: Shift of shape ``normalized_shape``.
+        normalized_shape: The trailing shape normalized over (an int or a sequence).
+        eps: Added to the variance (Apex's functional default, 1e-6; the modules use 1e-5).
+        memory_efficient: Save the output instead of the input for backward.
+
+    Returns:
+        The normalized tensor in the input's dtype (fp32 where autocast runs ``layer_norm``
+        in fp32).
+
+    Raises:
+        ValueError: If the input or the parameters do not match ``normalized_shape``.
+
+    Example:
+        >>> x = torch.randn(4, 16)
+        >>> y = fused_layer_norm_affine(x, torch.ones(16), torch.zeros(16), (16,))
+    """
+    return _normalize(
+        input, weight, bias, normalized_shape, eps, rms=False, mixed=False,
+        memory_efficient=memory_efficient,
+    )  # fmt: skip
+
+
+def fused_layer_norm(
+    input: Tensor, normalized_shape: ShapeArg, eps: float = 1e-6, memory_efficient: bool = False
+) -> Tensor:
+    """LayerNorm without parameters over the trailing dimensions (Apex's signature).
+
+    Args:
+        input: Input whose trailing dimensions equal ``normalized_shape``.
+        normalized_shape: The trailing shape normalized over (an int or a sequence).
+        eps: Added to the variance.
+        memory_efficient: Save the output instead of the input for backward.
+
+    Returns:
+        The normalized tensor in the input's dtype (fp32 where autocast runs ``layer_norm``
+        in fp32).
+
+    Raises:
+        ValueError: If the input does not end with ``normalized_shape``.
+
+    Example:
+        >>> y = fused_layer_norm(torch.randn(4, 16), 16)
+    """
+    return _normalize(
+        input, None, None, normalized_shape, eps, rms=False, mixed=False,
+        memory_efficient=memory_efficient,
+    )  # fmt: skip
+
+
+def mixed_dtype_fused_layer_norm_affine(
+    input: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    normalized_shape: ShapeArg,
+    eps: float = 1e-6,
+    memory_efficient: bool = False,
+) -> Tensor:
+    """LayerNorm whose output takes the parameters' dtype (fp32 parameters, half input).
+
+    Args:
+        input: Input whose trailing dimensions equal ``normalized_shape`` (any float dtype).
+        weight: Scale of shape ``normalized_shape``; its dtype is the output's.
+        bias: Shift of shape ``normalized_shape``, in the weight's dtype.
+        normalized_shape: The trailing shape normalized over.
+        eps: Added to the variance.
+        memory_efficient: Save the output instead of the input for backward.
+
+    Returns:
+        The normalized tensor in the weight's dtype.
+
+    Raises:
+        ValueError: If the input or the parameters do not match ``normalized_shape``.
+
+    Example:
+        >>> x = torch.randn(4, 16, dtype=torch.bfloat16)
+        >>> y = mixed_dtype_fused_layer_norm_affine(x, torch.ones(16), torch.zeros(16), 16)
+        >>> y.dtype
+        torch.float32
+    """
+    return _normalize(
+        input, weight, bias, normalized_shape, eps, rms=False, mixed=True,
+        memory_efficient=memory_efficient,
+    )  # fmt: skip
+
+
+def fused_rms_norm_affine(
+    input: Tensor,
+    weight: Tensor,
+    normalized_shape: ShapeArg,
+    eps: float = 1e-6,
+    memory_efficient: bool = False,
+) -> Tensor:
+    """RMSNorm ``x / sqrt(mean(x^2) + eps) * weight`` over the trailing dimensions.
+
+    Args:
+        input: Input whose trailing dimensions equal ``normalized_shape``.
+        weight: Scale of shape ``normalized_shape``.
+        normalized_shape: The trailing shape normalized over (an int or a sequence).
+        eps: Added to the mean square.
+        memory_efficient: Save the output instead of the input for backward.
+
+    Returns:
+        The normalized tensor in the input's dtype (fp32 where autocast runs ``layer_norm``
+        in fp32).
+
+    Raises:
+        ValueError: If the input or the weight do not match ``normalized_shape``.
+
+    Example:
+        >>> y = fused_rms_norm_affine(torch.randn(4, 16), torch.ones(16), 16)
+    """
+    return _normalize(
+        input, weight, None, normalized_shape, eps, rms=True, mixed=False,
+        memory_efficient=memory_efficient,
+    )  # fmt: skip
+
+
+def fused_rms_norm(
+    input: Tensor, normalized_shape: ShapeArg, eps: float = 1e-6, memory_efficient: bool = False
+) -> Tensor:
+    """RMSNorm ``x / sqrt(mean(x^2) + eps)`` without a weight over the trailing dimensions.
+
+    Args:
+        input: Input whose trailing dimensions equal ``normalized_shape``.
+        normalized_shape: The trailing shape normalized over (an int or a sequence).
+        eps: Added to the mean square.
+        memory_efficient: Save the output instead of the input for backward.
+
+    Returns:
+        The normalized tensor in the input's dtype (fp32 where autocast runs ``layer_norm``
+        in fp32).
+
+    Raises:
+        ValueError: If the input does not end with ``normalized_shape``.
+
+    Example:
+        >>> y = fused_rms_norm(torch.randn(4, 16), 16)
+    """
+    return _normalize(
+        input, None, None, normalized_shape, eps, rms=True, mixed=False,
+        memory_efficient=memory_efficient,
+    )  # fmt: skip
+
+
+def mixed_dtype_fused_rms_norm_affine(
+    input: Tensor,
+    weight: Tensor,
+    normalized_shape: ShapeArg,
+    eps: float = 1e-6,
+    memory_efficient: bool = False,
+) -> Tensor:
+    """RMSNorm whose output takes the weight's dtype (fp32 weight, half input).
+
+    Args:
+        input: Input whose trailing dimensions equal ``normalized_shape`` (any float dtype).
+        weight: Scale of shape ``normalized_shape``; its dtype is the output's.
+        normalized_shape: The trailing shape normalized over.
+        eps: Added to the mean square.
+        memory_efficient: Save the output instead of the input for backward.
+
+    Returns:
+        The normalized tensor in the weight's dtype.
+
+    Raises:
+        ValueError: If the input or the weight do not match ``normalized_shape``.
+
+    Example:
+        >>> x = torch.randn(4, 16, dtype=torch.float16)
+        >>> mixed_dtype_fused_rms_norm_affine(x, torch.ones(16), 16).dtype
+        torch.float32
+    """
+    return _normalize(
+        input, weight, None, normalized_shape, eps, rms=True, mixed=True,
+        memory_efficient=memory_efficient,
+    )  # fmt: skip
+
+
+class _FusedNorm(nn.Module):
+    """What FusedLayerNorm and FusedRMSNorm share: parameters, checks and the call."""
+
+    _rms = False
+    _mixed = False
+
+    def __init__(
+        self,
+        normalized_shape: ShapeArg,
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        memory_efficient: bool = False,
+    ) -> None:
+        super().__init__()
+        self.normalized_shape = torch.Size(_as_shape(normalized_shape))
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        self.memory_efficient = memory_efficient
+        self.weight: nn.Parameter | None
+        self.bias: nn.Parameter | None
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.empty(self.normalized_shape))
+        else:
+            self.register_parameter("weight", None)
+        if elementwise_affine and not self._rms:
+            self.bias = nn.Parameter(torch.empty(self.normalized_shape))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Weight to ones, bias to zeros."""
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, input: Tensor) -> Tensor:
+        """Normalize ``input`` over its trailing ``normalized_shape`` dimensions."""
+        return _normalize(
+            input, self.weight, self.bias, self.normalized_shape, self.eps, rms=self._rms,
+            mixed=self._mixed, memory_efficient=self.memory_efficient,
+        )  # fmt: skip
+
+    def extra_repr(self) -> str:
+        return (
+            f"{tuple(self.normalized_shape)}, eps={self.eps}, "
+            f"elementwise_affine={self.elementwise_affine}, "
+            f"memory_efficient={self.memory_efficient}"
+        )
+
+
+class FusedLayerNorm(_FusedNorm):
+    """Apex's ``FusedLayerNorm``: ``torch.nn.LayerNorm`` on fused kernels.
+
+    ``y = (x - mean) / sqrt(var + eps) * weight + bias`` over the trailing
+    ``normalized_shape`` dimensions. Parameters are named ``weight`` and ``bias`` like
+    ``torch.nn.LayerNorm``'s, so state dicts load either way. CUDA inputs use the kernels of
+    the CUDA extension when it is built; other devices (and CUDA without the extension) use a
+    PyTorch path with fp32 accumulation. Works under ``torch.compile`` and autocast.
+
+    Args:
+        normalized_shape: The trailing shape normalized over (an int or a sequence).
+        eps: Added to the variance.
+        elementwise_affine: Learn a per-element ``weight`` (ones) and ``bias`` (zeros).
+        memory_efficient: Save the output instead of the input for backward and recompute
+            the normalized input from it (``(out - bias) / weight``): one activation less kept
+            alive, same gradients up to rounding (in fp16 / bf16 the output's rounding adds
+            about one rounding of the dtype to the gradients). Needs a weight without zeros.
+
+    Example:
+        >>> norm = FusedLayerNorm(1024)
+        >>> y = norm(torch.randn(8, 128, 1024))
+    """
+
+
+class FusedRMSNorm(_FusedNorm):
+    """Apex's ``FusedRMSNorm``: ``x / sqrt(mean(x^2) + eps) * weight``, no centering, no bias.
+
+    Its state dict (``weight``) loads into ``torch.nn.RMSNorm`` and back.
+
+    Args:
+        normalized_shape: The trailing shape normalized over (an int or a sequence).
+        eps: Added to the mean square.
+        elementwise_affine: Learn a per-element ``weight`` (ones).
+        memory_efficient: Save the output instead of the input for backward (see
+            :class:`FusedLayerNorm`).
+
+    Example:
+        >>> norm = FusedRMSNorm(4096)
+        >>> y = norm(torch.randn(2, 4096))
+    """
+
+    _rms = True
+
+
+def _refuse_affine_off(name: str, kwargs: dict[str, object]) -> None:
+    if not kwargs.pop("elementwise_affine", True):
+        raise ValueError(
+            f"{name} always has a weight (its output takes the weight's dtype); "
+            "use FusedLayerNorm / FusedRMSNorm with elementwise_affine=False instead"
+        )
+    if kwargs:
+        raise TypeError(
+            f"{name} got unexpected keyword arguments {sorted(kwargs)}; it takes "
+            "normalized_shape, eps and memory_efficient"
+        )
+
+
+class MixedFusedLayerNorm(FusedLayerNorm):
+    """``FusedLayerNorm`` for fp32 parameters and half input; the output takes the params' dtype.
+
+    Apex's ``MixedFusedLayerNorm`` (Megatron's mixed-precision LayerNorm): always affine;
+    ``elementwise_affine=True`` is accepted and ignored, ``False`` refused.
+
+    Args:
+        normalized_shape: The trailing shape normalized over.
+        eps: Added to the variance.
+        memory_efficient: Save the output instead of the input for backward.
+        **kwargs: Only ``elementwise_affine`` (must be true), as in Apex.
+
+    Raises:
+        ValueError: If ``elementwise_affine=False``.
+        TypeError: For any other keyword argument.
+
+    Example:
+        >>> norm = MixedFusedLayerNorm(64)
+        >>> norm(torch.randn(2, 64, dtype=torch.bfloat16)).dtype
+        torch.float32
+    """
+
+    _mixed = True
+
+    def __init__(
+        self,
+        normalized_shape: ShapeArg,
+        eps: float = 1e-5,
+        *,
+        memory_efficient: bool = False,
+        **kwargs: object,
+    ) -> None:
+        _refuse_affine_off(type(self).__name__, kwargs)
+        super().__init__(
+            normalized_shape, eps, elementwise_affine=True, memory_efficient=memory_efficient
+        )
+
+
+class MixedFusedRMSNorm(FusedRMSNorm):
+    """``FusedRMSNorm`` for an fp32 weight and half input; the output takes the weight's dtype.
+
+    Args:
+        normalized_shape: The trailing shape normalized over.
+        eps: Added to the mean square.
+        memory_efficient: Save the output instead of the input for backward.
+        **kwargs: Only ``elementwise_affine`` (must be true), as in Apex.
+
+    Raises:
+        ValueError: If ``elementwise_affine=False``.
+        TypeError: For any other keyword argument.
+
+    Example:
+        >>> norm = MixedFusedRMSNorm(64)
+        >>> norm(torch.randn(2, 64, dtype=torch.float16)).dtype
+        torch.float32
+    """
+
+    _mixed = True
+
+    def __init__(
+        self,
+        normalized_shape: ShapeArg,
+        eps: float = 1e-5,
+        *,
+        memory_efficient: bool = False,
+        **kwargs: object,
+    ) -> None:
+        _refuse_affine_off(type(self).__name__, kwargs)
+        super().__init__(
+            normalized_shape, eps, elementwise_affine=True, memory_efficient=memory_efficient
+        )

@@ -1,0 +1,317 @@
+"""Synchronized batch-norm kernels (Apex's ``syncbn`` extension): ``amp_fused_ops.syncbn``.
+
+The per-rank pieces of a synchronized batch norm, with the collectives left to the caller
+(``amp_parallel.SyncBatchNorm``):
+
+1. :func:`welford_mean_var`: this rank's per-channel mean and biased variance (fp32);
+2. :func:`welford_parallel`: merge every rank's ``(mean, var, count)`` (unequal counts allowed)
+   into the batch's mean, biased variance and ``1 / sqrt(var + eps)``;
+3. :func:`batchnorm_forward`: ``y = (x - mean) * invstd * weight + bias [+ z] [relu]``;
+4. :func:`reduce_bn`: per-channel ``sum dy`` and ``sum dy * (x - mean)`` (all-reduce them);
+5. :func:`batchnorm_backward`: the input gradient from the reduced sums and the total count.
+
+Inputs are channels-first ``(N, C, *)`` or, with ``channel_last=True``, ``(*, C)``; fp32,
+fp16 or bf16, with fp32 statistics and sums whatever the input dtype. CUDA tensors use the
+kernels of ``csrc/cuda/syncbn.cu`` when the CUDA extension is loaded; everything else uses
+the PyTorch implementations in this module, which are also the kernels' test oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from amp_fused_ops._norm_ops import cuda_op
+
+__all__ = [
+    "batchnorm_backward",
+    "batchnorm_forward",
+    "reduce_bn",
+    "welford_mean_var",
+    "welford_parallel",
+]
+
+
+def _channels(x: Tensor, channel_last: bool, who: str) -> int:
+    if x.dim() < 2:
+        raise ValueError(
+            f"{who} expects an input with a batch and a channel dimension, got shape "
+            f"{tuple(x.shape)}; reshape it to (N, C, ...) or (..., C) with channel_last=True"
+        )
+    return x.shape[-1] if channel_last else x.shape[1]
+
+
+def _check_vectors(channels: int, who: str, **vectors: Tensor | None) -> None:
+    """Per-channel arguments must be 1-D with ``channels`` elements (no silent broadcast)."""
+    for name, v in vectors.items():
+        if v is not None and (v.dim() != 1 or v.shape[0] != channels):
+            raise ValueError(
+                f"{who}: {name} must have shape ({channels},), one value per channel, got "
+                f"{tuple(v.shape)}"
+            )
+
+
+def _check_like(x: Tensor, who: str, **tensors: Tensor | None) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.shape != x.shape:
+            raise ValueError(
+                f"{who}: {name} must have the input's shape {tuple(x.shape)}, got {tuple(t.shape)}"
+            )
+
+
+def _dims(x: Tensor, channel_last: bool) -> list[int]:
+    channel = x.dim() - 1 if channel_last else 1
+    return [d for d in range(x.dim()) if d != channel]
+
+
+def _view(v: Tensor, x: Tensor, channel_last: bool) -> Tensor:
+    """A per-channel vector shaped to broadcast against ``x``."""
+    if channel_last:
+        return v.view(-1)
+    return v.view([1, -1] + [1] * (x.dim() - 2))
+
+
+def _use_kernels(*tensors: Tensor | None) -> bool:
+    present = [t for t in tensors if t is not None]
+    return bool(present) and all(t.is_cuda for t in present)
+
+
+def welford_mean_var(x: Tensor, *, channel_last: bool = False) -> tuple[Tensor, Tensor]:
+    """Per-channel mean and biased variance of ``x`` in fp32 (Apex's ``welford_mean_var``).
+
+    Args:
+        x: Input ``(N, C, *)``, or ``(*, C)`` with ``channel_last``.
+        channel_last: The channel dimension is the last one.
+
+    Returns:
+        ``(mean, var_biased)``, fp32 tensors of shape ``(C,)`` (zeros for an empty batch).
+
+    Raises:
+        ValueError: If ``x`` has fewer than two dimensions.
+
+    Example:
+        >>> mean, var = welford_mean_var(torch.randn(8, 3, 4, 4))
+    """
+    channels = _channels(x, channel_last, "welford_mean_var")
+    op = cuda_op("syncbn_welford_mean_var") if _use_kernels(x) else None
+    if op is not None:
+        mean, var = op(x.contiguous(), channel_last)
+        return mean, var
+    if x.numel() == 0:
+        zeros = torch.zeros(channels, device=x.device, dtype=torch.float32)
+        return zeros, zeros.clone()
+    var, mean = torch.var_mean(x.float(), dim=_dims(x, channel_last), correction=0)
+    return mean, var
+
+
+def welford_parallel(
+    means: Tensor, vars_biased: Tensor, counts: Tensor, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Merge per-rank statistics (Chan's parallel formula; Apex's ``welford_parallel``).
+
+    Args:
+        means: ``(world, C)`` per-rank means.
+        vars_biased: ``(world, C)`` per-rank biased variances.
+        counts: ``(world,)`` per-rank element counts per channel (may differ; zero allowed),
+            integer or float, on any device.
+        eps: Added to the merged variance for ``invstd``.
+
+    Returns:
+        ``(mean, var_biased, invstd)`` of the concatenated batch, fp32 ``(C,)``.
+
+    Raises:
+        ValueError: If the shapes disagree.
+
+    Example:
+        >>> means, variances = torch.zeros(2, 3), torch.ones(2, 3)
+        >>> m, v, inv = welford_parallel(means, variances, torch.tensor([4, 2]), 1e-5)
+    """
+    if means.dim() != 2 or vars_biased.shape != means.shape or counts.shape != means.shape[:1]:
+        raise ValueError(
+            f"welford_parallel expects means and vars of shape (world, C) and counts of shape "
+            f"(world,), got {tuple(means.shape)}, {tuple(vars_biased.shape)} and "
+            f"{tuple(counts.shape)}; stack the per-rank results first"
+        )
+    counts = counts.to(means.device)  # counts may come from the host
+    op = cuda_op("syncbn_welford_parallel") if _use_kernels(means, vars_biased, counts) else None
+    if op is not None:
+        flat = (means.float().contiguous(), vars_biased.float().contiguous())
+        mean, var, invstd = op(*flat, counts.float().contiguous(), eps)
+        return mean, var, invstd
+    n = counts.to(torch.float64)[:, None]  # (W, 1); float64: counts can exceed 2**24
+    m = means.to(torch.float64)
+    total = n.sum(0)
+    mean = (m * n).sum(0) / total.clamp(min=1)
+    m2 = (vars_biased.to(torch.float64) * n + n * (m - mean) ** 2).sum(0)
+    var = m2 / total.clamp(min=1)
+    return mean.float(), var.float(), torch.rsqrt(var + eps).float()
+
+
+def batchnorm_forward(
+    x: Tensor,
+    mean: Tensor,
+    invstd: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    *,
+    z: Tensor | None = None,
+    fuse_relu: bool = False,
+    channel_last: bool = False,
+) -> Tensor:
+    """``y = (x - mean) * invstd * weight + bias [+ z]``, then ReLU if ``fuse_relu``.
+
+    Args:
+        x: Input ``(N, C, *)`` or ``(*, C)`` with ``channel_last``.
+        mean: fp32 ``(C,)`` batch mean.
+        invstd: fp32 ``(C,)`` ``1 / sqrt(var + eps)``.
+        weight: ``(C,)`` scale or ``None``.
+        bias: ``(C,)`` shift or ``None``.
+        z: Tensor shaped like ``x`` added before the ReLU (residual), or ``None``.
+        fuse_relu: Apply ReLU to the result.
+        channel_last: The channel dimension is the last one.
+
+    Returns:
+        ``y`` in ``x``'s dtype, computed in fp32.
+
+    Raises:
+        ValueError: If a per-channel argument or ``z`` does not match ``x``.
+
+    Example:
+        >>> x = torch.randn(4, 3, 5)
+        >>> mean, var = welford_mean_var(x)
+        >>> y = batchnorm_forward(x, mean, torch.rsqrt(var + 1e-5), None, None)
+    """
+    channels = _channels(x, channel_last, "batchnorm_forward")
+    _check_vectors(
+        channels, "batchnorm_forward", mean=mean, invstd=invstd, weight=weight, bias=bias
+    )
+    _check_like(x, "batchnorm_forward", z=z)
+    op = cuda_op("syncbn_forward") if _use_kernels(x, mean, invstd, weight, bias, z) else None
+    if op is not None:
+        return op(
+            x.contiguous(), mean.float().contiguous(), invstd.float().contiguous(), weight, bias,
+            z.contiguous() if z is not None else None, fuse_relu, channel_last,
+        )  # fmt: skip
+    scale = invstd.float() if weight is None else invstd.float() * weight.float()
+    shift = -mean.float() * scale
+    if bias is not None:
+        shift = shift + bias.float()
+    y = x.float() * _view(scale, x, channel_last) + _view(shift, x, channel_last)
+    if z is not None:
+        y = y + z.float()
+    if fuse_relu:
+        y = torch.relu(y)
+    return y.to(x.dtype)
+
+
+def reduce_bn(
+    grad_out: Tensor,
+    x: Tensor,
+    mean: Tensor,
+    invstd: Tensor,
+    weight: Tensor | None,
+    *,
+    channel_last: bool = False,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    """This rank's backward reductions (Apex's ``reduce_bn``).
+
+    Args:
+        grad_out: Gradient of the output, shaped like ``x``.
+        x: The forward input.
+        mean: fp32 ``(C,)`` batch mean.
+        invstd: fp32 ``(C,)`` batch ``1 / sqrt(var + eps)``.
+        weight: The scale (only decides whether a weight gradient is returned), or ``None``.
+        channel_last: The channel dimension is the last one.
+
+    Returns:
+        ``(sum_dy, sum_dy_xmu, grad_weight, grad_bias)``, fp32 ``(C,)``: ``sum dy``,
+        ``sum dy * (x - mean)``, this rank's ``sum_dy_xmu * invstd`` (``None`` without a
+        weight) and a copy of ``sum_dy`` (this rank's bias gradient).
+
+    Raises:
+        ValueError: If a per-channel argument or ``grad_out`` does not match ``x``.
+
+    Example:
+        >>> sum_dy, sum_dy_xmu, gw, gb = reduce_bn(dy, x, mean, invstd, weight)
+    """
+    channels = _channels(x, channel_last, "reduce_bn")
+    _check_vectors(channels, "reduce_bn", mean=mean, invstd=invstd, weight=weight)
+    _check_like(x, "reduce_bn", grad_out=grad_out)
+    op = cuda_op("syncbn_reduce") if _use_kernels(grad_out, x, mean, invstd) else None
+    if op is not None:
+        sum_dy, sum_dy_xmu = op(
+            grad_out.contiguous(), x.contiguous(), mean.float().contiguous(), channel_last
+        )
+    else:
+        dims = _dims(x, channel_last)
+        dy = grad_out.float()
+        sum_dy = dy.sum(dims)
+        sum_dy_xmu = (dy * (x.float() - _view(mean.float(), x, channel_last))).sum(dims)
+    grad_weight = sum_dy_xmu * invstd.float() if weight is not None else None
+    # grad_bias is this rank's sum: its own tensor, so an in-place all-reduce of sum_dy
+    # leaves it alone.
+    return sum_dy, sum_dy_xmu, grad_weight, sum_dy.clone()
+
+
+def batchnorm_backward(
+    grad_out: Tensor,
+    x: Tensor,
+    mean: Tensor,
+    invstd: Tensor,
+    weight: Tensor | None,
+    sum_dy: Tensor,
+    sum_dy_xmu: Tensor,
+    count: int,
+    *,
+    channel_last: bool = False,
+) -> Tensor:
+    """Input gradient of a batch norm with batch statistics (Apex's ``batchnorm_backward``).
+
+    ``dx = (dy - sum_dy / count - (x - mean) * invstd^2 * sum_dy_xmu / count) * invstd * w``.
+
+    Args:
+        grad_out: Gradient of the output, shaped like ``x``.
+        x: The forward input.
+        mean: fp32 ``(C,)`` batch mean.
+        invstd: fp32 ``(C,)`` batch ``1 / sqrt(var + eps)``.
+        weight: ``(C,)`` scale or ``None``.
+        sum_dy: ``(C,)`` ``sum dy`` over the whole (synchronized) batch.
+        sum_dy_xmu: ``(C,)`` ``sum dy * (x - mean)`` over the whole batch.
+        count: Elements per channel in the whole batch (all ranks).
+        channel_last: The channel dimension is the last one.
+
+    Returns:
+        ``grad_input`` in ``x``'s dtype.
+
+    Raises:
+        ValueError: If ``count`` is not positive or a shape does not match ``x``'s channels.
+
+    Example:
+        >>> dx = batchnorm_backward(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, x.numel() // 3)
+    """
+    channels = _channels(x, channel_last, "batchnorm_backward")
+    _check_vectors(
+        channels, "batchnorm_backward", mean=mean, invstd=invstd, weight=weight, sum_dy=sum_dy,
+        sum_dy_xmu=sum_dy_xmu,
+    )  # fmt: skip
+    _check_like(x, "batchnorm_backward", grad_out=grad_out)
+    if count <= 0:
+        raise ValueError(
+            f"batchnorm_backward needs the positive number of elements per channel over the "
+            f"whole batch, got count={count}"
+        )
+    tensors = (grad_out, x, mean, invstd, weight, sum_dy, sum_dy_xmu)
+    op = cuda_op("syncbn_backward") if _use_kernels(*tensors) else None
+    if op is not None:
+        return op(
+            grad_out.contiguous(), x.contiguous(), mean.float().contiguous(),
+            invstd.float().contiguous(), weight, sum_dy.float().contiguous(),
+            sum_dy_xmu.float().contiguous(), count, channel_last,
+        )  # fmt: skip
+    inv = invstd.float()
+    scale = inv if weight is None else inv * weight.float()
+    mean_dy = sum_dy.float() / count
+    proj = sum_dy_xmu.float() * inv * inv / count
+    x_mu = x.float() - _view(mean.float(), x, channel_last)
+    dx = grad_out.float() - _view(mean_dy, x, channel_last) - x_mu * _view(proj, x, channel_last)
+    return (dx * _view(scale, x, channel_last)).to(x.dtype)
