@@ -108,14 +108,19 @@ def scale_loss(
     else:
         check = scaler.dynamic and not delay_overflow_check
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+        # A fused master-weight optimizer alone may take the scaled grads as they are: its
+        # step unscales, checks and updates the scale (see _fused_master).
+        defer_loss_id = loss_id if len(states) == 1 and not delay_overflow_check else None
+        deferred = False
         for state in states:
-            state.post_backward(scaler, found_inf, check=check)
+            deferred = state.post_backward(scaler, found_inf, check, defer_loss_id) or deferred
             state.grads_scaled = False
-        if not delay_overflow_check:
-            scaler.update_(found_inf)
-        if check:
-            for state in states:
-                state.note_overflow_check(loss_id, found_inf)
+        if not deferred:
+            if not delay_overflow_check:
+                scaler.update_(found_inf)
+            if check:
+                for state in states:
+                    state.note_overflow_check(loss_id, found_inf)
     if casting is not None:
         casting.clear_cache()  # the weights are about to change
 
@@ -123,9 +128,22 @@ def scale_loss(
 def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     """Yield the params ``optimizer`` steps: fp32 masters under O2, the model's otherwise.
 
+    With an optimizer on the fused master-weight path (``amp_optimizers.FusedAdam`` under O2),
+    this first unscales the pending gradients into the masters' ``.grad`` (so that, e.g.,
+    gradient clipping sees them), and the step then reads those instead of the half grads.
+
     Example:
         >>> torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm=1.0)
     """
+    state = optimizer_state(optimizer)
+    if state is not None and state.fused:
+        # The fused path keeps the masters in the optimizer: give their unscaled fp32 grads.
+        state.materialize()
+        by_param = {id(p): m for p, m in zip(state.model_params, state.masters, strict=True)}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                yield by_param.get(id(p), p)
+        return
     for group in optimizer.param_groups:
         yield from group["params"]
 

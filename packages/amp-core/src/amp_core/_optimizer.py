@@ -7,6 +7,11 @@ needs a step that can be skipped, which no PyTorch hook offers); :meth:`remove` 
 Per step, the host reads the overflow flag once, in ``step()``, and only when dynamic loss
 scaling is in use: everything else (unscaling, the overflow check, the scale update, the copy
 of the master weights into the model) is launched without waiting for the device.
+
+Under O2, an optimizer that implements :class:`~amp_core._fused_master.FusedMasterWeightOptimizer`
+keeps the masters itself and steps them in one fused pass (see that module): its gradients stay
+scaled until ``step()``, which unscales, checks, steps and writes the model in one go, and the
+loss scale is updated after that step.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ._fused_master import supports_fused_master_weights
 from ._scaler import LossScaler
 
 if TYPE_CHECKING:
@@ -71,7 +77,15 @@ class OptimizerAmpState:
         self.skipped_steps = 0
         self._original_step = optimizer.step
         self._original_zero_grad = optimizer.zero_grad
-        if master_weights:
+        # The fused master-weight path: the optimizer keeps the masters (see _fused_master).
+        self.fused = master_weights and supports_fused_master_weights(optimizer)
+        # A backward whose scaled grads wait for the fused step: (scaler, loss_id, check).
+        self._pending: tuple[LossScaler, int, bool] | None = None
+        # After a fused step, the grads it read are still scaled by this (until zero_grad).
+        self._stale_inv_scale: torch.Tensor | None = None
+        if self.fused:
+            self._enable_fused_masters(fp32_masters)
+        elif master_weights:
             self._make_masters(fp32_masters)
         else:
             self.direct_params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -104,15 +118,33 @@ class OptimizerAmpState:
                 self.model_params.append(param)
                 self.masters.append(master)
 
+    def _enable_fused_masters(self, fp32_masters: dict[nn.Parameter, torch.Tensor]) -> None:
+        optimizer: Any = self.optimizer
+        pairs = optimizer.amp_enable_fused_master_weights(fp32_masters)
+        by_param = {id(p): m for p, m in pairs}
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if id(param) in by_param:
+                    self.model_params.append(param)
+                    self.masters.append(by_param[id(param)])
+                else:
+                    self.direct_params.append(param)
+
     def remove(self) -> None:
-        """Restore ``step`` and ``zero_grad`` (master weights stay in the param groups)."""
+        """Restore ``step`` and ``zero_grad`` (master weights stay in the param groups, or, on
+        the fused path, the optimizer goes back to stepping its params without amp's masters)."""
         for name in ("step", "zero_grad"):
             self.optimizer.__dict__.pop(name, None)
+        if self.fused:
+            self._pending = None
+            self.optimizer.amp_disable_fused_master_weights()  # type: ignore[attr-defined]
 
     # -- backward ------------------------------------------------------------------------------
 
     def prepare_backward(self) -> None:
         """Before a scaled backward: set existing grads aside so new ones arrive alone."""
+        self.materialize()  # grads still scaled from a deferred backward: unscale them first
+        self._settle_stale_grads()
         self._stash = []
         for p in self.direct_params:
             self._stash.append(p.grad)
@@ -120,12 +152,72 @@ class OptimizerAmpState:
         for p in self.model_params:
             p.grad = None
 
-    def post_backward(self, scaler: LossScaler, found_inf: torch.Tensor, check: bool) -> None:
+    def post_backward(
+        self,
+        scaler: LossScaler,
+        found_inf: torch.Tensor,
+        check: bool,
+        defer_loss_id: int | None = None,
+    ) -> bool:
         """After a scaled backward: unscale the new grads into place and add the set-aside ones.
 
         Master weights receive the model's half grads as fp32 (the model's grads are freed).
+
+        On the fused path, when ``defer_loss_id`` is given and no earlier gradient waits, the
+        gradients are left scaled for the fused step instead, and True is returned: the caller
+        must then leave the scale update (and the overflow note) to ``step()``.
         """
         self._backward_seen = True
+        if (
+            self.fused
+            and defer_loss_id is not None
+            and self._pending is None
+            and all(s is None for s in self._stash)
+            and all(m.grad is None for m in self.masters)
+        ):
+            self._stash = []
+            self._pending = (scaler, defer_loss_id, check)
+            return True
+        self._unscale_into_place(scaler, found_inf, check)
+        return False
+
+    def materialize(self) -> None:
+        """Unscale a deferred backward's grads into place, as ``scale_loss`` exit would have.
+
+        The half grads go to the masters' ``.grad`` as fp32, the others are unscaled in place,
+        the loss scale is updated and the overflow noted for the next ``step()``. A no-op when
+        no backward is deferred.
+        """
+        if self._pending is None:
+            return
+        scaler, loss_id, check = self._pending
+        self._pending = None
+        device = scaler.device
+        found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        self._stash = []
+        self._unscale_into_place(scaler, found_inf, check)
+        scaler.update_(found_inf)
+        if check:
+            self.note_overflow_check(loss_id, found_inf)
+
+    def _settle_stale_grads(self) -> None:
+        """Grads a fused step read scaled and nobody zeroed: unscale them into place, so that
+        they accumulate as they would on the ordinary path (the user skipped ``zero_grad``)."""
+        inv_scale, self._stale_inv_scale = self._stale_inv_scale, None
+        if inv_scale is None:
+            return
+        with torch.no_grad():
+            for p in self.direct_params:
+                if p.grad is not None:
+                    p.grad.mul_(inv_scale.to(p.grad.device))
+            for p, master in zip(self.model_params, self.masters, strict=True):
+                if p.grad is None:
+                    continue
+                grad = p.grad.float() * inv_scale.to(p.grad.device)
+                master.grad = grad if master.grad is None else master.grad.add_(grad)
+                p.grad = None
+
+    def _unscale_into_place(self, scaler: LossScaler, found_inf: torch.Tensor, check: bool) -> None:
         stash = self._stash or [None] * len(self.direct_params)
         scaler.unscale_with_stash_(self.direct_params, stash, found_inf, check=check)
         self._stash = []
@@ -169,7 +261,50 @@ class OptimizerAmpState:
         for master in self.masters:
             master.grad = None
 
+    def _fused_step(self, closure: Callable[[], Any] | None) -> Any:
+        """``step()`` on the fused master-weight path: one pass, no master->model copy."""
+        if closure is not None:
+            raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
+        self._backward_seen = False
+        optimizer: Any = self.optimizer
+        pending, self._pending = self._pending, None
+        if pending is None:  # grads already unscaled into place (or none at all)
+            found_inf, self._found_inf = self._found_inf, None
+            checks, self._overflow_checks = self._overflow_checks, []
+            if found_inf is not None and found_inf.item():  # the one host sync of a step
+                self._overflow_checks = checks
+                self._skip(None)
+                self._overflow_checks = []
+                return None
+            device = self._any_device()
+            if device is None:
+                return None
+            one = torch.ones((), dtype=torch.float32, device=device)
+            optimizer.amp_fused_master_step(one, torch.zeros_like(one))
+            return None
+        scaler, loss_id, check = pending
+        scale = scaler.scale_tensor(scaler.device or self._any_device() or torch.device("cpu"))
+        inv_scale = scale.double().reciprocal().float()
+        found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+        # Reads the scaled grads, unscales, checks, steps the masters, writes the model.
+        optimizer.amp_fused_master_step(inv_scale, found_inf)
+        self._stale_inv_scale = inv_scale
+        scaler.update_(found_inf)
+        if check and found_inf.item():  # the one host sync of a step
+            self._overflow_checks = [(loss_id, found_inf)]
+            self._skip(None)
+            self._overflow_checks = []
+        return None
+
+    def _any_device(self) -> torch.device | None:
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                return p.device
+        return None
+
     def _step(self, closure: Callable[[], Any] | None = None) -> Any:
+        if self.fused:
+            return self._fused_step(closure)
         found_inf, self._found_inf = self._found_inf, None
         checks, self._overflow_checks = self._overflow_checks, []
         if found_inf is not None and found_inf.item():  # the one host sync of a step
@@ -205,6 +340,14 @@ class OptimizerAmpState:
                 torch._foreach_copy_(dst, src)
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
+        if self.fused:
+            # A deferred backward still owes its scale update; its grads are then dropped.
+            self.materialize()
+            for master in self.masters:
+                master.grad = None
+            self._found_inf = None
+            self._overflow_checks = []
+            self._stale_inv_scale = None
         self._original_zero_grad(set_to_none=set_to_none)
         # Model grads in flight (accumulated with delay_unscale) belong to the same step.
         for p in self.model_params:
