@@ -1,0 +1,169 @@
+"""What every fused optimizer shares: grouping, validation, ``zero_grad``, exact state loading.
+
+The algorithms live in their own modules; this one only holds the plumbing, written once:
+
+* :func:`group_by_device_dtype` sorts per-parameter tensor tuples into one bucket per
+  ``(device, dtype)`` so that each optimizer launches one multi-tensor op per bucket instead of
+  one hand-written launch per dtype.
+* :class:`FusedOptimizerBase` adds Apex's ``set_grad_none`` ``zero_grad`` and a
+  ``load_state_dict`` that keeps the saved state's dtypes (``torch.optim.Optimizer`` would cast
+  float32 state to the dtype of a half parameter, which is lossy).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "FusedOptimizerBase",
+    "check_betas",
+    "check_nonnegative",
+    "group_by_device_dtype",
+    "params_with_grads",
+]
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+Bucket = list[list[Tensor]]
+
+
+def check_nonnegative(optimizer: str, name: str, value: Any) -> None:
+    """Raise ``ValueError`` unless ``value`` is a finite number >= 0 (or a tensor)."""
+    if isinstance(value, Tensor):
+        return
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0.0:
+        raise ValueError(f"{optimizer}: invalid {name} {value!r}; it must be a number >= 0")
+    if not math.isfinite(value):
+        raise ValueError(f"{optimizer}: invalid {name} {value!r}; it must be finite")
+
+
+def check_betas(optimizer: str, betas: Any) -> None:
+    """Raise ``ValueError`` unless ``betas`` is a pair of numbers in ``[0, 1)``."""
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"{optimizer}: betas must be a pair (beta1, beta2), got {betas!r}")
+    for i, beta in enumerate(betas):
+        if not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
+            raise ValueError(
+                f"{optimizer}: invalid beta parameter at index {i}: {beta!r}; "
+                "each beta must be in [0, 1)"
+            )
+
+
+def params_with_grads(optimizer: str, params: Iterable[Tensor]) -> list[Tensor]:
+    """The params of a group that have a gradient, after checking sparsity and dtype.
+
+    Raises:
+        RuntimeError: A gradient is sparse, or a param is not float32/float16/bfloat16.
+    """
+    out = []
+    for p in params:
+        if p.grad is None:
+            continue
+        if p.grad.is_sparse:
+            raise RuntimeError(
+                f"{optimizer} does not support sparse gradients, please consider SparseAdam instead"
+            )
+        if p.dtype not in _SUPPORTED_DTYPES:
+            raise RuntimeError(
+                f"{optimizer} supports float32, float16 and bfloat16 params, got {p.dtype}; "
+                "cast the model with .float(), .half() or .bfloat16()"
+            )
+        out.append(p)
+    return out
+
+
+def group_by_device_dtype(
+    rows: Iterable[Sequence[Any]],
+) -> dict[tuple[torch.device, torch.dtype], Bucket]:
+    """Transpose per-param rows into per-``(device, dtype)`` column lists.
+
+    Args:
+        rows: One tuple per param, its first element the param itself, e.g.
+            ``(param, grad, exp_avg, exp_avg_sq)``.
+
+    Returns:
+        ``{(device, dtype): [column_0, column_1, ...]}`` with the key taken from the param, the
+        columns in row order: exactly the ``tensor_lists`` of one multi-tensor launch.
+    """
+    buckets: dict[tuple[torch.device, torch.dtype], Bucket] = {}
+    for row in rows:
+        key = (row[0].device, row[0].dtype)
+        columns = buckets.get(key)
+        if columns is None:
+            columns = buckets[key] = [[] for _ in row]
+        for column, tensor in zip(columns, row, strict=True):
+            column.append(tensor)
+    return buckets
+
+
+class FusedOptimizerBase(torch.optim.Optimizer):
+    """``torch.optim.Optimizer`` plus Apex's ``zero_grad`` and dtype-preserving state loading.
+
+    Subclasses set ``self.set_grad_none`` and implement ``step``.
+    """
+
+    set_grad_none: bool = True
+
+    def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
+        super().__init__(params, defaults)
+        self._noop_flags: dict[torch.device, Tensor] = {}
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        """Clear the gradients: set them to ``None`` when ``set_grad_none`` (Apex), else zero.
+
+        Args:
+            set_to_none: Overrides ``set_grad_none`` for this call when given.
+        """
+        to_none = self.set_grad_none if set_to_none is None else set_to_none
+        if to_none:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+        else:
+            super().zero_grad(set_to_none=False)
+
+    def noop_flag(self, device: torch.device) -> Tensor:
+        """This optimizer's one-element int32 flag on ``device``, reset to 0."""
+        flag = self._noop_flags.get(device)
+        if flag is None:
+            flag = self._noop_flags[device] = torch.zeros(1, dtype=torch.int32, device=device)
+        else:
+            flag.zero_()
+        return flag
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict saved by :meth:`state_dict`, keeping each saved tensor's dtype.
+
+        ``torch.optim.Optimizer`` casts floating-point state to the dtype of its param; the
+        fused optimizers keep float32 state for half params, so the saved tensors are put back
+        unchanged (moved to the param's device), and a round trip is bitwise.
+        """
+        saved_state = state_dict["state"]
+        saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, param in zip(saved_ids, params, strict=False):
+            saved = saved_state.get(pid)
+            if saved is None:
+                continue
+            restored = self.state[param]
+            for key, value in saved.items():
+                if isinstance(value, Tensor):
+                    restored[key] = value.to(device=param.device, copy=True)
+        for group in self.param_groups:
+            self._after_load_group(group)
+
+    def _after_load_group(self, group: dict[str, Any]) -> None:
+        """Hook: fix up a loaded param group (e.g. move capturable tensors to the device)."""
+
+    @staticmethod
+    def _run_closure(closure: Callable[[], Any] | None) -> Any:
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()

@@ -1,0 +1,85 @@
+"""``FusedAdagrad``: Apex's multi-tensor Adagrad, on any device and dtype."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from amp_fused_ops import amp_C, multi_tensor_applier
+
+from ._base import FusedOptimizerBase, check_nonnegative, group_by_device_dtype, params_with_grads
+
+__all__ = ["FusedAdagrad"]
+
+
+class FusedAdagrad(FusedOptimizerBase):
+    """Adagrad with one multi-tensor launch per ``(device, dtype)`` (Apex's ``FusedAdagrad``).
+
+    Same math as ``torch.optim.Adagrad`` with ``lr_decay=0`` and
+    ``initial_accumulator_value=0``; the accumulated squares are float32 for every param dtype.
+
+    Args:
+        params: Iterable of params or param-group dicts.
+        lr: Learning rate.
+        eps: Added to the denominator.
+        weight_decay: Weight decay.
+        set_grad_none: ``zero_grad`` sets gradients to ``None`` instead of zeroing them.
+        adagrad_w_mode: Decoupled weight decay (AdamW-style) instead of L2 regularisation.
+
+    Raises:
+        ValueError: A negative ``lr``, ``eps`` or ``weight_decay``.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 4)
+        >>> opt = FusedAdagrad(model.parameters(), lr=1e-2)
+        >>> model(torch.randn(2, 4)).sum().backward()
+        >>> opt.step()
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-2,
+        eps: float = 1e-10,
+        weight_decay: float = 0.0,
+        set_grad_none: bool = True,
+        adagrad_w_mode: bool = False,
+    ) -> None:
+        check_nonnegative("FusedAdagrad", "learning rate", lr)
+        check_nonnegative("FusedAdagrad", "epsilon value", eps)
+        check_nonnegative("FusedAdagrad", "weight_decay value", weight_decay)
+        super().__init__(params, dict(lr=lr, eps=eps, weight_decay=weight_decay))
+        self.set_grad_none = set_grad_none
+        self.adagrad_w_mode = 1 if adagrad_w_mode else 0
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One Adagrad step over every param that has a gradient.
+
+        Args:
+            closure: Re-evaluates the model and returns the loss (optional).
+
+        Returns:
+            The closure's loss, or None.
+        """
+        loss = self._run_closure(closure)
+        for group in self.param_groups:
+            rows = []
+            for p in params_with_grads("FusedAdagrad", group["params"]):
+                state = self.state[p]
+                if "sum" not in state:
+                    state["sum"] = torch.zeros_like(p, dtype=torch.float32)
+                rows.append((p, p.grad, state["sum"]))
+            for (device, _), (ps, gs, sums) in group_by_device_dtype(rows).items():
+                multi_tensor_applier(
+                    amp_C.multi_tensor_adagrad,
+                    self.noop_flag(device),
+                    [gs, ps, sums],
+                    group["lr"],
+                    group["eps"],
+                    self.adagrad_w_mode,
+                    group["weight_decay"],
+                )
+        return loss

@@ -1,0 +1,437 @@
+"""``FusedAdam``: Apex's multi-tensor Adam / AdamW, on any device and dtype.
+
+Two launch paths, one algorithm (``amp_C.multi_tensor_adam`` and
+``amp_C.multi_tensor_adam_capturable_master`` compute the same Adam step):
+
+* the **plain path** (default): ``multi_tensor_adam`` steps params of any float dtype in place,
+  with float32 moments; ``lr`` and ``step`` are Python numbers.
+* the **device path** (``capturable=True``, ``master_weights=True``, a ``GradScaler``, or amp
+  O2): ``multi_tensor_adam_capturable_master`` reads the (possibly scaled, possibly half)
+  gradients, multiplies them by ``inv_scale``, steps float32 masters and writes the model params
+  in the same pass; ``lr``, ``step``, the inverse scale and the skip flag stay on the device, so
+  nothing syncs the host and the step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from amp_fused_ops import amp_C, multi_tensor_applier
+
+from ._base import (
+    FusedOptimizerBase,
+    check_betas,
+    check_nonnegative,
+    group_by_device_dtype,
+    params_with_grads,
+)
+
+__all__ = ["FusedAdam"]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class FusedAdam(FusedOptimizerBase):
+    """Adam and AdamW with one multi-tensor launch per ``(device, dtype)`` (Apex's ``FusedAdam``).
+
+    Drop-in for ``apex.optimizers.FusedAdam``: same positional signature and defaults. Params
+    may be float32, float16 and bfloat16 in the same optimizer; the moments are always float32.
+
+    Args:
+        params: Iterable of params or param-group dicts.
+        lr: Learning rate.
+        bias_correction: Apply Adam's bias correction.
+        betas: Decay rates of the first and second moments.
+        eps: Added to the denominator.
+        adam_w_mode: Decoupled weight decay (AdamW) when True, L2 regularisation (Adam) when
+            False.
+        weight_decay: Weight decay.
+        amsgrad: Not supported; True raises, as in Apex.
+        set_grad_none: ``zero_grad`` sets the gradients to ``None`` instead of zeroing them.
+        capturable: Keep ``lr`` and the step count on the device (the group's ``lr`` becomes a
+            tensor) so that ``step`` never syncs the host and can be captured in a CUDA graph.
+        master_weights: Keep a float32 master copy of every half param (in the optimizer state,
+            ``"master_param"``); each step reads the half gradient, steps the master and writes
+            the half param in one pass.
+
+    Raises:
+        RuntimeError: ``amsgrad=True``.
+        ValueError: A negative ``lr``, ``eps`` or ``weight_decay``, or betas outside [0, 1).
+
+    Works with ``torch.amp.GradScaler``: the optimizer declares ``_step_supports_amp_scaling``,
+    reads the scaler's ``grad_scale`` and ``found_inf`` on the device, unscales inside the step
+    and skips it (state untouched) on inf/nan, with no host sync.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 4)
+        >>> opt = FusedAdam(model.parameters(), lr=1e-3, weight_decay=0.01)
+        >>> model(torch.randn(2, 4)).sum().backward()
+        >>> opt.step()
+    """
+
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | Tensor = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        adam_w_mode: bool = True,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        set_grad_none: bool = True,
+        capturable: bool = False,
+        master_weights: bool = False,
+    ) -> None:
+        if amsgrad:
+            raise RuntimeError(
+                "FusedAdam does not support the AMSGrad variant (amsgrad=True); use "
+                "torch.optim.Adam(amsgrad=True) instead."
+            )
+        check_nonnegative("FusedAdam", "learning rate", lr)
+        check_nonnegative("FusedAdam", "epsilon value", eps)
+        check_nonnegative("FusedAdam", "weight_decay value", weight_decay)
+        check_betas("FusedAdam", betas)
+        defaults = dict(
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+        )
+        super().__init__(params, defaults)
+        self.adam_w_mode = 1 if adam_w_mode else 0
+        self.set_grad_none = set_grad_none
+        self.capturable = capturable
+        self.master_weights = master_weights
+        self._amp_master = False  # amp O2 switched the master-weight path on
+        if capturable:
+            for group in self.param_groups:
+                self._after_load_group(group)
+
+    # -- state ----------------------------------------------------------------------------
+
+    def _state(self, p: Tensor, master_source: Tensor | None = None) -> dict[str, Any]:
+        state = self.state[p]
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+        if self._uses_masters() and p.dtype in _HALF and "master_param" not in state:
+            source = p if master_source is None else master_source
+            state["master_param"] = source.detach().to(dtype=torch.float32, copy=True)
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict saved by :meth:`state_dict` (bitwise, float32 state kept).
+
+        Master weights that exist already (amp O2 holds references to them) are overwritten in
+        place rather than replaced, and kept when the loaded state has none.
+        """
+        masters = {
+            id(p): self.state[p]["master_param"]
+            for g in self.param_groups
+            for p in g["params"]
+            if p in self.state and "master_param" in self.state[p]
+        }
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for p in group["params"]:
+                old = masters.get(id(p))
+                if old is None:
+                    continue
+                state = self.state[p]
+                new = state.get("master_param")
+                if new is not None:
+                    old.copy_(new)
+                state["master_param"] = old
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group; with ``capturable=True`` its ``lr`` becomes a device tensor too.
+
+        Args:
+            param_group: The params and the hyperparameters that differ from the defaults.
+        """
+        super().add_param_group(param_group)
+        if getattr(self, "capturable", False):  # unset while the constructor adds its groups
+            self._after_load_group(self.param_groups[-1])
+
+    def _uses_masters(self) -> bool:
+        return self.master_weights or self._amp_master
+
+    def _after_load_group(self, group: dict[str, Any]) -> None:
+        if not self.capturable or not group["params"]:
+            return
+        device = group["params"][0].device
+        if not isinstance(group["lr"], Tensor):
+            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32)
+        group["lr"] = group["lr"].to(device=device, dtype=torch.float32)
+        if "step" in group and not isinstance(group["step"], Tensor):
+            group["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+        if "step" in group:
+            group["step"] = group["step"].to(device=device, dtype=torch.float32)
+
+    # -- step -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One Adam step over every param that has a gradient.
+
+        Args:
+            closure: Re-evaluates the model and returns the loss (optional).
+
+        Returns:
+            The closure's loss, or None.
+
+        Raises:
+            RuntimeError: A sparse gradient, or a param dtype other than float32/16/bf16.
+        """
+        loss = self._run_closure(closure)
+        grad_scale: Tensor | None = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        if not isinstance(found_inf, Tensor):
+            found_inf = None
+        use_device_path = (
+            self.capturable
+            or self._uses_masters()
+            or grad_scale is not None
+            or found_inf is not None
+        )
+        work = [(g, params_with_grads("FusedAdam", g["params"])) for g in self.param_groups]
+        work = [(group, params) for group, params in work if params]
+        if not use_device_path:
+            for group, params in work:
+                self._plain_step(group, params)
+            return loss
+        inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
+        if found_inf is not None:
+            # GradScaler's found_inf already covers every gradient: no pre-check needed.
+            for group, params in work:
+                self._device_step(group, params, inv_scale, found_inf, precheck=False)
+        elif work:
+            # An inf or a nan anywhere skips every group, as one step.
+            own_flag = torch.zeros((), dtype=torch.float32, device=work[0][1][0].device)
+            self._device_steps(work, inv_scale, own_flag, use_master_grads=False)
+        return loss
+
+    def _plain_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        group["step"] = int(group.get("step", 0)) + 1
+        beta1, beta2 = group["betas"]
+        rows = []
+        for p in params:
+            state = self._state(p)
+            rows.append((p, p.grad, state["exp_avg"], state["exp_avg_sq"]))
+        for (device, _), (ps, gs, ms, vs) in group_by_device_dtype(rows).items():
+            multi_tensor_applier(
+                amp_C.multi_tensor_adam,
+                self.noop_flag(device),
+                [gs, ps, ms, vs],
+                float(group["lr"]),
+                beta1,
+                beta2,
+                group["eps"],
+                group["step"],
+                self.adam_w_mode,
+                1 if group["bias_correction"] else 0,
+                group["weight_decay"],
+            )
+
+    def _device_step(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        inv_scale: Tensor | None,
+        found_inf: Tensor | None,
+        *,
+        precheck: bool,
+        use_master_grads: bool = False,
+    ) -> Tensor:
+        """Step one group on the device path; returns its skip flag (int32, one element).
+
+        Args:
+            group: The param group.
+            params: Its params that have a gradient.
+            inv_scale: Multiplier of the gradients (None: 1).
+            found_inf: Nonzero skips the step on the device (None: no external flag).
+            precheck: Check every bucket but the largest (launched first) for inf/nan before
+                any is written, so that an inf anywhere skips the whole group (not needed when
+                ``found_inf`` already covers every gradient, as GradScaler's does).
+            use_master_grads: Read a half param's gradient from its master's ``.grad`` when
+                that is set (amp put the unscaled gradient there).
+        """
+        device = params[0].device
+        beta1, beta2 = group["betas"]
+        step_t = _device_scalar(group.get("step", 0), device)
+        lr_t = _device_scalar(group["lr"], device)
+        if inv_scale is None:
+            inv_scale = torch.ones((), dtype=torch.float32, device=device)
+        noop = self.noop_flag(device)
+        if found_inf is not None:
+            noop.copy_((found_inf.to(device).reshape(1) != 0).to(torch.int32))
+
+        rows = []
+        for p in params:
+            state = self._state(p)
+            master = state.get("master_param")
+            grad = p.grad
+            if use_master_grads and master is not None and master.grad is not None:
+                grad = master.grad
+            if master is None:
+                # float32 params are their own masters; half params without master weights
+                # get a temporary float32 copy that the op steps and writes back.
+                master = p if p.dtype == torch.float32 else p.float()
+            rows.append((p, grad, state["exp_avg"], state["exp_avg_sq"], master))
+        # Largest bucket first: its own launch checks its gradients before writing anything
+        # and raises the flag that the later launches read, so only the others need a
+        # pre-check for an inf to skip the whole group.
+        buckets = sorted(
+            group_by_device_dtype(rows).items(),
+            key=lambda kv: sum(t.numel() for t in kv[1][0]),
+            reverse=True,
+        )
+        if precheck:
+            for _, (_, gs, *_unused) in buckets[1:]:
+                _raise_on_nonfinite(noop, gs)
+        next_step = step_t + 1
+        for _, (ps, gs, ms, vs, masters) in buckets:
+            multi_tensor_applier(
+                amp_C.multi_tensor_adam_capturable_master,
+                noop,
+                [gs, ps, ms, vs, masters],
+                lr_t,
+                beta1,
+                beta2,
+                group["eps"],
+                next_step,
+                self.adam_w_mode,
+                1 if group["bias_correction"] else 0,
+                group["weight_decay"],
+                inv_scale.to(device),
+            )
+        # The step count advances only when the step was taken, decided on the device (a
+        # device tensor from here on: reading it back would sync the host).
+        group["step"] = step_t + (noop.reshape(()) == 0).to(torch.float32)
+        return noop
+
+    # -- amp O2: the fused master-weight protocol of amp_core ------------------------------
+
+    def amp_enable_fused_master_weights(
+        self, fp32_sources: Mapping[Tensor, Tensor]
+    ) -> list[tuple[Tensor, Tensor]]:
+        """Keep float32 masters of the half params in this optimizer (called by amp O2).
+
+        Args:
+            fp32_sources: Full-precision values of params the model cast just now, used as the
+                masters' initial values.
+
+        Returns:
+            ``(model_param, master)`` for every half param.
+        """
+        self._amp_master = True
+        pairs = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dtype in _HALF:
+                    state = self._state(p, fp32_sources.get(p))
+                    pairs.append((p, state["master_param"]))
+        return pairs
+
+    def amp_disable_fused_master_weights(self) -> None:
+        """Undo :meth:`amp_enable_fused_master_weights` (masters dropped unless
+        ``master_weights=True`` was asked for at construction)."""
+        self._amp_master = False
+        if not self.master_weights:
+            for state in self.state.values():
+                state.pop("master_param", None)
+
+    @torch.no_grad()
+    def amp_fused_master_step(self, inv_scale: Tensor, found_inf: Tensor) -> None:
+        """One step reading ``grad * inv_scale``; skipped on the device when ``found_inf`` is
+        nonzero or a gradient holds an inf or a nan, in which case ``found_inf`` is raised.
+
+        A half param's gradient is its master's ``.grad`` when amp put one there (already
+        unscaled; amp then passes ``inv_scale = 1``), else the param's own ``.grad``. An inf
+        anywhere skips every group: all groups but the first are checked before any is written.
+
+        Args:
+            inv_scale: 0-dim float32 tensor, the inverse loss scale.
+            found_inf: 0-dim float32 tensor, read and raised on the device.
+        """
+        work = []
+        for group in self.param_groups:
+            params = []
+            for p in group["params"]:
+                master = self.state[p].get("master_param") if p in self.state else None
+                has_master_grad = master is not None and master.grad is not None
+                if p.grad is not None or has_master_grad:
+                    params.append(p)
+            if params:
+                params_with_grads("FusedAdam", [p for p in params if p.grad is not None])
+                work.append((group, params))
+        self._device_steps(work, inv_scale, found_inf, use_master_grads=True)
+
+    def _device_steps(
+        self,
+        work: list[tuple[dict[str, Any], list[Tensor]]],
+        inv_scale: Tensor | None,
+        found_inf: Tensor,
+        *,
+        use_master_grads: bool,
+    ) -> None:
+        """Step several groups on the device path as one step: all of them, or none.
+
+        Every group but the first is checked for inf/nan before any is written; the first
+        group's launches check their own gradients, and each group's skip flag is folded into
+        ``found_inf`` (0-dim float32, raised on the device), which the later groups read.
+        """
+        for _group, params in work[1:]:
+            grads = [_amp_grad(self, p) if use_master_grads else p.grad for p in params]
+            _raise_on_nonfinite_flag(found_inf, [g for g in grads if g is not None])
+        for group, params in work:
+            noop = self._device_step(
+                group,
+                params,
+                inv_scale,
+                found_inf,
+                precheck=True,
+                use_master_grads=use_master_grads,
+            )
+            found_inf.copy_(torch.maximum(found_inf, noop.reshape(()).to(found_inf)))
+
+
+def _device_scalar(value: float | Tensor, device: torch.device) -> Tensor:
+    """A 0-dim float32 tensor on ``device`` (no host sync for a tensor already there)."""
+    if isinstance(value, Tensor):
+        return value.to(device=device, dtype=torch.float32).reshape(())
+    return torch.tensor(float(value), dtype=torch.float32, device=device)
+
+
+def _raise_on_nonfinite(noop: Tensor, grads: list[Tensor]) -> None:
+    """Set the int32 ``noop`` flag when any of ``grads`` holds an inf or a nan (on the device)."""
+    if not grads:
+        return
+    norms = torch._foreach_norm(grads, float("inf"))
+    bad = ~torch.isfinite(torch.stack([n.float() for n in norms])).all()
+    noop.masked_fill_(bad.to(noop.device), 1)
+
+
+def _raise_on_nonfinite_flag(found_inf: Tensor, grads: list[Tensor]) -> None:
+    """Set the float ``found_inf`` to 1 when any of ``grads`` holds an inf or a nan."""
+    if not grads:
+        return
+    norms = torch._foreach_norm(grads, float("inf"))
+    bad = ~torch.isfinite(torch.stack([n.float() for n in norms])).all()
+    found_inf.masked_fill_(bad.to(found_inf.device), 1.0)
+
+
+def _amp_grad(optimizer: FusedAdam, p: Tensor) -> Tensor:
+    master = optimizer.state[p].get("master_param") if p in optimizer.state else None
+    if master is not None and master.grad is not None:
+        return master.grad
+    assert p.grad is not None
+    return p.grad

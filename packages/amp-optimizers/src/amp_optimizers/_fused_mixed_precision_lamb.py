@@ -1,0 +1,296 @@
+"""``FusedMixedPrecisionLamb``: LAMB over half params with float32 master weights (Apex's).
+
+The LAMB math is :class:`~amp_optimizers.FusedLAMB`'s (``amp_C.multi_tensor_lamb`` through
+:func:`launch_lamb`); what this optimizer adds is the mixed-precision plumbing:
+
+* params whose dtype is ``reduced_precision_dtype`` get a float32 master copy in their state
+  (``"master_param"``, made on their first step); the op steps the master, and the half param
+  is written from it;
+* ``lr`` and ``step`` are tensors on the params' device in every param group (Apex's layout);
+* under ``torch.amp.GradScaler`` the gradients stay scaled: the scaler's ``grad_scale`` and
+  ``found_inf`` are read on the device, the unscaling is folded into the op's gradient divisor
+  (see :func:`_grad_divisor_norm`), and the step is skipped when ``found_inf`` is set or the
+  gradient norm is not finite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._base import FusedOptimizerBase, group_by_device_dtype, params_with_grads
+from ._fused_lamb import check_lamb_args, global_grad_norm, lamb_moments, launch_lamb
+
+__all__ = ["FusedMixedPrecisionLamb"]
+
+_NAME = "FusedMixedPrecisionLamb"
+_REDUCED_DTYPES = (None, torch.float16, torch.bfloat16)
+
+
+class FusedMixedPrecisionLamb(FusedOptimizerBase):
+    """LAMB for half models: float32 masters and moments, device ``lr``/``step``, GradScaler.
+
+    Drop-in for ``apex.optimizers.FusedMixedPrecisionLamb`` (same constructor signature and
+    defaults). The update is :class:`~amp_optimizers.FusedLAMB`'s: the global L2 norm of all
+    gradients clips them to ``max_grad_norm``, then every tensor takes an Adam(W) update scaled
+    by its trust ratio ``||p|| / ||update||``. For a param of dtype ``reduced_precision_dtype``
+    the master (float32) is stepped and the param is its rounded copy; every other param
+    (float32, or a half dtype that is not ``reduced_precision_dtype``) is stepped in place.
+    Moments are float32 for every param.
+
+    The step is skipped (params, moments, masters and ``step`` untouched) when a
+    ``GradScaler`` reports an inf/nan, or, with no scaler, when the gradient norm is not
+    finite, as in Apex.
+
+    Args:
+        params: Iterable of params or param-group dicts.
+        lr: Learning rate; kept as a 0-dim float32 tensor on the params' device in each group.
+        step: Initial step count; kept as a one-element int32 tensor in each group.
+        bias_correction: Apply Adam's bias correction.
+        betas: Decay rates of the first and second moments.
+        eps: Added to the denominator.
+        weight_decay: Weight decay.
+        amsgrad: Not supported; True raises, as in Apex.
+        adam_w_mode: Decoupled weight decay when True, L2 regularisation when False.
+        grad_averaging: Scale the gradient by ``1 - beta1`` in the first moment.
+        max_grad_norm: Clipping threshold of the global gradient norm (of the unscaled
+            gradients; read from the constructor's value, as in Apex).
+        use_nvlamb: Apply the trust ratio also to tensors without weight decay.
+        reduced_precision_dtype: ``torch.float16`` or ``torch.bfloat16``: params of this dtype
+            get float32 master weights. ``None``: no masters, every param is stepped in place.
+
+    Raises:
+        RuntimeError: ``amsgrad=True``.
+        ValueError: A negative ``lr``, ``eps``, ``weight_decay`` or ``max_grad_norm``, betas
+            outside [0, 1), a negative ``step``, or a ``reduced_precision_dtype`` other than
+            None, float16 or bfloat16.
+
+    Works with ``torch.amp.GradScaler``: the optimizer declares ``_step_supports_amp_scaling``,
+    so ``scaler.step(optimizer)`` leaves the gradients scaled and hands over its ``grad_scale``
+    and ``found_inf`` tensors, which are read on the device.
+
+    .. note:: A step reads the skip decision, ``lr`` and ``step`` back to the host in one
+        transfer (the one host sync of a step, as ``GradScaler`` with a plain optimizer):
+        ``amp_C.multi_tensor_lamb`` takes them as numbers.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 4).bfloat16()
+        >>> opt = FusedMixedPrecisionLamb(
+        ...     model.parameters(), lr=1e-3, reduced_precision_dtype=torch.bfloat16
+        ... )
+        >>> model(torch.randn(2, 4, dtype=torch.bfloat16)).float().sum().backward()
+        >>> opt.step()
+    """
+
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | Tensor = 1e-3,
+        step: int = 0,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        amsgrad: bool = False,
+        adam_w_mode: bool = True,
+        grad_averaging: bool = True,
+        max_grad_norm: float = 1.0,
+        use_nvlamb: bool = False,
+        reduced_precision_dtype: torch.dtype | None = None,
+    ) -> None:
+        check_lamb_args(
+            _NAME,
+            lr=lr,
+            eps=eps,
+            weight_decay=weight_decay,
+            max_grad_norm=max_grad_norm,
+            betas=betas,
+            amsgrad=amsgrad,
+        )
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"{_NAME}: invalid step {step!r}; it must be an int >= 0")
+        if reduced_precision_dtype not in _REDUCED_DTYPES:
+            raise ValueError(
+                f"{_NAME}: reduced_precision_dtype must be None, torch.float16 or "
+                f"torch.bfloat16, got {reduced_precision_dtype!r}"
+            )
+        defaults = dict(
+            lr=_lr_tensor(lr),
+            step=torch.tensor([step], dtype=torch.int32),
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            grad_averaging=grad_averaging,
+            max_grad_norm=max_grad_norm,
+        )
+        super().__init__(params, defaults)
+        self.reduced_precision_dtype = reduced_precision_dtype
+        self.adam_w_mode = 1 if adam_w_mode else 0
+        self.use_nvlamb = use_nvlamb
+
+    # -- param groups -----------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group; its ``lr`` and ``step`` become its own tensors on its device.
+
+        Args:
+            param_group: The group, as for ``torch.optim.Optimizer.add_param_group``; a float
+                ``lr`` or int ``step`` is turned into a tensor.
+        """
+        super().add_param_group(param_group)
+        self._place_group_scalars(self.param_groups[-1])
+
+    def _after_load_group(self, group: dict[str, Any]) -> None:
+        self._place_group_scalars(group)
+
+    @staticmethod
+    def _place_group_scalars(group: dict[str, Any]) -> None:
+        # A copy per group: torch's add_param_group hands every group the same default tensor.
+        params = group["params"]
+        device = params[0].device if params else torch.device("cpu")
+        group["lr"] = _lr_tensor(group["lr"]).to(device)
+        step = group.get("step", 0)
+        step_t = step.detach().clone() if isinstance(step, Tensor) else torch.tensor(int(step))
+        group["step"] = step_t.to(device=device, dtype=torch.int32).reshape(1)
+
+    # -- step -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One LAMB step over every param that has a gradient, unless it must be skipped.
+
+        Args:
+            closure: Re-evaluates the model and returns the loss (optional).
+
+        Returns:
+            The closure's loss, or None.
+
+        Raises:
+            RuntimeError: A sparse gradient, or a param dtype other than float32/16/bf16.
+        """
+        loss = self._run_closure(closure)
+        per_group = [params_with_grads(_NAME, g["params"]) for g in self.param_groups]
+        grads = [p.grad for params in per_group for p in params if p.grad is not None]
+        if not grads:
+            return loss
+        device = grads[0].device
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+
+        norm = global_grad_norm(grads, device)  # (1,) of the gradients as they are (scaled)
+        skip = ~torch.isfinite(norm)
+        if isinstance(found_inf, Tensor):
+            skip |= found_inf.to(device).reshape(1) != 0
+        if isinstance(grad_scale, Tensor):
+            scale = grad_scale.to(device=device, dtype=torch.float32).reshape(1)
+        else:
+            scale = torch.ones(1, dtype=torch.float32, device=device)
+        max_grad_norm = float(self.defaults["max_grad_norm"])
+
+        # The one host sync of the step: the skip decision, the scale, every lr and step.
+        groups = self.param_groups
+        host = _host_values([skip, scale, *(g["lr"] for g in groups), *(g["step"] for g in groups)])
+        if host[0]:
+            return loss
+        scale_value = host[1]
+        lrs = host[2 : 2 + len(groups)]
+        steps = [int(v) for v in host[2 + len(groups) :]]
+
+        if scale_value < 1.0:
+            # The op never divides the gradients by less than 1: unscale float32 copies.
+            divisor_norm = norm / scale
+        else:
+            divisor_norm = _grad_divisor_norm(norm, scale, max_grad_norm)
+        for group, params, lr, step in zip(groups, per_group, lrs, steps, strict=True):
+            if not params:
+                continue
+            group["step"] += 1  # in place: the group keeps its device tensor
+            rows = []
+            for p in params:
+                state = self.state[p]
+                exp_avg, exp_avg_sq = lamb_moments(state, p)
+                grad = p.grad
+                assert grad is not None
+                if scale_value < 1.0:
+                    grad = grad.float() / scale_value
+                rows.append((p, grad, self._stepped_tensor(state, p), exp_avg, exp_avg_sq))
+            for (dev, _), (ps, gs, targets, ms, vs) in group_by_device_dtype(rows).items():
+                launch_lamb(
+                    self.noop_flag(dev),
+                    [gs, targets, ms, vs],
+                    group,
+                    lr=lr,
+                    step=step + 1,
+                    global_norm=divisor_norm.to(dev),
+                    max_grad_norm=max_grad_norm,
+                    adam_w_mode=self.adam_w_mode,
+                    use_nvlamb=self.use_nvlamb,
+                )
+                if targets[0] is not ps[0]:  # masters were stepped: round them into the params
+                    torch._foreach_copy_(ps, targets)
+        return loss
+
+    def _stepped_tensor(self, state: dict[str, Any], p: Tensor) -> Tensor:
+        """The tensor the op steps for ``p``: its float32 master, or ``p`` itself."""
+        if p.dtype != self.reduced_precision_dtype:
+            return p
+        master = state.get("master_param")
+        if master is None:
+            # Made on the first step, not in the constructor (Apex): a DDP broadcast of the
+            # model after the optimizer was built must reach the masters.
+            master = state["master_param"] = p.detach().to(torch.float32, copy=True)
+        return master
+
+
+def _lr_tensor(lr: float | Tensor) -> Tensor:
+    """A new 0-dim float32 tensor holding ``lr`` (on ``lr``'s device when it is a tensor)."""
+    if isinstance(lr, Tensor):
+        return lr.detach().to(torch.float32, copy=True).reshape(())
+    return torch.tensor(float(lr), dtype=torch.float32)
+
+
+def _grad_divisor_norm(norm: Tensor, scale: Tensor, max_grad_norm: float) -> Tensor:
+    """The ``global_norm`` that makes ``multi_tensor_lamb`` unscale and clip in one division.
+
+    The op divides the gradients by ``max(global_norm / max_grad_norm, 1)``. The gradients are
+    scaled by ``scale`` and their norm ``norm`` is scaled too, so the divisor wanted is
+    ``scale * max(norm / scale / max_grad_norm, 1) = max(norm / max_grad_norm, scale)``, which
+    is what ``global_norm = max(norm, scale * max_grad_norm)`` gives for every ``scale >= 1``
+    (for ``max_grad_norm = 0`` it keeps Apex's rule: any nonzero norm zeroes the gradients).
+
+    Args:
+        norm: (1,) float32, the L2 norm of the scaled gradients.
+        scale: (1,) float32, the loss scale (1 without a scaler).
+        max_grad_norm: The clipping threshold of the unscaled norm.
+
+    Returns:
+        (1,) float32 on ``norm``'s device; no host sync.
+    """
+    return torch.maximum(norm, scale * max_grad_norm)
+
+
+def _host_values(values: Sequence[Tensor | float]) -> list[float]:
+    """``values`` (one-element tensors or numbers) as Python floats, one transfer per device.
+
+    .. note:: A host sync when a tensor lives on an accelerator.
+    """
+    out: list[float] = [0.0] * len(values)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, value in enumerate(values):
+        if isinstance(value, Tensor):
+            by_device.setdefault(value.device, []).append(i)
+        else:
+            out[i] = float(value)
+    for indices in by_device.values():
+        stacked = torch.cat(
+            [values[i].detach().reshape(1).to(torch.float64) for i in indices]  # type: ignore[union-attr]
+        )
+        for i, v in zip(indices, stacked.tolist(), strict=True):
+            out[i] = v
+    return out

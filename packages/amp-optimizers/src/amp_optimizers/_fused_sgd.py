@@ -1,0 +1,130 @@
+"""``FusedSGD``: Apex's multi-tensor SGD with momentum, on any device and dtype."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim.optimizer import required
+
+from amp_fused_ops import amp_C, multi_tensor_applier
+
+from ._base import FusedOptimizerBase, check_nonnegative, group_by_device_dtype, params_with_grads
+
+__all__ = ["FusedSGD"]
+
+
+class FusedSGD(FusedOptimizerBase):
+    """SGD with momentum, one multi-tensor launch per ``(device, dtype)`` (Apex's ``FusedSGD``).
+
+    Same math as ``torch.optim.SGD`` (the first step puts the gradient itself into the momentum
+    buffer), plus Apex's ``wd_after_momentum``. Momentum buffers are float32 for every param
+    dtype.
+
+    Args:
+        params: Iterable of params or param-group dicts.
+        lr: Learning rate (required).
+        momentum: Momentum factor.
+        dampening: Dampening of the gradient in the momentum update.
+        weight_decay: Weight decay (L2 penalty).
+        nesterov: Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0``).
+        wd_after_momentum: Apply the weight decay after the momentum update.
+        materialize_master_grads: Kept for Apex compatibility. Apex used it to pick between
+            two ways of feeding amp's fp32 master gradients; here amp O2 always gives this
+            optimizer float32 master params with float32 gradients, so it changes nothing.
+        set_grad_none: ``zero_grad`` sets gradients to ``None`` instead of zeroing them.
+
+    Raises:
+        ValueError: A missing or negative ``lr``, negative ``momentum`` or ``weight_decay``, or
+            Nesterov without momentum or with dampening.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 4)
+        >>> opt = FusedSGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+        >>> model(torch.randn(2, 4)).sum().backward()
+        >>> opt.step()
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: Any = required,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        wd_after_momentum: bool = False,
+        materialize_master_grads: bool = True,
+        set_grad_none: bool = False,
+    ) -> None:
+        if lr is required:
+            raise ValueError("FusedSGD: lr is required, e.g. FusedSGD(params, lr=0.1)")
+        check_nonnegative("FusedSGD", "learning rate", lr)
+        check_nonnegative("FusedSGD", "momentum value", momentum)
+        check_nonnegative("FusedSGD", "weight_decay value", weight_decay)
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError(
+                "FusedSGD: Nesterov momentum requires a momentum and zero dampening, got "
+                f"momentum={momentum!r}, dampening={dampening!r}"
+            )
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+        )
+        super().__init__(params, defaults)
+        self.wd_after_momentum = wd_after_momentum
+        self.materialize_master_grads = materialize_master_grads
+        self.set_grad_none = set_grad_none
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("nesterov", False)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One SGD step over every param that has a gradient.
+
+        Args:
+            closure: Re-evaluates the model and returns the loss (optional).
+
+        Returns:
+            The closure's loss, or None.
+        """
+        loss = self._run_closure(closure)
+        for group in self.param_groups:
+            params = params_with_grads("FusedSGD", group["params"])
+            if not params:
+                continue
+            # The op's first_run flag holds for a whole launch: params whose momentum buffer is
+            # new (the first step, or a param whose first gradient comes later) are launched
+            # apart from those that continue their buffer.
+            rows: dict[bool, list[tuple[Tensor, Tensor, Tensor]]] = {True: [], False: []}
+            for p in params:
+                state = self.state[p]
+                first = "momentum_buffer" not in state
+                if first:
+                    state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+                assert p.grad is not None  # params_with_grads kept only those
+                rows[first].append((p, p.grad, state["momentum_buffer"]))
+            for first_run, first_rows in rows.items():
+                for (device, _), (ps, gs, bufs) in group_by_device_dtype(first_rows).items():
+                    multi_tensor_applier(
+                        amp_C.multi_tensor_sgd,
+                        self.noop_flag(device),
+                        [gs, ps, bufs],
+                        group["weight_decay"],
+                        group["momentum"],
+                        group["dampening"],
+                        group["lr"],
+                        group["nesterov"],
+                        first_run,
+                        self.wd_after_momentum,
+                        1.0,
+                    )
+        return loss

@@ -1,0 +1,172 @@
+"""Constructor validation (Apex's errors, clearer messages) and Apex's ``zero_grad``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from _registry import SPECS, OptimizerSpec, loss_of, make_params, two_groups
+from amp_optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
+
+ALL = [FusedAdam, FusedSGD, FusedAdagrad, FusedLAMB, FusedNovoGrad]
+WITH_BETAS = [FusedAdam, FusedLAMB, FusedNovoGrad]
+WITH_EPS = [FusedAdam, FusedAdagrad, FusedLAMB, FusedNovoGrad]
+
+
+def _build(cls: type[torch.optim.Optimizer], **kwargs: Any) -> torch.optim.Optimizer:
+    kwargs.setdefault("lr", 0.1)
+    return cls([torch.nn.Parameter(torch.zeros(2))], **kwargs)
+
+
+@pytest.mark.parametrize("cls", [FusedAdam, FusedLAMB, FusedNovoGrad], ids=lambda c: c.__name__)
+def test_amsgrad_is_refused(cls: type[torch.optim.Optimizer]) -> None:
+    with pytest.raises(RuntimeError, match=rf"{cls.__name__} does not support the AMSGrad"):
+        _build(cls, amsgrad=True)
+
+
+@pytest.mark.parametrize("value", [-1e-3, float("nan"), float("inf")])
+@pytest.mark.parametrize("cls", ALL, ids=lambda c: c.__name__)
+def test_bad_learning_rate(cls: type[torch.optim.Optimizer], value: float) -> None:
+    with pytest.raises(ValueError, match=rf"{cls.__name__}: invalid learning rate {value!r}"):
+        _build(cls, lr=value)
+
+
+@pytest.mark.parametrize("cls", WITH_EPS, ids=lambda c: c.__name__)
+def test_negative_eps(cls: type[torch.optim.Optimizer]) -> None:
+    with pytest.raises(ValueError, match=rf"{cls.__name__}: invalid epsilon value -1e-08"):
+        _build(cls, eps=-1e-8)
+
+
+@pytest.mark.parametrize("cls", ALL, ids=lambda c: c.__name__)
+def test_negative_weight_decay(cls: type[torch.optim.Optimizer]) -> None:
+    with pytest.raises(ValueError, match=rf"{cls.__name__}: invalid weight_decay value -0.1"):
+        _build(cls, weight_decay=-0.1)
+
+
+@pytest.mark.parametrize(
+    ("betas", "match"),
+    [
+        ((1.0, 0.999), r"invalid beta parameter at index 0: 1\.0"),
+        ((0.9, -0.1), r"invalid beta parameter at index 1: -0\.1"),
+        ((0.9, 1.5), r"invalid beta parameter at index 1: 1\.5"),
+        ((0.9,), r"betas must be a pair \(beta1, beta2\), got \(0\.9,\)"),
+    ],
+)
+@pytest.mark.parametrize("cls", WITH_BETAS, ids=lambda c: c.__name__)
+def test_bad_betas(cls: type[torch.optim.Optimizer], betas: tuple[float, ...], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _build(cls, betas=betas)
+
+
+def test_sgd_needs_a_learning_rate() -> None:
+    with pytest.raises(ValueError, match=r"FusedSGD: lr is required"):
+        FusedSGD([torch.nn.Parameter(torch.zeros(2))])
+
+
+def test_sgd_negative_momentum() -> None:
+    with pytest.raises(ValueError, match=r"FusedSGD: invalid momentum value -0\.5"):
+        _build(FusedSGD, momentum=-0.5)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(momentum=0.0), dict(momentum=0.9, dampening=0.1)], ids=["no_momentum", "damp"]
+)
+def test_sgd_nesterov_needs_momentum_without_dampening(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match=r"Nesterov momentum requires a momentum and zero"):
+        _build(FusedSGD, nesterov=True, **kwargs)
+
+
+def test_lamb_negative_max_grad_norm() -> None:
+    with pytest.raises(ValueError, match=r"FusedLAMB: invalid max_grad_norm -1\.0"):
+        _build(FusedLAMB, max_grad_norm=-1.0)
+
+
+def test_novograd_norm_type() -> None:
+    with pytest.raises(ValueError, match=r"norm_type=1"):
+        _build(FusedNovoGrad, norm_type=1)
+
+
+@pytest.mark.parametrize("cls", ALL, ids=lambda c: c.__name__)
+def test_unsupported_param_dtype(cls: type[torch.optim.Optimizer]) -> None:
+    p = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    opt = cls([p], lr=0.1)
+    p.grad = torch.ones_like(p)
+    with pytest.raises(RuntimeError, match=r"supports float32, float16 and bfloat16 params"):
+        opt.step()
+
+
+@pytest.mark.parametrize("cls", ALL, ids=lambda c: c.__name__)
+def test_sparse_gradients_are_refused(cls: type[torch.optim.Optimizer]) -> None:
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = cls([p], lr=0.1)
+    p.grad = torch.ones(3).to_sparse()
+    with pytest.raises(RuntimeError, match=r"does not support sparse gradients"):
+        opt.step()
+
+
+# --- zero_grad ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cls", "default"),
+    [
+        (FusedAdam, True),
+        (FusedSGD, False),
+        (FusedAdagrad, True),
+        (FusedLAMB, True),
+        (FusedNovoGrad, True),
+    ],
+    ids=lambda v: v.__name__ if isinstance(v, type) else str(v),
+)
+def test_set_grad_none_defaults_follow_apex(
+    cls: type[torch.optim.Optimizer], default: bool
+) -> None:
+    assert _build(cls).set_grad_none is default  # type: ignore[attr-defined]
+
+
+def _with_grads(spec: OptimizerSpec, set_grad_none: bool) -> tuple[Any, list[torch.Tensor]]:
+    params = make_params()
+    opt = spec.factory(two_groups(params, spec.second_group))
+    opt.set_grad_none = set_grad_none  # type: ignore[attr-defined]
+    loss_of(params, 0).backward()
+    opt.step()
+    return opt, [p for p in params if p.grad is not None]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_zero_grad_honours_set_grad_none(spec: OptimizerSpec) -> None:
+    opt, with_grads = _with_grads(spec, set_grad_none=True)
+    opt.zero_grad()
+    assert all(p.grad is None for p in with_grads)
+
+    opt, with_grads = _with_grads(spec, set_grad_none=False)
+    grads = [p.grad for p in with_grads]
+    opt.zero_grad()
+    for p, g in zip(with_grads, grads, strict=True):
+        assert p.grad is g, "zero_grad replaced the gradient tensor instead of zeroing it"
+        assert p.grad is not None and not p.grad.any()
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_zero_grad_argument_overrides_set_grad_none(spec: OptimizerSpec) -> None:
+    opt, with_grads = _with_grads(spec, set_grad_none=False)
+    opt.zero_grad(set_to_none=True)
+    assert all(p.grad is None for p in with_grads)
+
+    opt, with_grads = _with_grads(spec, set_grad_none=True)
+    opt.zero_grad(set_to_none=False)
+    assert all(p.grad is not None and not p.grad.any() for p in with_grads)
+
+
+def test_set_grad_none_constructor_argument() -> None:
+    p = torch.nn.Parameter(torch.ones(2))
+    for cls in ALL:
+        opt = cls([p], lr=0.1, set_grad_none=False)
+        p.grad = torch.ones(2)
+        opt.zero_grad()
+        assert p.grad is not None and not p.grad.any(), cls.__name__
+        opt = cls([p], lr=0.1, set_grad_none=True)
+        opt.zero_grad()
+        assert p.grad is None, cls.__name__
