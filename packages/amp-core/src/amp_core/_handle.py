@@ -130,7 +130,8 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
 
     With an optimizer on the fused master-weight path (``amp_optimizers.FusedAdam`` under O2),
     this first unscales the pending gradients into the masters' ``.grad`` (so that, e.g.,
-    gradient clipping sees them), and the step then reads those instead of the half grads.
+    gradient clipping sees them), and the step then reads those instead of the half grads;
+    after a step, it unscales the gradients that step read, as the ordinary path leaves them.
 
     Example:
         >>> torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm=1.0)
@@ -139,6 +140,7 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     if state is not None and state.fused:
         # The fused path keeps the masters in the optimizer: give their unscaled fp32 grads.
         state.materialize()
+        state.settle_stale_grads()
         by_param = {id(p): m for p, m in zip(state.model_params, state.masters, strict=True)}
         for group in optimizer.param_groups:
             for p in group["params"]:

@@ -144,7 +144,7 @@ class OptimizerAmpState:
     def prepare_backward(self) -> None:
         """Before a scaled backward: set existing grads aside so new ones arrive alone."""
         self.materialize()  # grads still scaled from a deferred backward: unscale them first
-        self._settle_stale_grads()
+        self.settle_stale_grads()
         self._stash = []
         for p in self.direct_params:
             self._stash.append(p.grad)
@@ -200,9 +200,11 @@ class OptimizerAmpState:
         if check:
             self.note_overflow_check(loss_id, found_inf)
 
-    def _settle_stale_grads(self) -> None:
+    def settle_stale_grads(self) -> None:
         """Grads a fused step read scaled and nobody zeroed: unscale them into place, so that
-        they accumulate as they would on the ordinary path (the user skipped ``zero_grad``)."""
+        they accumulate as they would on the ordinary path (the user skipped ``zero_grad``),
+        and ``master_params`` or a second ``step()`` see them as the ordinary path leaves them.
+        A no-op when there are none."""
         inv_scale, self._stale_inv_scale = self._stale_inv_scale, None
         if inv_scale is None:
             return
@@ -269,6 +271,7 @@ class OptimizerAmpState:
         optimizer: Any = self.optimizer
         pending, self._pending = self._pending, None
         if pending is None:  # grads already unscaled into place (or none at all)
+            self.settle_stale_grads()  # a second step() after one fused step
             found_inf, self._found_inf = self._found_inf, None
             checks, self._overflow_checks = self._overflow_checks, []
             if found_inf is not None and found_inf.item():  # the one host sync of a step
@@ -294,6 +297,10 @@ class OptimizerAmpState:
             self._overflow_checks = [(loss_id, found_inf)]
             self._skip(None)
             self._overflow_checks = []
+            # Drop the overflowed half grads, as the ordinary path drops their masters' grads:
+            # left in place, the next backward without zero_grad would add them back.
+            for param in self.model_params:
+                param.grad = None
         return None
 
     def _any_device(self) -> torch.device | None:
