@@ -24,7 +24,7 @@ so GB/s = 28 bytes x parameters / median time; ``% copy`` divides it by the meas
 bandwidth of the device (``copy_`` of a large fp32 buffer, bytes read + written).
 
 Usage:
-    python benchmarks/bench_multi_tensor_adam.py --device cpu           # 1M, 10M
+    python benchmarks/bench_multi_tensor_adam.py --device cpu           # 1M, 10M, 100M, 1B
     python benchmarks/bench_multi_tensor_adam.py --device cuda          # 10M, 100M, 1B
     python benchmarks/bench_multi_tensor_adam.py --device cpu --sizes 10e6 100e6
 
@@ -58,7 +58,7 @@ from amp_optimizers import FusedAdam
 LOG = logging.getLogger("bench_multi_tensor_adam")
 
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "out"
-DEFAULT_SIZES = {"cpu": (1e6, 10e6), "cuda": (10e6, 100e6, 1e9)}
+DEFAULT_SIZES = {"cpu": (1e6, 10e6, 100e6, 1e9), "cuda": (10e6, 100e6, 1e9)}
 SMALL_MAX_PARAMS = 10_000_000  # the for-loop optimizer and the reference stop here
 BYTES_PER_PARAM = 28  # fp32 AdamW: reads g, p, m, v (16 B), writes p, m, v (12 B)
 # Alive at once: the base tensors and one variant's copies (16 B each), plus allocator slack.
@@ -309,7 +309,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=float,
         nargs="+",
         default=None,
-        help="parameter counts (default: 1e6 10e6 on cpu, 10e6 100e6 1e9 on cuda)",
+        help="parameter counts (default: 1e6 10e6 100e6 1e9 on cpu, 10e6 100e6 1e9 on cuda)",
     )
     parser.add_argument("--rounds", type=int, default=3, help="repeats of the variant sequence")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per round")

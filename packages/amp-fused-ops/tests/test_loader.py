@@ -345,3 +345,26 @@ def test_build_command_exit_codes(build: SessionBuild, tmp_path: Path) -> None:
     assert named.returncode == 1
     assert "cuda extension: FAILED: torch " in named.stderr
     assert "is a CPU build" in named.stderr
+
+
+@pytest.mark.parametrize(
+    ("capability", "avx2", "avx512"),
+    [("DEFAULT", False, False), ("AVX2", True, False), ("AVX512", True, True)],
+)
+def test_cpu_flags_follow_the_vector_width_torch_uses(
+    monkeypatch: pytest.MonkeyPatch, capability: str, avx2: bool, avx512: bool
+) -> None:
+    monkeypatch.delenv(_loader.PORTABLE_ENV, raising=False)
+    monkeypatch.setattr(_loader.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    flags = _loader._extra_cflags()
+    assert {"-O3", "-fno-math-errno"} <= set(flags)
+    assert ("-mavx2" in flags) is avx2
+    assert ("-mfma" in flags) is avx2
+    assert ("-mavx512f" in flags) is avx512
+    # at::parallel_for runs on one thread in code compiled without OpenMP.
+    openmp = sys.platform.startswith("linux") and torch.backends.openmp.is_available()
+    assert ("-fopenmp" in flags) is openmp
+    # A wheel built ahead of time runs on any CPU of its architecture: no host flags.
+    monkeypatch.setenv(_loader.PORTABLE_ENV, "1")
+    assert not any(flag.startswith("-mavx") for flag in _loader._extra_cflags())

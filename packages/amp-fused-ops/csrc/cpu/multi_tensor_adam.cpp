@@ -73,26 +73,48 @@ struct MasterAdamStep {
 // _master in _reference_optim.py): the unscaled gradient g = grad * inv_scale, then
 //   g += wd * p (mode 0); m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g g;
 //   u = (m / bc1) / (sqrt(v / bc2) + eps) (+ wd * p in mode 1); p -= lr u.
-template <bool kDecoupled>
+// kDecay is weight_decay != 0 (the reference adds no wd * p term then: 0 * inf is nan). Both
+// choices are template parameters and the scalars are copied into locals, so the loop has no
+// branch and no load that a store could alias, and it vectorizes.
+template <bool kDecoupled, bool kDecay>
 struct MasterAdamFunctor {
-  static void run(const float* grad, float* master, float* exp_avg, float* exp_avg_sq,
-                  int64_t n, const MasterAdamStep& s) {
-    const float one_minus_beta1 = 1.0f - s.beta1;
-    const float one_minus_beta2 = 1.0f - s.beta2;
+  static void run(const float* __restrict__ grad, float* __restrict__ master,
+                  float* __restrict__ exp_avg, float* __restrict__ exp_avg_sq, int64_t n,
+                  const MasterAdamStep& s) {
+    const float beta1 = s.beta1;
+    const float beta2 = s.beta2;
+    const float one_minus_beta1 = 1.0f - beta1;
+    const float one_minus_beta2 = 1.0f - beta2;
+    const float bc1 = s.bc1;
+    const float bc2 = s.bc2;
+    const float eps = s.eps;
+    const float lr = s.lr;
+    const float weight_decay = s.weight_decay;
+    const float inv_scale = s.inv_scale;
     for (int64_t i = 0; i < n; ++i) {
-      float g = grad[i] * s.inv_scale;
+      float g = grad[i] * inv_scale;
       const float p = master[i];
-      if (!kDecoupled && s.decay) g += s.weight_decay * p;
-      const float m = s.beta1 * exp_avg[i] + one_minus_beta1 * g;
-      const float v = s.beta2 * exp_avg_sq[i] + one_minus_beta2 * (g * g);
-      float update = (m / s.bc1) / (std::sqrt(v / s.bc2) + s.eps);
-      if (kDecoupled && s.decay) update += s.weight_decay * p;
+      if (!kDecoupled && kDecay) g += weight_decay * p;
+      const float m = beta1 * exp_avg[i] + one_minus_beta1 * g;
+      const float v = beta2 * exp_avg_sq[i] + one_minus_beta2 * (g * g);
+      float update = (m / bc1) / (std::sqrt(v / bc2) + eps);
+      if (kDecoupled && kDecay) update += weight_decay * p;
       exp_avg[i] = m;
       exp_avg_sq[i] = v;
-      master[i] = p - s.lr * update;
+      master[i] = p - lr * update;
     }
   }
 };
+
+template <bool kDecoupled>
+void master_adam(const float* grad, float* master, float* exp_avg, float* exp_avg_sq,
+                 int64_t n, const MasterAdamStep& s) {
+  if (s.decay) {
+    MasterAdamFunctor<kDecoupled, true>::run(grad, master, exp_avg, exp_avg_sq, n, s);
+  } else {
+    MasterAdamFunctor<kDecoupled, false>::run(grad, master, exp_avg, exp_avg_sq, n, s);
+  }
+}
 
 // Returns false when some grad * inv_scale is inf or nan.
 struct UnscaledFiniteFunctor {
@@ -111,11 +133,13 @@ void check_mode_and_bias_correction(const char* op, int64_t mode, int64_t bias_c
               ": bias_correction must be 0 or 1, got ", bias_correction);
 }
 
-// The lists must not share memory at one position (the Adam loop uses __restrict__).
-void check_no_overlap(const char* op, const TensorLists& lists) {
+// The lists `which` must not share memory at one position (the Adam loops use __restrict__).
+void check_no_overlap(const char* op, const TensorLists& lists, const std::vector<size_t>& which) {
   for (size_t i = 0; i < lists[0].size(); ++i) {
-    for (size_t a = 0; a < lists.size(); ++a) {
-      for (size_t b = a + 1; b < lists.size(); ++b) {
+    for (size_t ai = 0; ai < which.size(); ++ai) {
+      for (size_t bi = ai + 1; bi < which.size(); ++bi) {
+        const size_t a = which[ai];
+        const size_t b = which[bi];
         const at::Tensor& x = lists[a][i];
         const at::Tensor& y = lists[b][i];
         const auto* x0 = static_cast<const char*>(x.data_ptr());
@@ -140,7 +164,7 @@ void multi_tensor_adam(int64_t chunk_size, const at::Tensor& noop_flag,
   TORCH_CHECK(step >= 1 || bias_correction == 0, op,
               ": step must be >= 1 when bias_correction is on, got ", step);
   check_fp32_lists(op, tensor_lists, {{2, "exp_avg"}, {3, "exp_avg_sq"}});
-  check_no_overlap(op, tensor_lists);
+  check_no_overlap(op, tensor_lists, {0, 1, 2, 3});
   // As Apex's kernel: the noop flag is neither read nor set; infs and nans propagate
   // into the results (the caller decides about skipping before calling).
 
@@ -204,6 +228,8 @@ void multi_tensor_adam_capturable_master(
   const float step_f = static_cast<float>(scalar_value(op, "step", step));
   s.bc1 = bias_correction ? 1.0f - std::pow(s.beta1, step_f) : 1.0f;
   s.bc2 = bias_correction ? 1.0f - std::pow(s.beta2, step_f) : 1.0f;
+  // A float32 param may be its own master (lists 1 and 4); nothing else may share memory.
+  check_no_overlap(op, tensor_lists, {0, 2, 3, 4});
   // The found-inf pattern: a set flag means "skip this step", nothing is written.
   if (noop_is_set(noop_flag)) return;
 
@@ -241,9 +267,9 @@ void multi_tensor_adam_capturable_master(
       float* m = data_as<float>(exp_avgs[c.tensor]) + offset;
       float* v = data_as<float>(exp_avg_sqs[c.tensor]) + offset;
       if (mode == 1) {
-        MasterAdamFunctor<true>::run(g, master, m, v, n, s);
+        master_adam<true>(g, master, m, v, n, s);
       } else {
-        MasterAdamFunctor<false>::run(g, master, m, v, n, s);
+        master_adam<false>(g, master, m, v, n, s);
       }
       tile_out(params[c.tensor], offset, n, master);
     });
