@@ -439,3 +439,36 @@ def test_signatures_follow_apex(name):
         for p in signature.parameters.values()
     ]
     assert found == APEX_SIGNATURES[name]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF])
+@pytest.mark.parametrize("mixed", [False, True])
+def test_cpu_layer_norm_on_aten_kernels_matches_the_fp32_reference(dtype, mixed):
+    # CPU LayerNorm runs ATen's fused kernels (native_layer_norm and its backward, with fp32
+    # parameters); the statistics and the math must stay those of the fp32 reference.
+    from amp_fused_ops import _norm_ops
+    from amp_fused_ops._norm_reference import norm_backward_reference, norm_forward_reference
+
+    torch.manual_seed(3)
+    rows, hidden = 33, 1000
+    x = (torch.randn(rows, hidden) * 3 + 1).to(dtype)
+    param_dtype = torch.float32 if mixed else dtype
+    w, b = torch.randn(hidden, dtype=param_dtype), torch.randn(hidden, dtype=param_dtype)
+    assert _norm_ops._cpu_native_supported(x, (w, b), rms=False)
+    out, mean, invvar = torch.ops.amp_fused_ops.norm_forward(x, w, b, 1e-5, False, mixed, False)
+    ref_out, ref_mean, ref_invvar = norm_forward_reference(x, w, b, 1e-5, False, mixed)
+    assert out.dtype == ref_out.dtype and mean.dtype == invvar.dtype == torch.float32
+    torch.testing.assert_close(mean, ref_mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(invvar, ref_invvar, rtol=1e-5, atol=0)
+    # out: the same fp32 value rounded to its dtype, up to fp32 rounding in a different order
+    bound = 4 * torch.finfo(out.dtype).eps * max(1.0, ref_out.float().abs().max().item())
+    assert max_err(out, ref_out) <= bound, (max_err(out, ref_out), bound)
+
+    dy = torch.randn(rows, hidden).to(out.dtype)
+    got = torch.ops.amp_fused_ops.norm_backward(dy, x, mean, invvar, w, b, False, False, dtype)
+    want = norm_backward_reference(dy, x, ref_mean, ref_invvar, w, b, False, False, dtype)
+    for name, g, r in zip(("dx", "dw", "db"), got, want, strict=True):
+        assert g.dtype == r.dtype, name
+        # dx: rounding of the result; dw, db: sums of `rows` products, rounded to their dtype
+        bound = 4 * torch.finfo(g.dtype).eps * max(1.0, r.float().abs().max().item())
+        assert max_err(g, r) <= bound, (name, max_err(g, r), bound)

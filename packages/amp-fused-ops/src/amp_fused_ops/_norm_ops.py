@@ -82,6 +82,71 @@ def _kernel_supports(x_dtype: torch.dtype, x: Tensor, params: tuple[Tensor | Non
     return param_dtype == x_dtype or (param_dtype == torch.float32 and x_dtype in _HALF)
 
 
+_NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _cpu_native_supported(x: Tensor, params: tuple[Tensor | None, ...], rms: bool) -> bool:
+    """Whether a CPU LayerNorm can run on ATen's fused CPU kernels (``native_layer_norm``).
+
+    They take a half input with float32 parameters and then keep fp32 statistics and fp32
+    math, which is this module's contract. RMSNorm has no fused CPU kernel in ATen (its
+    reference here is as fast as ``torch.nn.functional.rms_norm`` there).
+    """
+    # Rows of one element are all bias: ATen's backward leaves an fp32 rounding residue in
+    # their (exactly zero) input gradient, the reference does not.
+    if rms or x.device.type != "cpu" or x.dim() != 2 or x.numel() == 0 or x.shape[1] < 2:
+        return False
+    if x.dtype not in _NATIVE_DTYPES:
+        return False
+    return all(
+        p.device.type == "cpu" and p.dtype in _NATIVE_DTYPES for p in params if p is not None
+    )
+
+
+def _float(t: Tensor | None) -> Tensor | None:
+    return t.float() if t is not None else None
+
+
+def _native_forward(
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, mixed: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    # float32 parameters: ATen's mixed-type kernel (fp32 statistics and math for half x); the
+    # mixed variants output in the parameters' dtype, so they normalize an fp32 copy of x.
+    source = x.float() if mixed else x
+    out, mean, rstd = torch.ops.aten.native_layer_norm(
+        source, [x.shape[1]], _float(weight), _float(bias), eps
+    )
+    return out.to(output_dtype(x, weight, mixed)), mean.view(-1), rstd.view(-1)
+
+
+def _native_backward(
+    grad_out: Tensor,
+    x: Tensor,
+    mean: Tensor,
+    invvar: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    input_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor]:
+    # The kernel wants grad_out in the dtype of the input it normalized: fp32 when the output
+    # was (the mixed variants, or a float32 input), else the half input itself.
+    source = x if grad_out.dtype == x.dtype else x.float()
+    dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+        grad_out.to(source.dtype),
+        source,
+        [x.shape[1]],
+        mean.view(-1, 1),
+        invvar.view(-1, 1),
+        _float(weight),
+        _float(bias),
+        [True, weight is not None, bias is not None],
+    )
+    empty = grad_out.new_empty
+    dw = dw.to(weight.dtype) if weight is not None else empty((0,))
+    db = db.to(bias.dtype) if bias is not None else empty((0,))
+    return dx.to(input_dtype), dw, db
+
+
 def _dense(t: Tensor | None) -> Tensor | None:
     """The kernels take contiguous tensors (a no-op for the ones the modules pass)."""
     return t.contiguous() if t is not None else None
@@ -108,6 +173,8 @@ def norm_forward(
         shift = bias if not rms else None
         out, mean, invvar = op(_dense(x), _dense(weight), _dense(shift), eps, rms, mixed)
         return out, mean, invvar
+    if _cpu_native_supported(x, (weight, bias), rms):
+        return _native_forward(x, weight, bias, eps, mixed)
     return norm_forward_reference(x, weight, bias, eps, rms, mixed)
 
 
@@ -147,6 +214,8 @@ def norm_backward(
             _dense(bias if not rms else None), rms, memory_efficient, input_dtype,
         )  # fmt: skip
         return dx, dw, db
+    if not memory_efficient and _cpu_native_supported(saved, (weight, bias), rms):
+        return _native_backward(grad_out, saved, mean, invvar, weight, bias, input_dtype)
     return norm_backward_reference(
         grad_out, saved, mean, invvar, weight, bias, rms, memory_efficient, input_dtype
     )
