@@ -421,3 +421,49 @@ def test_adam_rejects_lists_that_share_memory(ext: Any) -> None:
     with pytest.raises(RuntimeError, match="tensor 0 of list 1 and tensor 0 of list 2 share"):
         ext.multi_tensor_adam(64, flag(), [[g], [p], [p], [torch.zeros(8)]], 1e-3, 0.9, 0.999,
                               1e-8, 1, 1, 1, 0.0)  # fmt: skip
+
+
+# --- conversions of the float32 tiles -------------------------------------------------------
+
+
+def _every_value(dtype: torch.dtype) -> Tensor:
+    """Every bit pattern of a 16-bit float dtype: zeros, subnormals, normals, infs, nans."""
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    return bits.view(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tiles_convert_exactly_like_torch(ext: Any, dtype: torch.dtype) -> None:
+    # With lr 0 and no decay, Adam leaves the values alone: half params come back bit for bit
+    # (half -> float32 tile -> half), and float32 masters reach the half params rounded
+    # exactly as Tensor.to rounds them (ties to even, overflow to inf, nan stays nan; nan
+    # payloads are not kept, by torch either).
+    values = _every_value(dtype)
+    n = values.numel()
+    params = values.clone()
+    lists = [[torch.zeros(n, dtype=dtype)], [params], [torch.zeros(n)], [torch.zeros(n)]]
+    ext.multi_tensor_adam(2048, flag(), lists, 0.0, 0.9, 0.999, 1e-8, 1, 1, 1, 0.0)
+    same = (params.view(torch.int16) == values.view(torch.int16)) | (
+        params.isnan() & values.isnan()
+    )
+    assert bool(same.all()), values[~same][:8]
+
+    generator = torch.Generator().manual_seed(5)
+    masters = torch.cat([
+        torch.randn(4096, generator=generator) * 1e3,
+        torch.randn(4096, generator=generator) * 1e-6,  # half subnormals and underflow
+        values.float(),  # exactly representable: round trip
+        values.float() * (1 + 2**-9),  # near ties of bfloat16
+        values.float() * (1 + 2**-12),  # near ties of float16
+        torch.tensor([70000.0, -70000.0, 3.0e38, float("inf"), float("nan"), -0.0]),
+    ])  # fmt: skip
+    half = torch.zeros_like(masters, dtype=dtype)
+    lists = [[torch.zeros_like(half)], [half], [torch.zeros_like(masters)],
+             [torch.zeros_like(masters)], [masters.clone()]]  # fmt: skip
+    lr, step, inv_scale = torch.tensor([0.0]), torch.tensor([1.0]), torch.tensor([1.0])
+    ext.multi_tensor_adam_capturable_master(
+        2048, flag(), lists, lr, 0.9, 0.999, 1e-8, step, 1, 1, 0.0, inv_scale
+    )
+    want = masters.to(dtype)
+    same = (half.view(torch.int16) == want.view(torch.int16)) | (half.isnan() & want.isnan())
+    assert bool(same.all()), masters[~same][:8]

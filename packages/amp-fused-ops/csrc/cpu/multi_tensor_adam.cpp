@@ -7,6 +7,7 @@
 // compiler vectorizes at -O3 (see multi_tensor_elementwise.cpp).
 #include <atomic>
 #include <cmath>
+#include <type_traits>
 
 #include "multi_tensor_apply.h"
 #include "multi_tensor_ops.h"
@@ -190,18 +191,45 @@ void multi_tensor_adam(int64_t chunk_size, const at::Tensor& noop_flag,
     float* m = data_as<float>(exp_avgs[c.tensor]) + c.begin;
     float* v = data_as<float>(exp_avg_sqs[c.tensor]) + c.begin;
     const int64_t n = c.end - c.begin;
-    dispatch_float(grad.scalar_type(), op, [&](auto g_tag) {
-      using g_t = decltype(g_tag);
-      dispatch_float(param.scalar_type(), op, [&](auto p_tag) {
-        using p_t = decltype(p_tag);
-        const g_t* g = data_as<g_t>(grad) + c.begin;
-        p_t* p = data_as<p_t>(param) + c.begin;
-        if (mode == 1) {
-          AdamFunctor<g_t, p_t, true>::run(g, p, m, v, n, s);
-        } else {
-          AdamFunctor<g_t, p_t, false>::run(g, p, m, v, n, s);
-        }
+    const auto adam = [&](const float* g, float* p, float* m_tile, float* v_tile, int64_t len) {
+      if (mode == 1) {
+        AdamFunctor<float, float, true>::run(g, p, m_tile, v_tile, len, s);
+      } else {
+        AdamFunctor<float, float, false>::run(g, p, m_tile, v_tile, len, s);
+      }
+    };
+    if (grad.scalar_type() == at::kFloat && param.scalar_type() == at::kFloat) {
+      adam(data_as<float>(grad) + c.begin, data_as<float>(param) + c.begin, m, v, n);
+      return;
+    }
+    if (grad.scalar_type() != at::kHalf && param.scalar_type() != at::kHalf) {
+      // float32 / bfloat16 mixes: the loop converts inline and still vectorizes.
+      dispatch_float(grad.scalar_type(), op, [&](auto g_tag) {
+        using g_t = decltype(g_tag);
+        dispatch_float(param.scalar_type(), op, [&](auto p_tag) {
+          using p_t = decltype(p_tag);
+          const g_t* g = data_as<g_t>(grad) + c.begin;
+          p_t* p = data_as<p_t>(param) + c.begin;
+          if constexpr (!std::is_same_v<g_t, c10::Half> && !std::is_same_v<p_t, c10::Half>) {
+            if (mode == 1) {
+              AdamFunctor<g_t, p_t, true>::run(g, p, m, v, n, s);
+            } else {
+              AdamFunctor<g_t, p_t, false>::run(g, p, m, v, n, s);
+            }
+          }
+        });
       });
+      return;
+    }
+    // float16 grads or params: c10::Half converts one value at a time, which keeps an inline
+    // loop from vectorizing; the float32 loop runs over tiles converted 8 values at a time.
+    float grad_buffer[kTile];
+    float param_buffer[kTile];
+    for_each_tile(c, [&](int64_t offset, int64_t len) {
+      const float* g = tile_in(grad, offset, len, grad_buffer);
+      float* p = tile_in(param, offset, len, param_buffer);
+      adam(g, p, m + (offset - c.begin), v + (offset - c.begin), len);
+      tile_out(param, offset, len, p);
     });
   });
 }

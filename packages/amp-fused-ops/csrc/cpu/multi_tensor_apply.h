@@ -10,8 +10,13 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#if defined(__F16C__) && defined(__AVX__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <cmath>
 #include <initializer_list>
 #include <limits>
@@ -198,6 +203,44 @@ template <typename T>
 inline void convert_n(const float* src, T* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
+
+// float32 -> bfloat16 with round-to-nearest-even and a quiet nan, as c10::BFloat16 does, but
+// without the branch on nan that keeps c10's conversion from vectorizing.
+template <>
+inline void convert_n<c10::BFloat16>(const float* src, c10::BFloat16* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, src + i, sizeof(bits));
+    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+    const uint16_t out = src[i] != src[i] ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
+    dst[i] = c10::BFloat16(out, c10::BFloat16::from_bits());
+  }
+}
+
+#if defined(__F16C__) && defined(__AVX__)
+// float16 <-> float32 with the F16C instructions, 8 at a time (IEEE conversions with
+// round-to-nearest-even, the results of c10::Half's conversions); c10::Half converts one value
+// at a time.
+template <>
+inline void convert_n<c10::Half>(const c10::Half* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(half));
+  }
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <>
+inline void convert_n<c10::Half>(const float* src, c10::Half* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i half = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), half);
+  }
+  for (; i < n; ++i) dst[i] = static_cast<c10::Half>(src[i]);
+}
+#endif
 
 // Float32 values of elements [offset, offset + n) of `t` (n <= kTile): a pointer into `t`
 // when it is float32, else `buffer` (filled with the converted values when `load`).
