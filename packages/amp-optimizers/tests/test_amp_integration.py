@@ -226,6 +226,7 @@ def test_o2_fused_adam_skips_a_step_with_an_inf_gradient(
         assert amp.skipped_steps(opt) == 1
     else:  # a static scale never reads the flag back: the step is skipped on the device
         assert scale_after == scale_before
+    assert amp.skipped_steps(opt) == 1
 
     # The next finite step is taken, at the (new) scale.
     train_step(model, opt, make_batch(4))

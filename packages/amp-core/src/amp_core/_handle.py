@@ -200,7 +200,13 @@ def load_state_dict(state: dict[str, Any]) -> None:
 
 
 def skipped_steps(optimizer: torch.optim.Optimizer) -> int:
-    """How many ``optimizer.step()`` calls were skipped for gradient overflow."""
+    """How many ``optimizer.step()`` calls were skipped for gradient overflow.
+
+    With a dynamic loss scale every overflow skips its step. With a static scale the ordinary
+    path (as Apex) does not check and applies the step; the fused O2 master-weight path
+    (``amp_optimizers.FusedAdam``) skips it on the device and counts it here, read back from
+    the device when this is called.
+    """
     state = optimizer_state(optimizer)
     if state is None:
         raise RuntimeError(f"This {type(optimizer).__name__} was not returned by amp.initialize.")

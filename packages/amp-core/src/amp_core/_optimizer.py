@@ -74,7 +74,10 @@ class OptimizerAmpState:
         self._found_inf: torch.Tensor | None = None
         self._overflow_checks: list[tuple[int, torch.Tensor]] = []
         self._backward_seen = False
-        self.skipped_steps = 0
+        self._host_skips = 0
+        # Steps the fused path skipped on the device without reading the flag back (static
+        # loss scale): summed there, read only when skipped_steps is asked for.
+        self._device_skips: torch.Tensor | None = None
         self._original_step = optimizer.step
         self._original_zero_grad = optimizer.zero_grad
         # The fused master-weight path: the optimizer keeps the masters (see _fused_master).
@@ -246,10 +249,16 @@ class OptimizerAmpState:
 
     # -- step -----------------------------------------------------------------------------------
 
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for gradient overflow (reads the device-side count, if any, back)."""
+        on_device = int(self._device_skips.item()) if self._device_skips is not None else 0
+        return self._host_skips + on_device
+
     def _skip(self, closure: Callable[[], Any] | None) -> None:
         if closure is not None:
             raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
-        self.skipped_steps += 1
+        self._host_skips += 1
         if self.session.props_verbosity > 0:
             for loss_id, flag in self._overflow_checks:
                 if flag.item():
@@ -293,7 +302,14 @@ class OptimizerAmpState:
         optimizer.amp_fused_master_step(inv_scale, found_inf)
         self._stale_inv_scale = inv_scale
         scaler.update_(found_inf)
-        if check and found_inf.item():  # the one host sync of a step
+        if not check:
+            # A static scale reads nothing back, but the fused step still skipped an overflow on
+            # the device (the ordinary path would apply it, as Apex did): count it there.
+            skipped = (found_inf != 0).to(torch.int64)
+            self._device_skips = (
+                skipped if self._device_skips is None else self._device_skips + skipped
+            )
+        elif found_inf.item():  # the one host sync of a step
             self._overflow_checks = [(loss_id, found_inf)]
             self._skip(None)
             self._overflow_checks = []
