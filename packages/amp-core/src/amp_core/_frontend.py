@@ -254,7 +254,9 @@ def initialize(
         model_states.append(state)
 
     for optimizer in optimizer_list:
-        opt_state = OptimizerAmpState(optimizer, session, props.master_weights, fp32_sources)
+        opt_state = OptimizerAmpState(
+            optimizer, session, props.master_weights, fp32_sources, model_states
+        )
         optimizer._amp_state = opt_state  # type: ignore[attr-defined]
         pairs = dict(zip(opt_state.model_params, opt_state.masters, strict=True))
         for state in model_states:

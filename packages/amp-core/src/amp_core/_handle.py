@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
+from ._opt_levels import OptLevel
 from ._optimizer import OptimizerAmpState, optimizer_state
 from ._state import AmpSession, registry
 
 __all__ = ["load_state_dict", "master_params", "scale_loss", "skipped_steps", "state_dict"]
+
+_SCALER_KEY = re.compile(r"(session[1-9][0-9]*\.)?loss_scaler(0|[1-9][0-9]*)")
 
 _NOT_INITIALIZED = (
     "Invoked 'with amp.scale_loss`, but internal Amp state has not been initialized. "
@@ -46,8 +50,9 @@ def scale_loss(
     """Yield ``loss * loss_scale`` for ``backward()``; unscale the gradients on exit.
 
     On exit the gradients of the params the optimizer(s) step hold unscaled values (for O2,
-    the fp32 master grads, which :func:`master_params` yields). With dynamic scaling an
-    overflow lowers the scale and makes the next ``optimizer.step()`` a no-op.
+    the fp32 master grads, which :func:`master_params` yields). At O1, O2 and O3, with any loss
+    scale, a gradient holding an inf or a nan (before or after unscaling) makes the next
+    ``optimizer.step()`` a no-op; a dynamic scale is lowered too (not below its floor).
 
     Args:
         loss: The loss tensor.
@@ -87,10 +92,21 @@ def scale_loss(
         )
     scaler = owner.scalers[loss_id]
     casting = owner.casting
+    # Gradients that are not finite skip the step under any loss scale, but at O0 (plain fp32,
+    # as Apex's: a static scale there is never checked).
+    check = (scaler.dynamic or owner.props.opt_level is not OptLevel.O0) and not (
+        delay_overflow_check
+    )
 
     if not owner.props.master_weights and scaler.is_unit_static:
-        # Nothing to scale or copy (O0, O3): Apex's fast path.
+        # Nothing to scale or copy (O0, O3): Apex's fast path, with the overflow check alone.
         yield loss.float()
+        if check and not delay_unscale:
+            found_inf = torch.zeros((), dtype=torch.float32, device=loss.device)
+            for state in states:
+                state.check_grads(scaler, found_inf)
+            for state in states:
+                state.note_overflow_check(loss_id, found_inf)
         if casting is not None:
             casting.clear_cache()
         return
@@ -106,7 +122,6 @@ def scale_loss(
         for state in states:
             state.grads_scaled = True
     else:
-        check = scaler.dynamic and not delay_overflow_check
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
         # A fused master-weight optimizer alone may take the scaled grads as they are: its
         # step unscales, checks and updates the scale (see _fused_master).
@@ -150,53 +165,105 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
         yield from group["params"]
 
 
+def _prefix(index: int) -> str:
+    """Key prefix of the ``index``-th live session: none for the first (Apex's format)."""
+    return "" if index == 0 else f"session{index}."
+
+
 def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The loss scalers of the current ``amp.initialize`` call, as Apex's ``amp.state_dict``.
+    """The loss scalers of every live ``amp.initialize`` call, as Apex's ``amp.state_dict``.
+
+    A single call (the usual case) gives Apex's format. When ``amp.initialize`` was called
+    several times (once per model) and the optimizers of the earlier calls are still in use,
+    the scalers of the ``i``-th call (``i >= 1``, in call order) follow under the keys
+    ``"session<i>.loss_scaler<j>"``, so that no model's scale is lost.
 
     Returns:
         ``{"loss_scaler0": {"loss_scale": float, "unskipped": int}, ...}``.
 
-    .. note:: Reads the scales from the device: a host sync.
+    Raises:
+        RuntimeError: before ``amp.initialize``.
+
+    .. note:: Reads the scales from the device: a host sync. With several calls registered it
+        first runs Python's garbage collector, to drop the calls whose objects are gone.
     """
-    session = registry.current
-    if session is None:
+    if registry.current is None:
         raise RuntimeError("amp.state_dict() was called before amp.initialize().")
     out: dict[str, Any] = {} if destination is None else destination
-    for idx, scaler in enumerate(session.scalers):
-        out[f"loss_scaler{idx}"] = scaler.state_dict()
+    for index, session in enumerate(registry.live_sessions()):
+        for idx, scaler in enumerate(session.scalers):
+            out[f"{_prefix(index)}loss_scaler{idx}"] = scaler.state_dict()
     return out
 
 
 def load_state_dict(state: dict[str, Any]) -> None:
-    """Restore the loss scalers saved by :func:`state_dict` into the current call's scalers.
+    """Restore the loss scalers saved by :func:`state_dict` into the live ``amp.initialize``
+    calls (one per saved call, in call order, each with as many losses as were saved).
+
+    Every entry is validated before anything is loaded: an error leaves every scaler as it was.
+    A scale outside ``[min_loss_scale, max_loss_scale]`` of the new call is brought within it
+    (with a warning), as is an ``unskipped`` count not below the scale window.
 
     Raises:
-        RuntimeError: before ``amp.initialize``, or for keys that are not loss scalers.
+        RuntimeError: before ``amp.initialize``, or for a key that is not a loss scaler (as
+            Apex).
+        TypeError: ``state`` is not a dict, or a field has the wrong type (a scale that is not
+            a number, a count that is not an int).
+        ValueError: a missing or extra loss scaler (the saved
+            number of calls or of ``num_losses`` differs from this run's), a missing or unknown
+            field, a loss scale of 0, negative, inf or nan, or a negative count.
     """
-    session = registry.current
-    if session is None:
+    if registry.current is None:
         raise RuntimeError("amp.load_state_dict() was called before amp.initialize().")
-    unexpected = [key for key in state if not key.startswith("loss_scaler")]
-    if unexpected:
+    if not isinstance(state, Mapping):
+        raise TypeError(
+            f"amp.load_state_dict expects the dict returned by amp.state_dict(), got "
+            f"{type(state).__name__}."
+        )
+    unexpected = [
+        key
+        for key in state
+        if not isinstance(key, str) or not _SCALER_KEY.fullmatch(key)
+    ]
+    if unexpected:  # RuntimeError, as Apex's
         raise RuntimeError(
             "Error(s) in loading state_dict. Unexpected key(s) in state_dict: "
             + ", ".join(f'"{k}"' for k in unexpected)
-            + ". "
+            + ". amp.load_state_dict takes the dict returned by amp.state_dict()."
         )
-    if not session.props.enabled:
-        return
-    if len(state) != len(session.scalers):
-        from ._frontend import logger
-
-        logger.warning(
-            "state_dict contains %d entries, while %d loss_scalers are used",
-            len(state),
-            len(session.scalers),
+    sessions = registry.live_sessions()
+    expected = [
+        (f"{_prefix(index)}loss_scaler{idx}", scaler)
+        for index, session in enumerate(sessions)
+        if session.props.enabled
+        for idx, scaler in enumerate(session.scalers)
+    ]
+    ignored = {  # a disabled call (enabled=False) keeps nothing and ignores its entries
+        _prefix(index) for index, session in enumerate(sessions) if not session.props.enabled
+    }
+    wanted = {key for key, _ in expected}
+    missing = [key for key in wanted if key not in state]
+    extra = [
+        key
+        for key in state
+        if key not in wanted and (key.rsplit("loss_scaler", 1)[0] not in ignored)
+    ]
+    if missing or extra:
+        counts = [len(s.scalers) for s in sessions]
+        raise ValueError(
+            f"amp.load_state_dict: the checkpoint does not match the loss scalers of this run "
+            f"(missing {sorted(missing)}, unexpected {sorted(extra)}). This run has "
+            f"{len(sessions)} live amp.initialize call(s) with num_losses {counts}; a "
+            "checkpoint loads into a run that calls amp.initialize as the run that saved it "
+            "did (same number of calls, in the same order, with the same num_losses). Calls "
+            "whose optimizers are still referenced count as live: delete them first."
         )
-    for idx, key in enumerate(state):
-        if idx >= len(session.scalers):
-            break
-        session.scalers[idx].load_state_dict(state[key])
+    checked = [
+        (scaler, scaler.check_state_dict(state[key], f'state_dict["{key}"]'))
+        for key, scaler in expected
+    ]
+    for scaler, (scale, unskipped) in checked:  # everything is valid: now load it all
+        scaler.load_checked(scale, unskipped)
 
 
 def skipped_steps(optimizer: torch.optim.Optimizer) -> int:

@@ -256,8 +256,12 @@ def resolve_properties(
         raise TypeError(
             f"cast_model_outputs must be a floating torch.dtype, got {cast_model_outputs!r}."
         )
-    if min_loss_scale is not None and not min_loss_scale > 0:
-        raise ValueError(f"min_loss_scale must be positive, got {min_loss_scale!r}.")
+    if min_loss_scale is not None and not min_loss_scale >= torch.finfo(torch.float32).tiny:
+        raise ValueError(
+            f"min_loss_scale must be at least 2**-126 (float32's smallest normal number, so "
+            f"that 1/scale is finite), got {min_loss_scale!r}; None gives the default floor "
+            "2**-24."
+        )
     if not max_loss_scale > 0:
         raise ValueError(f"max_loss_scale must be positive, got {max_loss_scale!r}.")
     if min_loss_scale is not None and min_loss_scale > max_loss_scale:

@@ -1,8 +1,9 @@
 """What ``amp.initialize`` does to an optimizer: master weights, unscaling, skipped steps.
 
 All of it is recorded on the optimizer's :class:`OptimizerAmpState` (``optimizer._amp_state``).
-``optimizer.step`` and ``optimizer.zero_grad`` are wrapped on the instance (Apex's contract
-needs a step that can be skipped, which no PyTorch hook offers); :meth:`remove` restores them.
+``optimizer.step``, ``optimizer.zero_grad`` and ``optimizer.add_param_group`` are wrapped on
+the instance (Apex's contract needs a step that can be skipped, which no PyTorch hook offers, and
+a group added later needs the same treatment as the first ones); :meth:`remove` restores them.
 
 Per step, the host reads the overflow flag once, in ``step()``, and only when dynamic loss
 scaling is in use: everything else (unscaling, the overflow check, the scale update, the copy
@@ -27,9 +28,10 @@ import torch
 from torch import nn
 
 from ._fused_master import supports_fused_master_weights
-from ._scaler import LossScaler
+from ._scaler import LossScaler, coalesce_half_sparse_grads
 
 if TYPE_CHECKING:
+    from ._model import ModelAmpState
     from ._state import AmpSession
 
 __all__ = ["OptimizerAmpState", "optimizer_state"]
@@ -55,6 +57,8 @@ class OptimizerAmpState:
         master_weights: Whether half params get fp32 master copies.
         fp32_masters: Full-precision values for params the model cast just now, used as the
             masters' initial values instead of the rounded half values.
+        model_states: The models of the same call, told about masters made later (for a
+            param group added after ``amp.initialize``).
     """
 
     def __init__(
@@ -63,9 +67,12 @@ class OptimizerAmpState:
         session: AmpSession,
         master_weights: bool,
         fp32_masters: dict[nn.Parameter, torch.Tensor],
+        model_states: list[ModelAmpState] | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.session = session
+        self.master_weights = master_weights
+        self.model_states = model_states if model_states is not None else []
         self.model_params: list[nn.Parameter] = []  # half params stepped through a master
         self.masters: list[torch.Tensor] = []  # their fp32 masters, in the same order
         self.direct_params: list[torch.Tensor] = []  # params the optimizer steps itself
@@ -80,6 +87,7 @@ class OptimizerAmpState:
         self._device_skips: torch.Tensor | None = None
         self._original_step = optimizer.step
         self._original_zero_grad = optimizer.zero_grad
+        self._original_add_param_group = optimizer.add_param_group
         # The fused master-weight path: the optimizer keeps the masters (see _fused_master).
         self.fused = master_weights and supports_fused_master_weights(optimizer)
         # A backward whose scaled grads wait for the fused step: (scaler, loss_id, check).
@@ -97,29 +105,74 @@ class OptimizerAmpState:
         optimizer.zero_grad = types.MethodType(  # type: ignore[method-assign]
             _amp_zero_grad, optimizer
         )
+        optimizer.add_param_group = types.MethodType(  # type: ignore[method-assign]
+            _amp_add_param_group, optimizer
+        )
 
     # -- construction ------------------------------------------------------------------------
 
     def _make_masters(self, fp32_masters: dict[nn.Parameter, torch.Tensor]) -> None:
+        for group in self.optimizer.param_groups:
+            self._make_group_masters(group, fp32_masters)
+
+    def _make_group_masters(
+        self, group: dict[str, Any], fp32_masters: dict[nn.Parameter, torch.Tensor]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Put fp32 masters in place of the half params of ``group``; return the new pairs."""
         optimizer = self.optimizer
-        for group in optimizer.param_groups:
-            params = group["params"]
-            for i, param in enumerate(params):
-                if param.dtype not in _HALF:
+        params = group["params"]
+        pairs = []
+        for i, param in enumerate(params):
+            if param.dtype not in _HALF:
+                self.direct_params.append(param)
+                continue
+            source = fp32_masters.get(param)
+            # The pre-cast fp32 value when there is one (no rounding through half).
+            master = source.float() if source is not None else param.detach().float()
+            master.requires_grad_(True)
+            params[i] = master
+            if param in optimizer.state:  # move existing state onto the master
+                optimizer.state[master] = {
+                    k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
+                    for k, v in optimizer.state.pop(param).items()
+                }
+            self.model_params.append(param)
+            self.masters.append(master)
+            pairs.append((param, master))
+        return pairs
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """``optimizer.add_param_group`` after ``amp.initialize``: the new group is treated as
+        ``initialize`` treated the others (fp32 masters for its half params under O2, whose
+        fused optimizers make their state; unscaled and checked at every level)."""
+        given = param_group.get("params") if isinstance(param_group, dict) else None
+        given = [given] if isinstance(given, torch.Tensor) else list(given or [])
+        known = {id(p) for p in self.model_params}
+        if any(id(p) in known for p in given):
+            raise ValueError(
+                "some parameters appear in more than one parameter group (amp keeps fp32 "
+                "master weights of them in an earlier group); add each parameter once."
+            )
+        self._original_add_param_group(param_group)
+        group = self.optimizer.param_groups[-1]
+        if self.fused:
+            pairs = self.optimizer.amp_enable_fused_master_weights({})  # type: ignore[attr-defined]
+            by_param = {id(p): m for p, m in pairs}
+            new = []
+            for param in group["params"]:
+                if id(param) in by_param:
+                    self.model_params.append(param)
+                    self.masters.append(by_param[id(param)])
+                    new.append((param, by_param[id(param)]))
+                else:
                     self.direct_params.append(param)
-                    continue
-                source = fp32_masters.get(param)
-                # The pre-cast fp32 value when there is one (no rounding through half).
-                master = source.float() if source is not None else param.detach().float()
-                master.requires_grad_(True)
-                params[i] = master
-                if param in optimizer.state:  # move existing state onto the master
-                    optimizer.state[master] = {
-                        k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
-                        for k, v in optimizer.state.pop(param).items()
-                    }
-                self.model_params.append(param)
-                self.masters.append(master)
+        elif self.master_weights:
+            new = self._make_group_masters(group, {})
+        else:
+            new = []
+            self.direct_params.extend(group["params"])
+        for state in self.model_states:
+            state.masters.update(new)
 
     def _enable_fused_masters(self, fp32_masters: dict[nn.Parameter, torch.Tensor]) -> None:
         optimizer: Any = self.optimizer
@@ -134,9 +187,9 @@ class OptimizerAmpState:
                     self.direct_params.append(param)
 
     def remove(self) -> None:
-        """Restore ``step`` and ``zero_grad`` (master weights stay in the param groups, or, on
+        """Restore ``step``, ``zero_grad`` and ``add_param_group`` (master weights stay in the param groups, or, on
         the fused path, the optimizer goes back to stepping its params without amp's masters)."""
-        for name in ("step", "zero_grad"):
+        for name in ("step", "zero_grad", "add_param_group"):
             self.optimizer.__dict__.pop(name, None)
         if self.fused:
             self._pending = None
@@ -223,7 +276,8 @@ class OptimizerAmpState:
                 p.grad = None
 
     def _unscale_into_place(self, scaler: LossScaler, found_inf: torch.Tensor, check: bool) -> None:
-        stash = self._stash or [None] * len(self.direct_params)
+        # A group added after the stash was made has nothing set aside.
+        stash = self._stash + [None] * (len(self.direct_params) - len(self._stash))
         scaler.unscale_with_stash_(self.direct_params, stash, found_inf, check=check)
         self._stash = []
 
@@ -241,6 +295,13 @@ class OptimizerAmpState:
                 else:
                     master.grad.add_(grad)
                 param.grad = None
+
+    def check_grads(self, scaler: LossScaler, found_inf: torch.Tensor) -> None:
+        """Raise ``found_inf`` when a gradient the optimizer will read holds an inf or a nan
+        (a static scale of one: nothing to unscale; no master weights)."""
+        coalesce_half_sparse_grads(self.direct_params)
+        grads = [p.grad for p in self.direct_params if p.grad is not None]
+        scaler.unscale_(grads, found_inf, check=True)
 
     def note_overflow_check(self, loss_id: int, found_inf: torch.Tensor) -> None:
         """Remember an overflow flag that the next ``step()`` must honour."""
@@ -264,13 +325,30 @@ class OptimizerAmpState:
                 if flag.item():
                     scaler = self.session.scalers[loss_id]
                     logger.warning(
-                        "Gradient overflow.  Skipping step, loss scaler %d reducing loss scale "
+                        "Gradient overflow.  Skipping step, loss scaler %d %s loss scale "
                         "to %s",
                         loss_id,
+                        "reducing" if scaler.dynamic else "keeping its static",
                         scaler.loss_scale(),
                     )
         for master in self.masters:
             master.grad = None
+
+    def _read_overflow(self, found_inf: torch.Tensor, loss_ids: list[int]) -> bool:
+        """The one host sync of a step: the overflow flag, and with it the current values of the
+        dynamic scales that set it (the scalers' host hints of whether the scale is below one).
+        """
+        scalers: list[LossScaler] = []
+        for loss_id in loss_ids:
+            scaler = self.session.scalers[loss_id]
+            if scaler.dynamic and scaler.device is not None and scaler not in scalers:
+                scalers.append(scaler)
+        values = [found_inf.float().reshape(())]
+        values += [s.scale_tensor(s.device).to(found_inf.device) for s in scalers]  # type: ignore[arg-type]
+        flag, *scales = torch.stack(values).tolist()
+        for scaler, value in zip(scalers, scales, strict=True):
+            scaler.note_host_scale(value)
+        return bool(flag)
 
     def _fused_step(self, closure: Callable[[], Any] | None) -> Any:
         """``step()`` on the fused master-weight path: one pass, no master->model copy."""
@@ -283,7 +361,7 @@ class OptimizerAmpState:
             self.settle_stale_grads()  # a second step() after one fused step
             found_inf, self._found_inf = self._found_inf, None
             checks, self._overflow_checks = self._overflow_checks, []
-            if found_inf is not None and found_inf.item():  # the one host sync of a step
+            if found_inf is not None and self._read_overflow(found_inf, [i for i, _ in checks]):
                 self._overflow_checks = checks
                 self._skip(None)
                 self._overflow_checks = []
@@ -302,14 +380,14 @@ class OptimizerAmpState:
         optimizer.amp_fused_master_step(inv_scale, found_inf)
         self._stale_inv_scale = inv_scale
         scaler.update_(found_inf)
-        if not check:
+        if not (check and scaler.dynamic):
             # A static scale reads nothing back, but the fused step still skipped an overflow on
-            # the device (the ordinary path would apply it, as Apex did): count it there.
+            # the device: count it there.
             skipped = (found_inf != 0).to(torch.int64)
             self._device_skips = (
                 skipped if self._device_skips is None else self._device_skips + skipped
             )
-        elif found_inf.item():  # the one host sync of a step
+        elif self._read_overflow(found_inf, [loss_id]):  # the one host sync of a step
             self._overflow_checks = [(loss_id, found_inf)]
             self._skip(None)
             self._overflow_checks = []
@@ -330,7 +408,8 @@ class OptimizerAmpState:
             return self._fused_step(closure)
         found_inf, self._found_inf = self._found_inf, None
         checks, self._overflow_checks = self._overflow_checks, []
-        if found_inf is not None and found_inf.item():  # the one host sync of a step
+        # The one host sync of a step.
+        if found_inf is not None and self._read_overflow(found_inf, [i for i, _ in checks]):
             self._overflow_checks = checks
             self._skip(closure)
             self._overflow_checks = []
@@ -383,6 +462,10 @@ def _amp_step(optimizer: Any, closure: Callable[[], Any] | None = None) -> Any:
 
 def _amp_zero_grad(optimizer: Any, set_to_none: bool = True) -> None:
     optimizer._amp_state._zero_grad(set_to_none)
+
+
+def _amp_add_param_group(optimizer: Any, param_group: dict[str, Any]) -> None:
+    optimizer._amp_state.add_param_group(param_group)
 
 
 def optimizer_state(optimizer: Any) -> OptimizerAmpState | None:

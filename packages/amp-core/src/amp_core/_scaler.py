@@ -3,19 +3,121 @@
 The scale, the count of unskipped steps and the overflow flag are tensors on the device of the
 gradients, so unscaling, the overflow check and the scale update launch kernels without waiting
 for them. The host reads the overflow flag once per optimizer step, to decide whether to skip it.
+
+A dynamic scale stays within ``[floor, ceiling]``: the floor is ``min_loss_scale`` when given,
+else :data:`DEFAULT_MIN_LOSS_SCALE`, so the scale never underflows to zero and ``1/scale`` stays
+finite. Unscaling multiplies by ``1/scale``; when the scale may be below one that product can
+overflow, so the unscaled gradients are checked as well (an extra read of them, only then).
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["LossScaler"]
+__all__ = [
+    "DEFAULT_MIN_LOSS_SCALE",
+    "LossScaler",
+    "check_count",
+    "check_scale",
+    "coalesce_half_sparse_grads",
+]
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_MIN_LOSS_SCALE = 2.0**-24
+"""The floor of a dynamic scale when no ``min_loss_scale`` is given: the reciprocal of the
+default ``max_loss_scale``. Its reciprocal (``2**24``) is exact and finite in float32."""
+
+# The largest power of two in float32: a ceiling of "no ceiling" (inf) keeps the scale finite.
+_MAX_SCALE = 2.0**127
+_STATE_KEYS = ("loss_scale", "unskipped")
+
+
+def check_scale(value: Any, where: str) -> float:
+    """``value`` as a loss scale: a real number, finite and > 0.
+
+    Raises:
+        TypeError: for a value that is not a real number (a bool, a string, a tensor...).
+        ValueError: for 0, a negative number, inf or nan.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{where} must be a number, positive and finite, got {type(value).__name__} "
+            f"{value!r}."
+        )
+    scale = float(value)
+    if not (math.isfinite(scale) and 0.0 < scale <= torch.finfo(torch.float32).max):
+        raise ValueError(
+            f"{where} must be positive and finite, got {value!r}: a loss scale of 0, a "
+            "negative one, inf or nan would write inf or nan into the weights. Fix or drop the "
+            "value (a new run starts from the default scale)."
+        )
+    return scale
+
+
+def check_count(value: Any, where: str, *, minimum: int = 0) -> int:
+    """``value`` as a step counter: an int (not a bool) ``>= minimum``.
+
+    Raises:
+        TypeError: for a value that is not an int.
+        ValueError: for an int below ``minimum``.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{where} must be an int, got {type(value).__name__} {value!r}.")
+    if value < minimum:
+        raise ValueError(f"{where} must be an int >= {minimum}, got {value!r}.")
+    return int(value)
+
+
+def _mark_nonfinite(tensors: list[torch.Tensor], found_inf: torch.Tensor) -> None:
+    """Raise ``found_inf`` (on the device) when any of ``tensors`` holds an inf or a nan.
+
+    Reads the tensors once and writes nothing to them.
+    """
+    tensors = [t for t in tensors if t.numel() > 0]
+    if not tensors:
+        return
+    # The inf-norm (max |x|) is inf or nan exactly when a value is; it cannot overflow.
+    norms = torch._foreach_norm(tensors, math.inf)
+    bad = torch.stack([n.float() for n in norms]).isfinite().all().logical_not()
+    found_inf.masked_fill_(bad.to(found_inf.device), 1.0)
+
+
+def _dense_parts(grads: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors to unscale in place: a dense grad itself, a sparse COO grad's values."""
+    parts = []
+    for g in grads:
+        if g.layout is torch.strided:
+            parts.append(g)
+        elif g.layout is torch.sparse_coo:
+            parts.append(g._values())  # a view: unscaling it unscales the gradient
+        else:
+            raise TypeError(
+                f"amp cannot unscale a gradient with layout {g.layout}; dense and sparse COO "
+                "gradients (e.g. nn.Embedding(sparse=True)) are supported."
+            )
+    return parts
+
+
+def coalesce_half_sparse_grads(params: Iterable[torch.Tensor]) -> None:
+    """Coalesce the half-precision sparse gradients of ``params`` in place of the old ones.
+
+    An uncoalesced sparse gradient holds one value per occurrence of an index; the optimizer
+    sums them, which can overflow in fp16 although each value is finite. Summed first, the
+    overflow check sees them (torch's GradScaler does the same).
+    """
+    for p in params:
+        g = p.grad
+        if g is not None and g.is_sparse and g.dtype in (torch.float16, torch.bfloat16):
+            if not g.is_coalesced():
+                p.grad = g.coalesce()
 
 
 class LossScaler:
@@ -23,15 +125,21 @@ class LossScaler:
 
     Dynamic scaling starts at ``init_scale``, is multiplied by ``scale_factor`` after
     ``scale_window`` consecutive steps without overflow (up to ``max_loss_scale``) and divided by
-    it on every overflow (down to ``min_loss_scale`` when given).
+    it on every overflow, down to a floor: ``min_loss_scale`` when given, else
+    :data:`DEFAULT_MIN_LOSS_SCALE` (``2**-24``; Apex had no floor, and a long run of overflows
+    took the scale to 0, whose reciprocal wrote nan into the weights).
 
     Args:
-        loss_scale: A positive number for a static scale, or ``"dynamic"``.
-        init_scale: The first dynamic scale.
+        loss_scale: A positive finite number for a static scale, or ``"dynamic"``.
+        init_scale: The first dynamic scale (brought within the floor and the ceiling).
         scale_factor: Growth and backoff factor.
         scale_window: Unskipped steps between two growths.
-        min_loss_scale: Floor of the dynamic scale, or ``None``.
-        max_loss_scale: Ceiling of the dynamic scale.
+        min_loss_scale: Floor of the dynamic scale, or ``None`` for the default floor.
+        max_loss_scale: Ceiling of the dynamic scale (``inf``: none below float32's
+            largest power of two).
+
+    Raises:
+        ValueError: for a static scale that is not a positive finite number.
     """
 
     def __init__(
@@ -44,12 +152,18 @@ class LossScaler:
         max_loss_scale: float = 2.0**24,
     ) -> None:
         self.dynamic = loss_scale == "dynamic"
-        first = init_scale if self.dynamic else float(loss_scale)
-        self._initial_scale = min(first, max_loss_scale) if self.dynamic else first
         self.scale_factor = float(scale_factor)
         self.scale_window = int(scale_window)
         self.min_loss_scale = min_loss_scale
         self.max_loss_scale = float(max_loss_scale)
+        if self.dynamic:
+            self._initial_scale = min(max(float(init_scale), self.floor), self.ceiling)
+        else:
+            self._initial_scale = check_scale(loss_scale, "A static loss_scale")
+        # A lower bound of the device scale, known on the host without a sync: exact after a
+        # load or a read-back, divided by the factor at every update. Below one, unscaling can
+        # overflow and the unscaled gradients are checked too.
+        self._low_hint = self._initial_scale
         # Device state, created on the first device that asks for it.
         self._scale: torch.Tensor | None = None
         self._unskipped: torch.Tensor | None = None
@@ -83,6 +197,22 @@ class LossScaler:
     def device(self) -> torch.device | None:
         return None if self._scale is None else self._scale.device
 
+    @property
+    def floor(self) -> float:
+        """The lowest value of a dynamic scale."""
+        if self.min_loss_scale is not None:
+            return float(self.min_loss_scale)
+        return min(DEFAULT_MIN_LOSS_SCALE, self.ceiling)
+
+    @property
+    def ceiling(self) -> float:
+        """The highest value of a dynamic scale."""
+        return min(self.max_loss_scale, _MAX_SCALE)
+
+    def note_host_scale(self, value: float) -> None:
+        """Tell the scaler its current value, read back by a host sync made anyway."""
+        self._low_hint = value
+
     # -- the algorithm ----------------------------------------------------------------------
 
     def unscale_(
@@ -90,28 +220,40 @@ class LossScaler:
     ) -> None:
         """Multiply ``grads`` in place by 1/scale; set ``found_inf`` on any inf or nan.
 
+        With ``check``, a gradient counts as overflowed when it is not finite before or after
+        unscaling (the latter is possible only for a scale below one, and only then checked).
+        Sparse COO gradients are unscaled and checked through their values.
+
         ``found_inf`` is a 0-dim fp32 tensor; it is only ever raised, never cleared here.
         """
-        if not check and not self.dynamic and self._initial_scale == 1.0:
+        unit = not self.dynamic and self._initial_scale == 1.0
+        if not check and unit:
             return  # a static scale of one: nothing to undo
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
-        for g in grads:
+        for g in _dense_parts(grads):
             groups[(g.device, g.dtype)].append(g)
         if not groups:
             return
         scale = self.scale_tensor(found_inf.device)
+        check_output = check and self._low_hint < 1.0
         for (device, _), group in groups.items():
-            inv_scale = scale.double().reciprocal().float().to(device, non_blocking=True)
             if check:
                 local_inf = (
                     found_inf
                     if device == found_inf.device
                     else torch.zeros_like(found_inf, device=device)
                 )
-                torch._amp_foreach_non_finite_check_and_unscale_(group, local_inf, inv_scale)
+                if unit:  # nothing to multiply: read the gradients once, write nothing
+                    _mark_nonfinite(group, local_inf)
+                else:
+                    inv_scale = scale.double().reciprocal().float().to(device, non_blocking=True)
+                    torch._amp_foreach_non_finite_check_and_unscale_(group, local_inf, inv_scale)
+                    if check_output:  # finite * (1/scale > 1) may overflow
+                        _mark_nonfinite(group, local_inf)
                 if local_inf is not found_inf:
                     found_inf.add_(local_inf.to(found_inf.device, non_blocking=True))
             else:
+                inv_scale = scale.double().reciprocal().float().to(device, non_blocking=True)
                 torch._foreach_mul_(group, inv_scale)
 
     def unscale_with_stash_(
@@ -131,6 +273,7 @@ class LossScaler:
             found_inf: As in :meth:`unscale_`.
             check: As in :meth:`unscale_`.
         """
+        coalesce_half_sparse_grads(params)
         self.unscale_([p.grad for p in params if p.grad is not None], found_inf, check=check)
         for param, stashed in zip(params, stash, strict=True):
             if stashed is None:
@@ -141,7 +284,8 @@ class LossScaler:
                 param.grad.add_(stashed)
 
     def update_(self, found_inf: torch.Tensor) -> None:
-        """Apex's update, on the device: backoff on overflow, growth after the window.
+        """Apex's update, on the device: backoff on overflow (not below the floor), growth after
+        the window (not above the ceiling).
 
         A static scale never changes, but counts its steps as Apex's does.
         """
@@ -158,7 +302,8 @@ class LossScaler:
             1.0 / self.scale_factor,
             self.scale_window,
         )
-        scale.clamp_(min=self.min_loss_scale or 0.0, max=self.max_loss_scale)
+        scale.clamp_(min=self.floor, max=self.ceiling)
+        self._low_hint = max(self.floor, self._low_hint / self.scale_factor)
 
     # -- host view (syncs) --------------------------------------------------------------------
 
@@ -171,7 +316,9 @@ class LossScaler:
             return self._initial_scale  # kept on the host too: no sync
         if self._scale is None:
             return (self._pending or (self._initial_scale, 0))[0]
-        return float(self._scale.item())
+        value = float(self._scale.item())
+        self._low_hint = value
+        return value
 
     def unskipped(self) -> int:
         """Steps since the last overflow or growth. Host sync, as :meth:`loss_scale`."""
@@ -184,11 +331,74 @@ class LossScaler:
     def state_dict(self) -> dict[str, float | int]:
         return {"loss_scale": self.loss_scale(), "unskipped": self.unskipped()}
 
-    def load_state_dict(self, state: dict[str, float | int]) -> None:
-        scale, unskipped = float(state["loss_scale"]), int(state["unskipped"])
+    def check_state_dict(self, state: Any, where: str = "state_dict") -> tuple[float, int]:
+        """Validate ``state`` (as :meth:`state_dict` returns it) without loading it.
+
+        Args:
+            state: ``{"loss_scale": positive finite number, "unskipped": int >= 0}``.
+            where: How the error names ``state`` (e.g. ``state_dict["loss_scaler0"]``).
+
+        Returns:
+            ``(loss_scale, unskipped)`` as :meth:`load_state_dict` would set them: a dynamic
+            scale brought within ``[floor, ceiling]`` and ``unskipped`` below ``scale_window``
+            (a checkpoint of a run with other bounds), each with a warning.
+
+        Raises:
+            TypeError: ``state`` is not a dict, or a field has the wrong type.
+            ValueError: a field is missing, an unknown one is present, or a field has a value
+                no scaler can have (a scale of 0, negative, inf or nan; a negative count).
+        """
+        if not isinstance(state, Mapping):
+            raise TypeError(
+                f"{where} must be a dict with the keys {list(_STATE_KEYS)}, got "
+                f"{type(state).__name__}. Pass the dict saved by amp.state_dict()."
+            )
+        missing = [k for k in _STATE_KEYS if k not in state]
+        unknown = [k for k in state if k not in _STATE_KEYS]
+        if missing or unknown:
+            raise ValueError(
+                f"{where} must have exactly the keys {list(_STATE_KEYS)}; missing {missing}, "
+                f"unknown {unknown}. Pass the dict saved by amp.state_dict()."
+            )
+        scale = check_scale(state["loss_scale"], f'{where}["loss_scale"]')
+        unskipped = check_count(state["unskipped"], f'{where}["unskipped"]')
+        if self.dynamic:
+            bounded = min(max(scale, self.floor), self.ceiling)
+            if bounded != scale:
+                logger.warning(
+                    "%s: loss_scale %s is outside [%s, %s] of this scaler; using %s.",
+                    where,
+                    scale,
+                    self.floor,
+                    self.ceiling,
+                    bounded,
+                )
+                scale = bounded
+            if unskipped >= self.scale_window:
+                logger.warning(
+                    "%s: unskipped %d is not below scale_window %d; the scale grows at the "
+                    "next step without overflow.",
+                    where,
+                    unskipped,
+                    self.scale_window,
+                )
+                unskipped = self.scale_window - 1
+        return scale, unskipped
+
+    def load_state_dict(self, state: Any, where: str = "state_dict") -> None:
+        """Load :meth:`state_dict`'s output, validated first (see :meth:`check_state_dict`).
+
+        Raises:
+            TypeError, ValueError: as :meth:`check_state_dict`; nothing is loaded then.
+        """
+        self.load_checked(*self.check_state_dict(state, where))
+
+    def load_checked(self, scale: float, unskipped: int) -> None:
+        """Set the values :meth:`check_state_dict` returned (cannot fail)."""
         if not self.dynamic:
             self._initial_scale = scale  # the host copy of a static scale
             self._static_unskipped = unskipped
+        self._low_hint = scale
         if self._scale is None:
             self._pending = (scale, unskipped)
         else:

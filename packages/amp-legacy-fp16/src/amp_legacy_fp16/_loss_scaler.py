@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from amp_core import LossScaler as _CoreScaler
+from amp_core._scaler import check_count, check_scale
 
 from ._deprecation import warn_deprecated
 
@@ -69,11 +70,8 @@ class _ScalerBase:
 
     @cur_scale.setter
     def cur_scale(self, value: float) -> None:
-        if not value > 0:
-            raise ValueError(f"A loss scale must be positive, got {value!r}.")
-        self._core.load_state_dict(
-            {"loss_scale": float(value), "unskipped": self._core.unskipped()}
-        )
+        scale = check_scale(value, "A loss scale")  # 0, negative, inf, nan: refused
+        self._core.load_state_dict({"loss_scale": scale, "unskipped": self._core.unskipped()})
 
     def scale_tensor(self, device: torch.device) -> torch.Tensor:
         """The scale as a 0-dim fp32 tensor on ``device`` (no host sync)."""
@@ -127,10 +125,8 @@ class LossScaler(_ScalerBase):
         self._setup(scale)
 
     def _setup(self, scale: float) -> None:
-        if not scale > 0:
-            raise ValueError(f"LossScaler(scale={scale!r}): the scale must be positive.")
         self.dynamic = False
-        self._core = _CoreScaler(float(scale))
+        self._core = _CoreScaler(check_scale(scale, f"LossScaler(scale={scale!r}): the scale"))
 
     def has_overflow(self, params: Iterable[torch.Tensor]) -> bool:
         """Always ``False``: a static scaler does not check (Apex's behaviour)."""
@@ -173,8 +169,7 @@ class DynamicLossScaler(_ScalerBase):
         self._setup(init_scale, scale_factor, scale_window)
 
     def _setup(self, init_scale: float, scale_factor: float, scale_window: int) -> None:
-        if not init_scale > 0:
-            raise ValueError(f"init_scale must be positive, got {init_scale!r}.")
+        check_scale(init_scale, "init_scale")
         if not scale_factor > 1:
             raise ValueError(
                 f"scale_factor must be greater than 1, got {scale_factor!r} (Apex uses 2.0)."
@@ -260,25 +255,74 @@ def make_dynamic(args: dict[str, Any] | None) -> DynamicLossScaler:
     return scaler
 
 
-def scaler_from_state_dict(state: Any) -> LossScaler | DynamicLossScaler:
+_STATIC_STATE_KEYS = ("dynamic", "cur_scale")
+_DYNAMIC_STATE_KEYS = (
+    "dynamic",
+    "cur_scale",
+    "unskipped",
+    "cur_iter",
+    "last_overflow_iter",
+    "scale_factor",
+    "scale_window",
+)
+
+
+def scaler_from_state_dict(
+    state: Any, where: str = "loss_scaler"
+) -> LossScaler | DynamicLossScaler:
     """Rebuild a scaler saved by ``state_dict()`` (a scaler object is returned as it is).
 
+    Every field is checked before the scaler is built: a wrong type, a scale of 0, negative,
+    inf or nan, a negative counter, a missing or an unknown key raises, naming the key.
+
+    Args:
+        state: What ``state_dict()`` returned.
+        where: How errors name ``state``.
+
     Raises:
-        TypeError: for anything else.
+        TypeError: ``state`` is not a saved scaler, or a field has the wrong type.
+        ValueError: a field is missing, unknown, or has an impossible value.
     """
     if isinstance(state, (LossScaler, DynamicLossScaler)):
         return state
     if not isinstance(state, dict) or "dynamic" not in state:
         raise TypeError(
-            f"Expected a loss scaler state saved by FP16_Optimizer.state_dict(), got "
+            f"{where}: expected a loss scaler state saved by FP16_Optimizer.state_dict(), got "
             f"{type(state).__name__}. Save checkpoints with optimizer.state_dict()."
         )
-    if not state["dynamic"]:
-        return make_static(float(state["cur_scale"]))
-    scaler = make_dynamic({k: state[k] for k in ("scale_factor", "scale_window")})
-    scaler._core.load_state_dict(
-        {"loss_scale": float(state["cur_scale"]), "unskipped": int(state["unskipped"])}
+    dynamic = state["dynamic"]
+    if not isinstance(dynamic, bool):
+        raise TypeError(f'{where}["dynamic"] must be a bool, got {dynamic!r}.')
+    keys = _DYNAMIC_STATE_KEYS if dynamic else _STATIC_STATE_KEYS
+    missing = [k for k in keys if k not in state]
+    unknown = [k for k in state if k not in keys]
+    if missing or unknown:
+        raise ValueError(
+            f"{where} must have exactly the keys {list(keys)}; missing {missing}, unknown "
+            f"{unknown}. Pass the dict saved by FP16_Optimizer.state_dict()."
+        )
+    scale = check_scale(state["cur_scale"], f'{where}["cur_scale"]')
+    if not dynamic:
+        return make_static(scale)
+    factor = state["scale_factor"]
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1 < factor < math.inf:
+        raise ValueError(
+            f'{where}["scale_factor"] must be a finite number > 1, got {factor!r}.'
+        )
+    window = check_count(state["scale_window"], f'{where}["scale_window"]', minimum=1)
+    cur_iter = check_count(state["cur_iter"], f'{where}["cur_iter"]')
+    last_overflow = check_count(
+        state["last_overflow_iter"], f'{where}["last_overflow_iter"]', minimum=-1
     )
-    scaler.cur_iter = int(state["cur_iter"])
-    scaler.last_overflow_iter = int(state["last_overflow_iter"])
+    if last_overflow >= cur_iter:
+        raise ValueError(
+            f'{where}["last_overflow_iter"]={last_overflow} must be below '
+            f'["cur_iter"]={cur_iter} (or -1 before any overflow).'
+        )
+    scaler = make_dynamic({"scale_factor": float(factor), "scale_window": window})
+    scaler._core.load_state_dict(
+        {"loss_scale": scale, "unskipped": state["unskipped"]}, where
+    )
+    scaler.cur_iter = cur_iter
+    scaler.last_overflow_iter = last_overflow
     return scaler
