@@ -221,9 +221,7 @@ def load_state_dict(state: dict[str, Any]) -> None:
             f"{type(state).__name__}."
         )
     unexpected = [
-        key
-        for key in state
-        if not isinstance(key, str) or not _SCALER_KEY.fullmatch(key)
+        key for key in state if not isinstance(key, str) or not _SCALER_KEY.fullmatch(key)
     ]
     if unexpected:  # RuntimeError, as Apex's
         raise RuntimeError(

@@ -187,8 +187,9 @@ class OptimizerAmpState:
                     self.direct_params.append(param)
 
     def remove(self) -> None:
-        """Restore ``step``, ``zero_grad`` and ``add_param_group`` (master weights stay in the param groups, or, on
-        the fused path, the optimizer goes back to stepping its params without amp's masters)."""
+        """Restore ``step``, ``zero_grad`` and ``add_param_group`` (master weights stay in the
+        param groups, or, on the fused path, the optimizer goes back to stepping its params
+        without amp's masters)."""
         for name in ("step", "zero_grad", "add_param_group"):
             self.optimizer.__dict__.pop(name, None)
         if self.fused:
@@ -325,8 +326,7 @@ class OptimizerAmpState:
                 if flag.item():
                     scaler = self.session.scalers[loss_id]
                     logger.warning(
-                        "Gradient overflow.  Skipping step, loss scaler %d %s loss scale "
-                        "to %s",
+                        "Gradient overflow.  Skipping step, loss scaler %d %s loss scale to %s",
                         loss_id,
                         "reducing" if scaler.dynamic else "keeping its static",
                         scaler.loss_scale(),

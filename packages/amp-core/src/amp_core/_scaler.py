@@ -49,8 +49,7 @@ def check_scale(value: Any, where: str) -> float:
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(
-            f"{where} must be a number, positive and finite, got {type(value).__name__} "
-            f"{value!r}."
+            f"{where} must be a number, positive and finite, got {type(value).__name__} {value!r}."
         )
     scale = float(value)
     if not (math.isfinite(scale) and 0.0 < scale <= torch.finfo(torch.float32).max):
@@ -115,9 +114,9 @@ def coalesce_half_sparse_grads(params: Iterable[torch.Tensor]) -> None:
     """
     for p in params:
         g = p.grad
-        if g is not None and g.is_sparse and g.dtype in (torch.float16, torch.bfloat16):
-            if not g.is_coalesced():
-                p.grad = g.coalesce()
+        half = g is not None and g.dtype in (torch.float16, torch.bfloat16)
+        if half and g.is_sparse and not g.is_coalesced():  # type: ignore[union-attr]
+            p.grad = g.coalesce()  # type: ignore[union-attr]
 
 
 class LossScaler:

@@ -305,10 +305,12 @@ def scaler_from_state_dict(
     if not dynamic:
         return make_static(scale)
     factor = state["scale_factor"]
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1 < factor < math.inf:
-        raise ValueError(
-            f'{where}["scale_factor"] must be a finite number > 1, got {factor!r}.'
-        )
+    if (
+        isinstance(factor, bool)
+        or not isinstance(factor, (int, float))
+        or not 1 < factor < math.inf
+    ):
+        raise ValueError(f'{where}["scale_factor"] must be a finite number > 1, got {factor!r}.')
     window = check_count(state["scale_window"], f'{where}["scale_window"]', minimum=1)
     cur_iter = check_count(state["cur_iter"], f'{where}["cur_iter"]')
     last_overflow = check_count(
@@ -320,9 +322,7 @@ def scaler_from_state_dict(
             f'["cur_iter"]={cur_iter} (or -1 before any overflow).'
         )
     scaler = make_dynamic({"scale_factor": float(factor), "scale_window": window})
-    scaler._core.load_state_dict(
-        {"loss_scale": scale, "unskipped": state["unskipped"]}, where
-    )
+    scaler._core.load_state_dict({"loss_scale": scale, "unskipped": state["unskipped"]}, where)
     scaler.cur_iter = cur_iter
     scaler.last_overflow_iter = last_overflow
     return scaler

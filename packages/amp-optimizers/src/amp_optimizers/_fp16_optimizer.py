@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from amp_core import LossScaler
+from amp_core._scaler import check_count, check_scale
 from amp_fused_ops import flatten, unflatten
 
 from ._fused_adam import FusedAdam
@@ -152,12 +153,9 @@ class FP16_Optimizer:
 
     @loss_scale.setter
     def loss_scale(self, value: float) -> None:
-        if not isinstance(value, (int, float)) or not math.isfinite(value) or not value > 0:
-            raise ValueError(
-                f"FP16_Optimizer: a loss scale must be a positive number, got {value!r}"
-            )
-        self._scaler.load_state_dict({"loss_scale": float(value), "unskipped": self._unskipped()})
-        self._cur_scale = float(value)
+        scale = check_scale(value, "FP16_Optimizer: a loss scale")  # 0, <0, inf, nan refused
+        self._scaler.load_state_dict({"loss_scale": scale, "unskipped": self._unskipped()})
+        self._cur_scale = scale
 
     @property
     def cur_scale(self) -> float:
@@ -316,47 +314,44 @@ class FP16_Optimizer:
 
         The masters are restored exactly and the model's half params are written from them,
         so training resumes bitwise (loading the model's own state as well does no harm).
+        Every field is checked before anything is loaded: on an error this optimizer is left
+        as it was.
 
         Args:
             state_dict: A dict returned by :meth:`state_dict`.
 
         Raises:
-            ValueError: A key is missing, or the saved masters do not match this optimizer's
-                groups.
+            TypeError: A field has the wrong type (a flag that is not a bool, a scale that is
+                not a number, a counter that is not an int, masters that are not float32
+                tensors).
+            ValueError: A key is missing or unknown, a field has an impossible value (a loss
+                scale of 0, negative, inf or nan, or below 1 for a dynamic scale; a negative
+                counter; non-finite masters), or the saved masters do not match this
+                optimizer's groups.
         """
-        dynamic = bool(state_dict.get("dynamic_loss_scale", False))
-        required = _STATE_KEYS + ("fp32_groups_flat",) + (_DYNAMIC_STATE_KEYS if dynamic else ())
-        missing = [k for k in required if k not in state_dict]
-        if missing:
-            raise ValueError(
-                f"FP16_Optimizer.load_state_dict: missing key(s) {missing}; pass the dict "
-                "returned by FP16_Optimizer.state_dict()."
+        checked = _check_state(state_dict, [m.numel() for m in self.fp32_groups_flat])
+        if checked["dynamic"]:
+            scaler = _dynamic_scaler(
+                checked["cur_scale"], checked["scale_factor"], checked["scale_window"]
             )
-        saved = list(state_dict["fp32_groups_flat"])
-        sizes = [m.numel() for m in self.fp32_groups_flat]
-        saved_sizes = [m.numel() for m in saved]
-        if sizes != saved_sizes:
-            raise ValueError(
-                f"FP16_Optimizer.load_state_dict: the saved flat masters have {saved_sizes} "
-                f"elements per group, this optimizer's have {sizes}. Build the model and the "
-                "optimizer exactly as for the run that saved the checkpoint."
-            )
-        self.dynamic_loss_scale = dynamic
-        self.cur_iter = int(state_dict["cur_iter"])
-        cur_scale = float(state_dict["cur_scale"])
-        if dynamic:
-            self.last_overflow_iter = int(state_dict["last_overflow_iter"])
-            self.scale_factor = float(state_dict["scale_factor"])
-            self.scale_window = int(state_dict["scale_window"])
-            self._scaler = _dynamic_scaler(cur_scale, self.scale_factor, self.scale_window)
         else:
-            self._scaler = _static_scaler(cur_scale)
+            scaler = _static_scaler(checked["cur_scale"])
+        # Everything is valid. FusedAdam checks its own state first (and raises before
+        # changing anything); then nothing can fail.
+        self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
+        self.dynamic_loss_scale = checked["dynamic"]
+        self.cur_iter = checked["cur_iter"]
+        if self.dynamic_loss_scale:
+            self.last_overflow_iter = checked["last_overflow_iter"]
+            self.scale_factor = checked["scale_factor"]
+            self.scale_window = checked["scale_window"]
+        self._scaler = scaler
+        cur_scale = checked["cur_scale"]
         self._scaler.load_state_dict({"loss_scale": cur_scale, "unskipped": self._unskipped()})
         self._cur_scale = cur_scale
-        self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
         with torch.no_grad():
             for master, flat, value in zip(
-                self.fp32_groups_flat, self.fp16_groups_flat, saved, strict=True
+                self.fp32_groups_flat, self.fp16_groups_flat, checked["masters"], strict=True
             ):
                 master.copy_(value)
                 flat.copy_(master)
@@ -368,6 +363,89 @@ class FP16_Optimizer:
             f"FP16_Optimizer(FusedAdam, {kind} loss scale {self._cur_scale}, "
             f"{len(self.fp16_groups)} flat group(s), {params} params)"
         )
+
+
+def _check_state(state: Any, sizes: list[int]) -> dict[str, Any]:
+    """The fields of a saved state, each checked (nothing is changed here)."""
+    where = "FP16_Optimizer.load_state_dict"
+    if not isinstance(state, dict):
+        raise TypeError(
+            f"{where} expects the dict returned by FP16_Optimizer.state_dict(), got "
+            f"{type(state).__name__}."
+        )
+    dynamic = state.get("dynamic_loss_scale", False)
+    if not isinstance(dynamic, bool):
+        raise TypeError(
+            f'{where}: state_dict["dynamic_loss_scale"] must be a bool, got {dynamic!r}.'
+        )
+    required = _STATE_KEYS + ("fp32_groups_flat",) + (_DYNAMIC_STATE_KEYS if dynamic else ())
+    missing = [k for k in required if k not in state]
+    unknown = [k for k in state if k not in required]
+    if missing or unknown:
+        raise ValueError(
+            f"{where}: missing key(s) {missing}, unknown key(s) {unknown}; pass the dict "
+            "returned by FP16_Optimizer.state_dict() (the dynamic keys "
+            f"{list(_DYNAMIC_STATE_KEYS)} belong to a dynamic loss scale only)."
+        )
+    out: dict[str, Any] = {"dynamic": dynamic}
+    out["cur_scale"] = check_scale(state["cur_scale"], f'{where}: state_dict["cur_scale"]')
+    out["cur_iter"] = check_count(state["cur_iter"], f'{where}: state_dict["cur_iter"]')
+    if dynamic:
+        if out["cur_scale"] < 1:
+            raise ValueError(
+                f'{where}: state_dict["cur_scale"] must be >= 1 for a dynamic scale (its '
+                f"floor), got {out['cur_scale']!r}."
+            )
+        last = check_count(
+            state["last_overflow_iter"], f'{where}: state_dict["last_overflow_iter"]', minimum=-1
+        )
+        if last >= out["cur_iter"]:
+            raise ValueError(
+                f'{where}: state_dict["last_overflow_iter"]={last} must be below '
+                f'state_dict["cur_iter"]={out["cur_iter"]} (or -1 before any overflow).'
+            )
+        out["last_overflow_iter"] = last
+        factor = state["scale_factor"]
+        if (
+            isinstance(factor, bool)
+            or not isinstance(factor, (int, float))
+            or not 1 < factor < math.inf
+        ):
+            raise ValueError(
+                f'{where}: state_dict["scale_factor"] must be a finite number > 1, got {factor!r}.'
+            )
+        out["scale_factor"] = float(factor)
+        out["scale_window"] = check_count(
+            state["scale_window"], f'{where}: state_dict["scale_window"]', minimum=1
+        )
+    inner = state["optimizer_state_dict"]
+    if not isinstance(inner, dict) or not {"state", "param_groups"} <= set(inner):
+        raise TypeError(
+            f'{where}: state_dict["optimizer_state_dict"] must be FusedAdam.state_dict(), got '
+            f"{type(inner).__name__}."
+        )
+    masters = state["fp32_groups_flat"]
+    if not isinstance(masters, (list, tuple)) or not all(isinstance(m, Tensor) for m in masters):
+        raise TypeError(
+            f'{where}: state_dict["fp32_groups_flat"] must be a list of tensors, got '
+            f"{type(masters).__name__}."
+        )
+    saved_sizes = [m.numel() for m in masters]
+    if sizes != saved_sizes:
+        raise ValueError(
+            f"{where}: the saved flat masters have {saved_sizes} elements per group, this "
+            f"optimizer's have {sizes}. Build the model and the optimizer exactly as for the "
+            "run that saved the checkpoint."
+        )
+    if any(m.dtype != torch.float32 for m in masters):
+        raise TypeError(f'{where}: state_dict["fp32_groups_flat"] must hold float32 tensors.')
+    if masters and not bool(torch.stack([m.detach().isfinite().all() for m in masters]).all()):
+        raise ValueError(
+            f'{where}: state_dict["fp32_groups_flat"] holds an inf or a nan; the checkpoint is '
+            "corrupt."
+        )
+    out["masters"] = list(masters)
+    return out
 
 
 def _check_groups(param_groups: list[dict[str, Any]]) -> None:
