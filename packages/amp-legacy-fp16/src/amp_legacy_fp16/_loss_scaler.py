@@ -285,10 +285,15 @@ def scaler_from_state_dict(
     """
     if isinstance(state, (LossScaler, DynamicLossScaler)):
         return state
-    if not isinstance(state, dict) or "dynamic" not in state:
+    if not isinstance(state, dict):
         raise TypeError(
             f"{where}: expected a loss scaler state saved by FP16_Optimizer.state_dict(), got "
             f"{type(state).__name__}. Save checkpoints with optimizer.state_dict()."
+        )
+    if "dynamic" not in state:
+        raise ValueError(
+            f'{where} has no key "dynamic"; pass the loss scaler state saved by '
+            "FP16_Optimizer.state_dict()."
         )
     dynamic = state["dynamic"]
     if not isinstance(dynamic, bool):
