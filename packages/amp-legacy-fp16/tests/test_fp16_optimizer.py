@@ -401,3 +401,35 @@ def test_pickling_raises_with_advice():
         pickle.dumps(opt)
     with pytest.raises(RuntimeError, match="state_dict"):
         copy.deepcopy(opt)
+
+
+# ------------------------------------------------------------------ impossible values
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 0.0, -2.0])
+def test_loss_scale_setter_refuses_what_no_scale_can_be(value):
+    opt = _wrap(tiny_mlp(torch.float16), dynamic_loss_scale=True)
+    scale = opt.loss_scale
+    with pytest.raises(ValueError, match="loss scale must be positive and finite"):
+        opt.loss_scale = value
+    assert opt.loss_scale == scale
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, float("inf"), float("nan")])
+def test_load_state_dict_refuses_a_bad_loss_scale_and_loads_nothing(value):
+    _, source = _build(torch.float16)
+    saved = source.state_dict()
+    saved["loss_scaler"] = {**saved["loss_scaler"], "cur_scale": value, "cur_iter": 9}
+    model, opt = _build(torch.float16)
+    before = [p.detach().clone() for p in model.parameters()], opt.loss_scale
+    with pytest.raises(ValueError, match="cur_scale"):
+        opt.load_state_dict(saved)
+    assert opt.loss_scale == before[1] and opt.loss_scaler.cur_iter == 0
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before[0], strict=True))
+
+
+def test_load_state_dict_refuses_a_flag_that_is_not_a_bool():
+    _, opt = _build(torch.float16)
+    saved = opt.state_dict()
+    with pytest.raises(TypeError, match="overflow"):
+        opt.load_state_dict({**saved, "overflow": "no"})
