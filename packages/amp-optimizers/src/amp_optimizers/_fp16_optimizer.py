@@ -154,8 +154,7 @@ class FP16_Optimizer:
     @loss_scale.setter
     def loss_scale(self, value: float) -> None:
         scale = check_scale(value, "FP16_Optimizer: a loss scale")  # 0, <0, inf, nan refused
-        self._scaler.load_state_dict({"loss_scale": scale, "unskipped": self._unskipped()})
-        self._cur_scale = scale
+        self._cur_scale = self._load_scale(scale)
 
     @property
     def cur_scale(self) -> float:
@@ -277,6 +276,13 @@ class FP16_Optimizer:
         self._cur_scale = new_scale
         self.cur_iter += 1
 
+    def _load_scale(self, scale: float) -> float:
+        """Set the scaler's scale (a dynamic one brought within its bounds); return it."""
+        state = {"loss_scale": scale, "unskipped": self._unskipped()}
+        scale, unskipped = self._scaler.check_state_dict(state, "FP16_Optimizer.loss_scale")
+        self._scaler.load_checked(scale, unskipped)
+        return scale
+
     def _unskipped(self) -> int:
         """Steps since the last overflow or growth, from Apex's host counters (no sync)."""
         if not self.dynamic_loss_scale:
@@ -347,8 +353,7 @@ class FP16_Optimizer:
             self.scale_window = checked["scale_window"]
         self._scaler = scaler
         cur_scale = checked["cur_scale"]
-        self._scaler.load_state_dict({"loss_scale": cur_scale, "unskipped": self._unskipped()})
-        self._cur_scale = cur_scale
+        self._cur_scale = self._load_scale(cur_scale)
         with torch.no_grad():
             for master, flat, value in zip(
                 self.fp32_groups_flat, self.fp16_groups_flat, checked["masters"], strict=True
