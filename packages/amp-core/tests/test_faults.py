@@ -54,7 +54,7 @@ def test_param_group_added_after_initialize_steps_as_the_first(opt_level, kw):
     ref = fp32_copy(model)
     opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
     model, opt = amp.initialize(model, opt, opt_level=opt_level, half_dtype=half, verbosity=0, **kw)
-    opt.add_param_group({"params": list(model[2].parameters()), "lr": 0.05})
+    opt.add_param_group({"params": model[2].parameters(), "lr": 0.05})  # a generator
     ref_opt = torch.optim.SGD(ref[0].parameters(), lr=0.1)
     ref_opt.add_param_group({"params": list(ref[2].parameters()), "lr": 0.05})
     if opt_level == "O2":

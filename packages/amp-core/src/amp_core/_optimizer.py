@@ -5,8 +5,9 @@ All of it is recorded on the optimizer's :class:`OptimizerAmpState` (``optimizer
 the instance (Apex's contract needs a step that can be skipped, which no PyTorch hook offers, and
 a group added later needs the same treatment as the first ones); :meth:`remove` restores them.
 
-Per step, the host reads the overflow flag once, in ``step()``, and only when dynamic loss
-scaling is in use: everything else (unscaling, the overflow check, the scale update, the copy
+Per step, the host reads the overflow flag once, in ``step()``, and only when it is checked
+(at O1, O2 and O3, with any loss scale; with a dynamic one it reads the new scale in the same
+sync): everything else (unscaling, the overflow check, the scale update, the copy
 of the master weights into the model) is launched without waiting for the device.
 
 Under O2, an optimizer that implements :class:`~amp_core._fused_master.FusedMasterWeightOptimizer`
@@ -145,8 +146,10 @@ class OptimizerAmpState:
         """``optimizer.add_param_group`` after ``amp.initialize``: the new group is treated as
         ``initialize`` treated the others (fp32 masters for its half params under O2, whose
         fused optimizers make their state; unscaled and checked at every level)."""
-        given = param_group.get("params") if isinstance(param_group, dict) else None
-        given = [given] if isinstance(given, torch.Tensor) else list(given or [])
+        params = param_group.get("params") if isinstance(param_group, dict) else None
+        if params is not None and not isinstance(params, (torch.Tensor, set)):
+            params = param_group["params"] = list(params)  # a generator is read once (as torch)
+        given = [params] if isinstance(params, torch.Tensor) else list(params or [])
         known = {id(p) for p in self.model_params}
         if any(id(p) in known for p in given):
             raise ValueError(
