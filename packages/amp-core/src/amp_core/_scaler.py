@@ -187,7 +187,8 @@ class LossScaler:
 
     @property
     def is_unit_static(self) -> bool:
-        """A static scale of 1.0: there is nothing to scale or check (no host sync)."""
+        """A static scale of 1.0: there is nothing to scale or unscale (the overflow check, when
+        asked for, only reads the gradients)."""
         if self.dynamic:
             return False
         return (self._pending or (self._initial_scale, 0))[0] == 1.0
