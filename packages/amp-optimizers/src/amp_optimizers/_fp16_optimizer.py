@@ -438,8 +438,8 @@ def _check_state(state: Any, sizes: list[int]) -> dict[str, Any]:
     saved_sizes = [m.numel() for m in masters]
     if sizes != saved_sizes:
         raise ValueError(
-            f'{where}: the saved flat masters (state_dict["fp32_groups_flat"]) have '
-            f"{saved_sizes} elements per group, this "
+            f"{where}: the saved flat masters have {saved_sizes} elements per group "
+            f'(state_dict["fp32_groups_flat"]), this '
             f"optimizer's have {sizes}. Build the model and the optimizer exactly as for the "
             "run that saved the checkpoint."
         )
