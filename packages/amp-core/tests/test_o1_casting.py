@@ -437,7 +437,7 @@ def test_rnns_run_in_half(half, rnn):
     x = torch.randn(5, 3, 4)
     ref, _ = copy.deepcopy(layer).to(half)(x.to(half))
     _o1(half)
-    out, hidden = layer(x)
+    out, _ = layer(x)
     assert out.dtype == half
     torch.testing.assert_close(out, ref, **CHAIN_TOL[half])
     out.float().sum().backward()

@@ -520,12 +520,12 @@ def test_integer_input_refused_like_torch(spec: NormSpec, dtype):
             x, None, None, 1e-5, spec.rms, False, False
         ),
     }
-    for name, call in calls.items():
+    for call in calls.values():
         with pytest.raises(TypeError, match=rf"floating-point.*input of dtype {dtype}"):
             call()
         with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(TypeError):
             call()
-    with pytest.raises(TypeError, match="weight of dtype torch.int64"):
+    with pytest.raises(TypeError, match=r"weight of dtype torch\.int64"):
         fused_layer_norm_affine(torch.randn(2, 8), torch.ones(8, dtype=torch.int64), None, 8)
 
 

@@ -221,7 +221,7 @@ def test_errors_name_the_offending_value():
         syncbn.reduce_bn(torch.randn(4, 3), x, mean, invstd, None)
     with pytest.raises(ValueError, match="got count=0"):
         syncbn.batchnorm_backward(x, x, mean, invstd, None, mean, mean, 0)
-    with pytest.raises(TypeError, match="integer tensor.*got torch.float32"):
+    with pytest.raises(TypeError, match=r"integer tensor.*got torch\.float32"):
         syncbn.batchnorm_backward(x, x, mean, invstd, None, mean, mean, torch.tensor([4.0]))
     with pytest.raises(ValueError, match=r"one element count per rank.*got \(2, 2\)"):
         syncbn.batchnorm_backward(

@@ -113,6 +113,7 @@ def inplace_message(name: str, dtype: torch.dtype) -> str:
         f"version (for example `x = x.{name[:-1]}()`), or call it inside `amp.disable_casts()`."
     )
 
+
 _AUTOCAST_KEYS = {"cpu": DispatchKey.AutocastCPU, "cuda": DispatchKey.AutocastCUDA}
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 

@@ -18,9 +18,8 @@ import numbers
 from collections.abc import Sequence
 
 import torch
-from torch import Tensor, nn
-
 import torch.nn.functional as F
+from torch import Tensor, nn
 
 from amp_fused_ops._norm_ops import check_floating, norm_forward
 from amp_fused_ops._norm_reference import output_dtype
