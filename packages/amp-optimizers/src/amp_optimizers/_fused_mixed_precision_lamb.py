@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import FusedOptimizerBase, group_by_device_dtype, params_with_grads
+from ._base import AmpCOp, FusedOptimizerBase, group_by_device_dtype, params_with_grads
 from ._fused_lamb import check_lamb_args, global_grad_norm, lamb_moments, launch_lamb
 
 __all__ = ["FusedMixedPrecisionLamb"]
@@ -87,6 +87,10 @@ class FusedMixedPrecisionLamb(FusedOptimizerBase):
 
     _step_supports_amp_scaling = True
 
+    # Apex's op handles (read by code built on Apex's optimizers): the amp_C ops by name.
+    multi_tensor_l2norm = AmpCOp("multi_tensor_l2norm_mp")
+    multi_tensor_lamb = AmpCOp("multi_tensor_lamb_mp")
+
     def __init__(
         self,
         params: Iterable[Any],
@@ -133,6 +137,8 @@ class FusedMixedPrecisionLamb(FusedOptimizerBase):
         self.reduced_precision_dtype = reduced_precision_dtype
         self.adam_w_mode = 1 if adam_w_mode else 0
         self.use_nvlamb = use_nvlamb
+        # Apex's attribute; the float32 copies of half params live in the state here.
+        self.param_groups_full_precision: list[dict[str, Any]] = []
 
     # -- param groups -----------------------------------------------------------------------
 
