@@ -146,14 +146,14 @@ class AmpCOp:
                 f"{getattr(objtype, '__name__', 'optimizer')}.{self.attr_name}: the installed "
                 f"amp-fused-ops has no amp_C.{self.op_name}; upgrade amp-fused-ops"
             )
-        return op  # type: ignore[no-any-return]
+        return op
 
 
 def first_param_device(param_groups: Iterable[dict[str, Any]]) -> torch.device:
     """The device of the first param of the first non-empty group (CPU when there is none)."""
     for group in param_groups:
         for p in group["params"]:
-            return p.device  # type: ignore[no-any-return]
+            return p.device
     return torch.device("cpu")
 
 
