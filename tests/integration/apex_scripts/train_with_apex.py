@@ -21,6 +21,7 @@ assert importlib.metadata.version("apex")
 
 import amp_C  # noqa: E402
 import apex  # noqa: E402
+import apex_C  # noqa: E402, F401
 from apex import amp  # noqa: E402
 from apex.fp16_utils import FP16_Optimizer  # noqa: E402, F401
 from apex.multi_tensor_apply import multi_tensor_applier  # noqa: E402
@@ -29,6 +30,7 @@ from apex.normalization.fused_layer_norm import FusedLayerNormAffineFunction  # 
 from apex.optimizers import FusedAdam  # noqa: E402
 from apex.parallel import DistributedDataParallel as DDP  # noqa: E402
 from apex.parallel import convert_syncbn_model  # noqa: E402
+from apex.parallel.distributed import flat_dist_call  # noqa: E402
 
 # Apex's public names (release 24.04), module by module.
 APEX_NAMES = {
@@ -65,7 +67,10 @@ APEX_NAMES = {
         "ReduceOp", "DistributedDataParallel", "Reducer", "SyncBatchNorm",
         "convert_syncbn_model", "create_syncbn_process_group",
     ],
-    "apex.parallel.distributed": ["DistributedDataParallel", "Reducer"],
+    "apex.parallel.distributed": [
+        "DistributedDataParallel", "Reducer", "flat_dist_call", "apply_flat_dist_call",
+        "split_by_type", "split_half_float_double", "extract_tensors",
+    ],
     "apex.parallel.LARC": ["LARC"],
     "apex.parallel.sync_batchnorm": ["SyncBatchNorm"],
     "apex.parallel.optimized_sync_batchnorm": ["SyncBatchNorm"],
@@ -83,6 +88,7 @@ APEX_NAMES = {
         "multi_tensor_adam", "multi_tensor_sgd", "multi_tensor_lamb", "multi_tensor_novograd",
         "multi_tensor_adagrad",
     ],
+    "apex_C": ["flatten", "unflatten"],
 }  # fmt: skip
 
 
@@ -135,6 +141,18 @@ def main() -> None:
 
     torch.manual_seed(0)
     model = Net()
+    if distributed:
+        # As NVIDIA's BERT scripts start: rank 0's weights everywhere, one broadcast per type.
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(rank)
+        flat_dist_call([p.data for p in model.parameters()], dist.broadcast, (0,))
+        torch.manual_seed(0)
+        fresh = Net().parameters()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), fresh, strict=True))
+        averaged = torch.full((3,), float(rank))
+        flat_dist_call([averaged], dist.all_reduce)
+        assert torch.equal(averaged, torch.full((3,), 0.5)), averaged
     if distributed:
         model = convert_syncbn_model(model)
     optimizer = FusedAdam(model.parameters(), lr=1e-2)

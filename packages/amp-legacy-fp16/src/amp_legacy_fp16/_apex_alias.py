@@ -88,7 +88,10 @@ ALIASES: dict[str, Alias] = {
     "apex.fp16_utils.fp16util": _FP16_UTILS,
     "apex.fp16_utils.loss_scaler": _FP16_UTILS,
     "amp_C": Alias(("amp_fused_ops.amp_C",), "amp-fused-ops"),
+    "apex_C": Alias(("amp_fused_ops._flatten",), "amp-fused-ops"),
 }
+
+# (``apex_C``, Apex's flatten / unflatten extension, is top-level too.)
 
 # The subpackages ``apex`` exposes as attributes, as Apex's ``apex/__init__.py`` imported them.
 _APEX_SUBPACKAGES = (
