@@ -142,11 +142,50 @@ def test_fp16_default_scale_is_dynamic_65536(opt_level):
     assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 65536.0, "unskipped": 0}}
 
 
-@pytest.mark.parametrize("opt_level", ["O1", "O2", "O3"])
-def test_bf16_default_scale_is_one(opt_level):
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_bf16_default_scale_is_dynamic_65536(opt_level):
+    # Apex's contract (dynamic unless overridden) holds for bf16 too.
     model = tiny_mlp()
     amp.initialize(model, _sgd(model), opt_level=opt_level, half_dtype=torch.bfloat16, verbosity=0)
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 65536.0, "unskipped": 0}}
+
+
+def test_bf16_o3_scale_is_one():
+    model = tiny_mlp()
+    amp.initialize(model, _sgd(model), opt_level="O3", half_dtype=torch.bfloat16, verbosity=0)
     assert _loss_scale() == 1.0
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+@pytest.mark.parametrize("half", HALF_DTYPES)
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_default_scaling_skips_a_nonfinite_step_bitwise(opt_level, half, bad):
+    model = tiny_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = amp.initialize(model, opt, opt_level=opt_level, half_dtype=half, verbosity=0)
+    x, y = torch.randn(4, 4), torch.randn(4, 3)
+
+    def step(inject):
+        opt.zero_grad()
+        with amp.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled_loss:
+            scaled_loss.backward()
+            if inject:
+                model[0].weight.grad.view(-1)[0] = bad
+        opt.step()
+
+    step(False)
+    before = [p.detach().clone() for p in model.parameters()]
+    masters = [p.detach().clone() for p in amp.master_params(opt)]
+    momenta = [v["momentum_buffer"].clone() for v in opt.state.values()]
+    scale = amp.state_dict()["loss_scaler0"]["loss_scale"]
+    step(True)
+    for a, b in zip(model.parameters(), before, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(amp.master_params(opt), masters, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip([v["momentum_buffer"] for v in opt.state.values()], momenta, strict=True):
+        assert torch.equal(a, b)
+    assert amp.state_dict()["loss_scaler0"] == {"loss_scale": scale / 2, "unskipped": 0}
 
 
 def test_o3_fp16_scale_is_one():
@@ -229,7 +268,7 @@ def test_default_half_dtype_on_cpu_is_bf16():
     model = tiny_mlp()
     model, _ = amp.initialize(model, _sgd(model), opt_level="O2", verbosity=0)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-    assert _loss_scale() == 1.0
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 65536.0
 
 
 def test_default_half_dtype_on_cpu_is_bf16_for_o1():

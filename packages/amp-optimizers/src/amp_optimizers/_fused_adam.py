@@ -22,7 +22,9 @@ from torch import Tensor
 
 from amp_fused_ops import amp_C, multi_tensor_applier
 
+from ._adam_state_format import add_per_param_steps, from_torch_adam, is_torch_adam_format
 from ._base import (
+    AmpCOp,
     FusedOptimizerBase,
     check_betas,
     check_nonnegative,
@@ -85,6 +87,11 @@ class FusedAdam(FusedOptimizerBase):
         capturable; here also with master weights, which it did not allow without)."""
         return bool(self.capturable or self.master_weights)
 
+    # Apex's op handles (read by code built on Apex's optimizers): the amp_C ops by name.
+    multi_tensor_adam = AmpCOp("multi_tensor_adam")
+    multi_tensor_adam_capturable = AmpCOp("multi_tensor_adam_capturable")
+    multi_tensor_adam_capturable_master = AmpCOp("multi_tensor_adam_capturable_master")
+
     def __init__(
         self,
         params: Iterable[Any],
@@ -127,6 +134,21 @@ class FusedAdam(FusedOptimizerBase):
 
     # -- state ----------------------------------------------------------------------------
 
+    @property
+    def param_groups_master(self) -> list[dict[str, list[Tensor | None]]]:
+        """Apex's view of the float32 master weights: one ``{"params": [...]}`` per param group,
+        holding each param's master (``state[p]["master_param"]``) or None where it has none
+        (a float32 param, master weights off, or before the first step created it)."""
+        return [
+            {
+                "params": [
+                    self.state[p].get("master_param") if p in self.state else None
+                    for p in group["params"]
+                ]
+            }
+            for group in self.param_groups
+        ]
+
     def _state(self, p: Tensor, master_source: Tensor | None = None) -> dict[str, Any]:
         state = self.state[p]
         if "exp_avg" not in state:
@@ -137,12 +159,35 @@ class FusedAdam(FusedOptimizerBase):
             state["master_param"] = source.detach().to(dtype=torch.float32, copy=True)
         return state
 
+    def state_dict(self) -> dict[str, Any]:
+        """The state dict; each param's state also holds its group's ``step`` (a float32
+        tensor), so that ``torch.optim.Adam`` / ``AdamW`` can load it too.
+
+        .. note:: With ``capturable=True`` the step is read back from the device.
+        """
+        return add_per_param_steps(super().state_dict())
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict saved by :meth:`state_dict` (bitwise, float32 state kept).
+        """Load a state dict saved by :meth:`state_dict` (bitwise, float32 state kept), or one
+        saved by ``torch.optim.Adam`` / ``AdamW`` (converted: one step per group).
 
         Master weights that exist already (amp O2 holds references to them) are overwritten in
         place rather than replaced, and kept when the loaded state has none.
+
+        Raises:
+            ValueError: A torch Adam state dict that FusedAdam cannot continue (AMSGrad,
+                ``maximize``, params of one group at different steps).
         """
+        if is_torch_adam_format(state_dict):
+            state_dict = from_torch_adam(state_dict, self.adam_w_mode)
+        else:  # the per-param steps of state_dict() repeat the group's
+            state_dict = {
+                **state_dict,
+                "state": {
+                    pid: {k: v for k, v in s.items() if k != "step"}
+                    for pid, s in state_dict["state"].items()
+                },
+            }
         masters = {
             id(p): self.state[p]["master_param"]
             for g in self.param_groups

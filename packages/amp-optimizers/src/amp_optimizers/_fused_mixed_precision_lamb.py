@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ._base import (
+    AmpCOp,
     FusedOptimizerBase,
     group_by_device_dtype,
     params_with_grads,
@@ -94,6 +95,10 @@ class FusedMixedPrecisionLamb(FusedOptimizerBase):
 
     _step_supports_amp_scaling = True
 
+    # Apex's op handles (read by code built on Apex's optimizers): the amp_C ops by name.
+    multi_tensor_l2norm = AmpCOp("multi_tensor_l2norm_mp")
+    multi_tensor_lamb = AmpCOp("multi_tensor_lamb_mp")
+
     def __init__(
         self,
         params: Iterable[Any],
@@ -140,6 +145,8 @@ class FusedMixedPrecisionLamb(FusedOptimizerBase):
         self.reduced_precision_dtype = reduced_precision_dtype
         self.adam_w_mode = 1 if adam_w_mode else 0
         self.use_nvlamb = use_nvlamb
+        # Apex's attribute; the float32 copies of half params live in the state here.
+        self.param_groups_full_precision: list[dict[str, Any]] = []
 
     # -- param groups -----------------------------------------------------------------------
 
