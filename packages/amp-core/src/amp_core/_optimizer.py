@@ -88,7 +88,8 @@ class OptimizerAmpState:
         self._device_skips: torch.Tensor | None = None
         self._original_step = optimizer.step
         self._original_zero_grad = optimizer.zero_grad
-        self._original_add_param_group = optimizer.add_param_group
+        # Wrappers such as LARC may lack add_param_group: then there is nothing to wrap.
+        self._original_add_param_group = getattr(optimizer, "add_param_group", None)
         # The fused master-weight path: the optimizer keeps the masters (see _fused_master).
         self.fused = master_weights and supports_fused_master_weights(optimizer)
         # A backward whose scaled grads wait for the fused step: (scaler, loss_id, check).
@@ -106,9 +107,10 @@ class OptimizerAmpState:
         optimizer.zero_grad = types.MethodType(  # type: ignore[method-assign]
             _amp_zero_grad, optimizer
         )
-        optimizer.add_param_group = types.MethodType(  # type: ignore[method-assign]
-            _amp_add_param_group, optimizer
-        )
+        if self._original_add_param_group is not None:
+            optimizer.add_param_group = types.MethodType(  # type: ignore[method-assign]
+                _amp_add_param_group, optimizer
+            )
 
     # -- construction ------------------------------------------------------------------------
 
@@ -156,6 +158,7 @@ class OptimizerAmpState:
                 "some parameters appear in more than one parameter group (amp keeps fp32 "
                 "master weights of them in an earlier group); add each parameter once."
             )
+        assert self._original_add_param_group is not None  # only wrapped when there is one
         self._original_add_param_group(param_group)
         group = self.optimizer.param_groups[-1]
         if self.fused:
