@@ -352,6 +352,7 @@ def test_reinitialize_with_new_objects_works(first, second):
     assert amp.state_dict()["loss_scaler0"]["unskipped"] == 1
 
 
+@pytest.mark.slow  # starts a fresh interpreter
 def test_scale_loss_before_initialize_raises():
     # Needs a process in which amp.initialize has never run.
     code = (

@@ -6,7 +6,7 @@ import pytest
 
 from _launch import run_world
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # spawns its own worlds
 PG_TIMEOUT_S = 3
 
 
