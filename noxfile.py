@@ -135,7 +135,8 @@ def _shared_torch(session: nox.Session) -> Path:
     label, attempts = _torch_install_plan()
     digest = hashlib.sha256(repr(attempts).encode()).hexdigest()[:8]
     python = f"py{sys.version_info.major}{sys.version_info.minor}"
-    target = Path(session.cache_dir) / "torch" / f"{python}-{label}-{digest}"
+    # Absolute: the path goes into .pth files, where a relative one would not resolve.
+    target = (Path(session.cache_dir) / "torch" / f"{python}-{label}-{digest}").resolve()
     if (target / "torch").is_dir():
         return target
     partial = target.with_name(target.name + ".partial")
