@@ -398,6 +398,7 @@ def plot_losses(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(6, 4))
     labels = legend_labels(results)
@@ -411,6 +412,7 @@ def plot_losses(
         yscale="log",
         title=f"digits CNN, amp opt levels ({device.type}, {_dtype_name(half_dtype)})",
     )
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
     ax.legend()
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
