@@ -236,6 +236,10 @@ def _pytest(session: nox.Session, package: str, marker: str, success_codes: list
     # The integration tests run the demo and the examples: they plot (matplotlib) and load
     # scikit-learn's digits.
     extra = ["scikit-learn", "matplotlib"] if package == "integration" else []
+    if package == "amp-fused-ops":
+        # The fused norms' ONNX export is tested with both exporters (TorchScript: onnx;
+        # dynamo: onnxscript too); both are pure-Python or wheels from PyPI.
+        extra = ["onnx", "onnxscript"]
     _install_checkout(session, "pytest", "ninja", *extra)
     session.run(
         "python",
