@@ -1,25 +1,44 @@
 """Every routine task of the amp toolkit is a nox session; `nox --list` shows them.
 
-Sessions reuse the torch that is already installed (virtualenvs with system site packages),
-so nothing large is downloaded when torch is present. Our own packages are always installed
-from this checkout (editable, without dependencies), never from an index.
+torch is installed at most once. When the Python that runs nox has a suitable torch (its own
+site-packages or its virtualenv's), every session reuses it through a ``.pth`` file; otherwise
+the first session installs one into nox's cache folder (``.nox/.cache/torch/...``) and every
+later session links to that. That install is the CPU build on machines without an NVIDIA
+driver; ``AMP_TORCH_BUILD=cuda`` picks the CUDA build, and ``AMP_TORCH`` names any other
+requirement or a local wheel. ``cuda_build`` keeps its own CUDA torch (``AMP_CUDA_TORCH``).
+Our own packages are always installed from this checkout (editable, without dependencies),
+never from an index.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import importlib.util
 import os
+import platform
 import shutil
+import sys
 from pathlib import Path
 
 import nox
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent
 PACKAGES = ["amp-core", "amp-fused-ops", "amp-optimizers", "amp-parallel", "amp-legacy-fp16"]
 IMPORT_NAMES = {package: package.replace("-", "_") for package in PACKAGES}
 SRC_DIRS = [f"packages/{package}/src" for package in PACKAGES]
 TORCH_REQUIREMENT = "torch>=2.11,<2.15"
+# The torch that sessions install when the interpreter running nox has none: the release the
+# toolkit is tested with. Its CPU build carries the local version label "+cpu" on Linux.
+TORCH_PIN = "2.13.0"
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 SYSTEM_SITE = ["--system-site-packages"]
 CUDA_SOURCE_DIR = ROOT / "packages" / "amp-fused-ops" / "csrc" / "cuda"
+TORCH_PTH = "_amp_toolkit_torch.pth"
+# Extras a package's README example needs, installed with its wheel in `nox -s build`.
+README_EXTRAS = {"amp-parallel": "[amp]"}
 
 nox.options.sessions = ["lint", "tests"]
 nox.options.reuse_existing_virtualenvs = True
@@ -65,13 +84,121 @@ print(f"imported {module.__file__} with {len(ops)} ops: {', '.join(ops)}")
 """
 
 
-def _install_checkout(session: nox.Session, *requirements: str) -> None:
-    """Install all five packages from this checkout, after torch and ``requirements``.
+# --------------------------------------------------------------------------- torch, once
 
-    Requirements the system site packages already satisfy (torch, as a rule) are not
-    downloaded again.
+
+def _explicit_torch_choice() -> bool:
+    """Whether the user asked for a particular torch (then the nox interpreter's is ignored)."""
+    return bool(os.environ.get("AMP_TORCH") or os.environ.get("AMP_TORCH_BUILD"))
+
+
+def _host_torch_site() -> Path | None:
+    """The site folder of the torch that the Python running nox has, if it fits the toolkit.
+
+    ``find_spec`` and the package metadata locate torch without importing it.
     """
-    session.install(TORCH_REQUIREMENT, "hatchling", *requirements)
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return None
+    try:
+        version = Version(importlib.metadata.version("torch"))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    if version not in SpecifierSet(TORCH_REQUIREMENT.removeprefix("torch")):
+        return None
+    return Path(spec.origin).resolve().parents[1]
+
+
+def _machine_has_cuda() -> bool:
+    """Whether an NVIDIA driver is present (no torch needed to tell)."""
+    return shutil.which("nvidia-smi") is not None or Path("/proc/driver/nvidia/version").exists()
+
+
+def _torch_install_plan() -> tuple[str, list[list[str]]]:
+    """A label for the torch to install and the pip arguments to try, in order."""
+    if os.environ.get("AMP_TORCH"):
+        return "custom", [[os.environ["AMP_TORCH"]]]
+    build = os.environ.get("AMP_TORCH_BUILD") or ("cuda" if _machine_has_cuda() else "cpu")
+    if build not in ("cpu", "cuda"):
+        raise SystemExit(f"AMP_TORCH_BUILD={build!r}: expected 'cpu' or 'cuda' (or leave it unset)")
+    if build == "cuda" or platform.system() != "Linux":
+        # PyPI's Linux wheels are CUDA builds; its macOS and Windows wheels are CPU builds.
+        return build, [[f"torch=={TORCH_PIN}"]]
+    # Linux CPU build: first wherever pip already looks (a local wheel folder, a mirror),
+    # then PyTorch's CPU index. "+cpu" keeps PyPI's CUDA build of the same release out.
+    cpu = f"torch=={TORCH_PIN}+cpu"
+    return build, [[cpu], [cpu, "--extra-index-url", TORCH_CPU_INDEX]]
+
+
+def _shared_torch(session: nox.Session) -> Path:
+    """A folder with torch and its dependencies, installed on first use for every session."""
+    label, attempts = _torch_install_plan()
+    digest = hashlib.sha256(repr(attempts).encode()).hexdigest()[:8]
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    # Absolute: the path goes into .pth files, where a relative one would not resolve.
+    target = (Path(session.cache_dir) / "torch" / f"{python}-{label}-{digest}").resolve()
+    if (target / "torch").is_dir():
+        return target
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    size = "several GB with the CUDA libraries" if label == "cuda" else "a few hundred MB"
+    session.log(
+        f"installing torch ({label} build, {size}) once into {target}, for every session; "
+        "set AMP_TORCH_BUILD=cuda for the CUDA build, or AMP_TORCH to a requirement or a wheel"
+    )
+    for i, args in enumerate(attempts):
+        last = i == len(attempts) - 1
+        session.run(
+            "python",
+            "-m",
+            "pip",
+            "install",
+            "--target",
+            str(partial),
+            "--progress-bar",
+            "on",
+            *args,
+            success_codes=[0] if last else [0, 1],
+        )
+        if (partial / "torch").is_dir():
+            break
+        session.log(f"pip found no {' '.join(args)} where it looks; trying the next source")
+    if not (partial / "torch").is_dir():
+        session.error(f"torch was not installed into {partial}")
+    partial.rename(target)
+    return target
+
+
+def _site_packages(python: str, session: nox.Session) -> Path:
+    code = "import sysconfig; print(sysconfig.get_path('purelib'))"
+    output = session.run(python, "-c", code, silent=True, external=True)
+    return Path(str(output).strip().splitlines()[-1])
+
+
+def _torch_site(session: nox.Session) -> Path:
+    """Where the sessions take torch from: the nox interpreter's, else the shared install."""
+    site = None if _explicit_torch_choice() else _host_torch_site()
+    if site is None:
+        return _shared_torch(session)
+    session.log(f"reusing torch {importlib.metadata.version('torch')} from {site}")
+    return site
+
+
+def _link_torch(session: nox.Session, python: str = "python") -> Path:
+    """Make torch importable by ``python`` (a virtualenv's interpreter) without installing it.
+
+    A ``.pth`` file in the virtualenv's site-packages appends torch's site folder to
+    ``sys.path``, after the virtualenv's own packages, which therefore take precedence.
+    """
+    site = _torch_site(session)
+    (_site_packages(python, session) / TORCH_PTH).write_text(f"{site}\n")
+    return site
+
+
+def _install_checkout(session: nox.Session, *requirements: str) -> None:
+    """Install all five packages from this checkout, after torch and ``requirements``."""
+    _link_torch(session)
+    session.install("hatchling", *requirements)
     editables = [arg for package in PACKAGES for arg in ("-e", f"packages/{package}")]
     session.install("--no-deps", "--no-build-isolation", *editables)
     session.run("python", "-c", _CHECKOUT_GUARD, str(ROOT / "packages"), *IMPORT_NAMES.values())
@@ -97,39 +224,68 @@ def _cuda_available(session: nox.Session) -> bool:
     return _torch_query(session, "torch.cuda.is_available()") == "True"
 
 
-@nox.session(venv_params=SYSTEM_SITE)
-@nox.parametrize("package", [*PACKAGES, "integration"])
-def tests(session: nox.Session, package: str) -> None:
-    """Run one package's CPU tests (or tests/integration) against this checkout."""
+# --------------------------------------------------------------------------- sessions
+
+
+def _pytest(session: nox.Session, package: str, marker: str, success_codes: list[int]) -> None:
     test_dir = "tests/integration" if package == "integration" else f"packages/{package}/tests"
     if not _has_test_files(ROOT / test_dir):
         if package == "integration":
             session.skip("no test files under tests/integration yet")
         session.error(f"no test files (test_*.py) under {test_dir}")
     # The integration tests run the demo and the examples: they plot (matplotlib) and load
-    # scikit-learn's digits, which the system site packages need not have.
+    # scikit-learn's digits.
     extra = ["scikit-learn", "matplotlib"] if package == "integration" else []
     if package == "amp-fused-ops":
         # The fused norms' ONNX export is tested with both exporters (TorchScript: onnx;
         # dynamo: onnxscript too); both are pure-Python or wheels from PyPI.
         extra = ["onnx", "onnxscript"]
     _install_checkout(session, "pytest", "ninja", *extra)
-    # pytest exits with 5 when it collected no test; nox treats every non-zero exit as failure.
-    session.run("python", "-m", "pytest", test_dir, "-m", "not gpu", *session.posargs)
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        test_dir,
+        "-m",
+        marker,
+        *session.posargs,
+        success_codes=success_codes,
+    )
 
 
-@nox.session(venv_params=SYSTEM_SITE)
+@nox.session
+@nox.parametrize("package", [*PACKAGES, "integration"])
+def tests(session: nox.Session, package: str) -> None:
+    """Run one package's CPU tests (or tests/integration), without the slow tier."""
+    # pytest exits with 5 when it collected no test: a failure here, every package has tests.
+    _pytest(session, package, "not gpu and not slow", success_codes=[0])
+
+
+@nox.session
+@nox.parametrize("package", [*PACKAGES, "integration"])
+def slow_tests(session: nox.Session, package: str) -> None:
+    """Run one package's CPU tests marked slow (the examples end to end, sweeps); CI runs them."""
+    # Exit 5 (nothing collected) is fine: not every package has slow tests.
+    _pytest(session, package, "slow and not gpu", success_codes=[0, 5])
+
+
+@nox.session
 def lint(session: nox.Session) -> None:
     """Check lint, formatting and types: ruff check, ruff format --check, mypy on each src/."""
-    session.install("ruff", "mypy", TORCH_REQUIREMENT)
+    _link_torch(session)  # mypy reads torch's annotations
+    session.install("ruff", "mypy")
     session.run("python", "-m", "ruff", "check", ".")
     session.run("python", "-m", "ruff", "format", "--check", ".")
     session.run("python", "-m", "mypy", *SRC_DIRS)
 
 
-@nox.session(venv_params=SYSTEM_SITE)
+@nox.session
 def build(session: nox.Session) -> None:
-    """Build each package's sdist and wheel into dist/, then install and import each wheel."""
+    """Build each package's sdist and wheel into dist/, then install, import and try each wheel.
+
+    Every wheel is installed alone in a fresh virtualenv (torch linked in, siblings only from
+    dist/, no index), imported, and the Python examples of its README are run there.
+    """
     session.install("build", "hatchling", "virtualenv")
     dist = ROOT / "dist"
     shutil.rmtree(dist, ignore_errors=True)
@@ -138,8 +294,6 @@ def build(session: nox.Session) -> None:
             "python", "-m", "build", "--no-isolation", "--outdir", str(dist), f"packages/{package}"
         )
 
-    # One fresh virtualenv per wheel (system site packages give it torch). Sibling
-    # dependencies may only come from dist/: --no-index keeps every index out.
     checks = Path(session.create_tmp()) / "wheel-checks"
     bin_dir = "Scripts" if os.name == "nt" else "bin"
     for package, name in IMPORT_NAMES.items():
@@ -148,8 +302,10 @@ def build(session: nox.Session) -> None:
             session.error(f"expected one wheel of {package} in {dist}, found {wheels}")
         venv = checks / package
         shutil.rmtree(venv, ignore_errors=True)
-        session.run("python", "-m", "virtualenv", "--quiet", "--system-site-packages", str(venv))
+        session.run("python", "-m", "virtualenv", "--quiet", str(venv))
         python = str(venv / bin_dir / "python")
+        _link_torch(session, python)
+        requirement = f"{wheels[0]}{README_EXTRAS.get(package, '')}"
         session.run(
             python,
             "-m",
@@ -159,16 +315,19 @@ def build(session: nox.Session) -> None:
             "--no-index",
             "--find-links",
             str(dist),
-            str(wheels[0]),
+            requirement,
             external=True,
         )
         session.run(python, "-c", _WHEEL_IMPORT_CHECK, name, str(venv), external=True)
+        readme = ROOT / "packages" / package / "README.md"
+        session.run(python, str(ROOT / ".ci" / "readme_examples.py"), str(readme), external=True)
 
 
-@nox.session(venv_params=SYSTEM_SITE)
+@nox.session
 def docs(session: nox.Session) -> None:
     """Build the Sphinx site into docs/_build/html, treating warnings as errors."""
-    session.install("sphinx", TORCH_REQUIREMENT)
+    _link_torch(session)  # autodoc imports the packages, which import torch
+    session.install("sphinx")
     # -E re-reads every page, so warnings of unchanged pages are reported again.
     session.run(
         "python",
@@ -184,14 +343,14 @@ def docs(session: nox.Session) -> None:
     )
 
 
-@nox.session(venv_params=SYSTEM_SITE)
+@nox.session
 def demo(session: nox.Session) -> None:
     """Run the demo, examples/demo/train_digits.py (arguments after -- go to the script)."""
     _install_checkout(session, "scikit-learn", "matplotlib")
     session.run("python", "examples/demo/train_digits.py", *session.posargs)
 
 
-@nox.session(venv_params=SYSTEM_SITE)
+@nox.session
 def bench(session: nox.Session) -> None:
     """Run every benchmarks/bench_*.py on CPU, and on CUDA too when it is available."""
     _install_checkout(session)

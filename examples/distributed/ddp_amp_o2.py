@@ -6,7 +6,7 @@ during backward. At the end every rank checks that its master weights equal rank
 the loss went down; the script exits non-zero otherwise.
 
 Usage:
-    torchrun --nproc_per_node=2 examples/distributed/ddp_amp_o2.py [--steps 20]
+    torchrun --nproc-per-node 2 examples/distributed/ddp_amp_o2.py [--steps 20] [--smoke]
 """
 
 from __future__ import annotations
@@ -27,11 +27,24 @@ from amp_parallel import DistributedDataParallel
 LOG = logging.getLogger("ddp_amp_o2")
 
 
+def require_torchrun(script: str) -> None:
+    """Exit with the command to use when the script was not started by torchrun."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        sys.exit(
+            f"{script} runs one process per rank: start it with torchrun, e.g.\n"
+            f"    torchrun --nproc-per-node 2 {script}"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=None, help="training steps (default 20)")
+    parser.add_argument("--smoke", action="store_true", help="5 steps (seconds on a CPU)")
     args = parser.parse_args(argv)
+    if args.steps is None:
+        args.steps = 5 if args.smoke else 20
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    require_torchrun("examples/distributed/ddp_amp_o2.py")
 
     use_cuda = torch.cuda.is_available()
     dist.init_process_group(backend="nccl" if use_cuda else "gloo")

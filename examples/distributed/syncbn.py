@@ -6,11 +6,12 @@ that the batch-norm output and running statistics equal a plain ``BatchNorm2d`` 
 the concatenated batch of all ranks, and exits non-zero otherwise.
 
 Usage:
-    torchrun --nproc_per_node=2 examples/distributed/syncbn.py
+    torchrun --nproc-per-node 2 examples/distributed/syncbn.py [--smoke]
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import logging
 import os
@@ -24,8 +25,24 @@ from amp_parallel import DistributedDataParallel, convert_syncbn_model
 LOG = logging.getLogger("syncbn")
 
 
-def main() -> int:
+def require_torchrun(script: str) -> None:
+    """Exit with the command to use when the script was not started by torchrun."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        sys.exit(
+            f"{script} runs one process per rank: start it with torchrun, e.g.\n"
+            f"    torchrun --nproc-per-node 2 {script}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=int, default=None, help="image height and width (8)")
+    parser.add_argument("--smoke", action="store_true", help="4x4 images (seconds on a CPU)")
+    args = parser.parse_args(argv)
+    if args.size is None:
+        args.size = 4 if args.smoke else 8
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    require_torchrun("examples/distributed/syncbn.py")
     use_cuda = torch.cuda.is_available()
     dist.init_process_group(backend="nccl" if use_cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -42,7 +59,8 @@ def main() -> int:
     model = DistributedDataParallel(net)
 
     sizes = [2 + 3 * r for r in range(world)]  # unequal per-rank batch sizes
-    full = torch.randn(sum(sizes), 3, 8, 8, generator=torch.Generator().manual_seed(1)).to(device)
+    gen = torch.Generator().manual_seed(1)
+    full = torch.randn(sum(sizes), 3, args.size, args.size, generator=gen).to(device)
     start = sum(sizes[:rank])
     out = model(full[start : start + sizes[rank]])
     out.float().square().mean().backward()

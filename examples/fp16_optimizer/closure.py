@@ -4,7 +4,7 @@ The closure zeroes the grads, computes the loss and calls ``optimizer.backward(l
 between LBFGS's calls the half params are refreshed from the fp32 masters it moves.
 
 Usage:
-    python examples/fp16_optimizer/closure.py [--dtype bf16|fp16] [--steps 10]
+    python examples/fp16_optimizer/closure.py [--dtype bf16|fp16] [--steps 10] [--smoke]
 """
 
 from __future__ import annotations
@@ -56,8 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     default = "fp16" if torch.cuda.is_available() else "bf16"
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=default)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=None, help="training steps (default 10)")
+    parser.add_argument("--smoke", action="store_true", help="5 steps (seconds on a CPU)")
     args = parser.parse_args(argv)
+    if args.steps is None:
+        args.steps = 5 if args.smoke else 10
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     warnings.simplefilter("ignore", FutureWarning)  # this example uses the legacy API on purpose
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -5,7 +5,7 @@ half gradients, FP16_Optimizer unscales them into the fp32 masters. At the end e
 checks that its parameters equal rank 0's. Gloo on CPU (bf16 by default), NCCL on GPU (fp16).
 
 Usage:
-    torchrun --nproc_per_node=2 examples/fp16_optimizer/distributed.py [--dtype bf16|fp16]
+    torchrun --nproc-per-node 2 examples/fp16_optimizer/distributed.py [--dtype bf16|fp16] [--smoke]
 """
 
 from __future__ import annotations
@@ -28,13 +28,26 @@ LOG = logging.getLogger("distributed")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+def require_torchrun(script: str) -> None:
+    """Exit with the command to use when the script was not started by torchrun."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        sys.exit(
+            f"{script} runs one process per rank: start it with torchrun, e.g.\n"
+            f"    torchrun --nproc-per-node 2 {script}"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     default = "fp16" if torch.cuda.is_available() else "bf16"
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=default)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=None, help="training steps (default 10)")
+    parser.add_argument("--smoke", action="store_true", help="3 steps (seconds on a CPU)")
     args = parser.parse_args(argv)
+    if args.steps is None:
+        args.steps = 3 if args.smoke else 10
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    require_torchrun("examples/fp16_optimizer/distributed.py")
     warnings.simplefilter("ignore", FutureWarning)  # this example uses the legacy API on purpose
     dtype = DTYPES[args.dtype]
 

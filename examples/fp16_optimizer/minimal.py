@@ -4,7 +4,7 @@ Trains a small regression MLP for a few steps twice, once with a static loss sca
 with a dynamic one, and checks that the loss went down. bf16 on CPU, fp16 on CUDA by default.
 
 Usage:
-    python examples/fp16_optimizer/minimal.py [--dtype bf16|fp16] [--steps 30]
+    python examples/fp16_optimizer/minimal.py [--dtype bf16|fp16] [--steps 30] [--smoke]
 
 Migration: ``from apex.fp16_utils import FP16_Optimizer`` ->
 ``from amp_legacy_fp16 import FP16_Optimizer``.
@@ -60,8 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     default = "fp16" if torch.cuda.is_available() else "bf16"
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=default)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=None, help="training steps (default 30)")
+    parser.add_argument("--smoke", action="store_true", help="15 steps (seconds on a CPU)")
     args = parser.parse_args(argv)
+    if args.steps is None:
+        args.steps = 15 if args.smoke else 30
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     warnings.simplefilter("ignore", FutureWarning)  # this example uses the legacy API on purpose
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

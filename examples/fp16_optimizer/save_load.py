@@ -5,7 +5,7 @@ loss scaler, the wrapped Adam's state), trains on; then builds a fresh model and
 loads the checkpoint and trains the same steps again, and compares every parameter.
 
 Usage:
-    python examples/fp16_optimizer/save_load.py [--dtype bf16|fp16] [--checkpoint PATH]
+    python examples/fp16_optimizer/save_load.py [--dtype bf16|fp16] [--checkpoint PATH] [--smoke]
 """
 
 from __future__ import annotations
@@ -58,24 +58,28 @@ def main(argv: list[str] | None = None) -> int:
     default = "fp16" if torch.cuda.is_available() else "bf16"
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=default)
     parser.add_argument("--checkpoint", default=None, help="where to save (a temp file if unset)")
+    parser.add_argument(
+        "--smoke", action="store_true", help="3 steps before and after the checkpoint, not 10"
+    )
     args = parser.parse_args(argv)
+    half = 3 if args.smoke else 10
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     warnings.simplefilter("ignore", FutureWarning)  # this example uses the legacy API on purpose
     dtype = DTYPES[args.dtype]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     model, optimizer = build(dtype, device)
-    train(model, optimizer, range(0, 10), dtype)
+    train(model, optimizer, range(0, half), dtype)
     with tempfile.TemporaryDirectory() as tmp:
         path = args.checkpoint or os.path.join(tmp, "checkpoint.pt")
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
-        train(model, optimizer, range(10, 20), dtype)  # the uninterrupted run
+        train(model, optimizer, range(half, 2 * half), dtype)  # the uninterrupted run
 
         resumed_model, resumed_optimizer = build(dtype, device)
         checkpoint = torch.load(path, weights_only=True)
     resumed_model.load_state_dict(checkpoint["model"])
     resumed_optimizer.load_state_dict(checkpoint["optimizer"])
-    train(resumed_model, resumed_optimizer, range(10, 20), dtype)
+    train(resumed_model, resumed_optimizer, range(half, 2 * half), dtype)
 
     same = all(
         torch.equal(a, b)

@@ -12,9 +12,9 @@ bfloat16 on CPU. Under ``torchrun`` every rank trains on its own shard through
 ``amp_parallel.DistributedDataParallel`` (NCCL on CUDA, Gloo on CPU).
 
 Usage:
-    python examples/imagenet/main_amp.py --smoke                       # CPU, ~10 s
+    python examples/imagenet/main_amp.py --smoke    # CPU: under a minute on 2 idle cores
     python examples/imagenet/main_amp.py --opt-level O2 --arch resnet50 /data/imagenet
-    torchrun --nproc_per_node=2 examples/imagenet/main_amp.py --smoke --sync_bn
+    torchrun --nproc-per-node 2 examples/imagenet/main_amp.py --smoke --sync_bn
 
 Every epoch prints one line that tests and scripts parse::
 

@@ -85,7 +85,9 @@ def session_cache(factory: pytest.TempPathFactory) -> SessionBuild:
     ]
     reports = []
     for child in children:
-        output, _ = child.communicate(timeout=900)
+        # A hang guard, not a speed check: a first compile on a loaded 2-core machine has
+        # taken over 7 minutes.
+        output, _ = child.communicate(timeout=3600)
         lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
         if child.returncode != 0 or not lines:
             pytest.fail(f"building the CPU extension failed (exit {child.returncode}):\n{output}")

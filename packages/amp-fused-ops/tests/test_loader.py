@@ -318,7 +318,7 @@ def _cli(cache: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str
         env=child_env(cache, **env),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=1800,  # a hang guard, not a speed check (a first compile under load is slow)
     )
 
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ._casting import O1Casting
+from ._messages import show_setup
 from ._model import ModelAmpState, model_state
 from ._opt_levels import OptLevel, Properties, resolve_properties
 from ._optimizer import OptimizerAmpState, optimizer_state
@@ -110,13 +111,25 @@ def _warn_if_not_fp32(models: Sequence[nn.Module]) -> None:
                 return
 
 
+# What each opt level does, for the summary that verbosity=1 shows.
+_BRIEFS = {
+    OptLevel.O0: "pure fp32 training.",
+    OptLevel.O1: "automatic casts around PyTorch functions and Tensor methods.",
+    OptLevel.O2: "half-precision model with fp32 batch norm and fp32 master weights.",
+    OptLevel.O3: "pure half-precision training.",
+}
+
+
 def _log_properties(props: Properties, overrides: dict[str, Any]) -> None:
-    logger.info("Selected optimization level %s", props.opt_level.value)
+    """Apex's verbosity=1 summary: the selected opt level and the resulting options."""
+    lines = [f"Selected optimization level {props.opt_level.value}: {_BRIEFS[props.opt_level]}"]
     if overrides:
-        logger.info("Processing user overrides: %s", overrides)
-    for name, value in props.describe().items():
-        logger.info("%-22s: %s", name, value)
-    logger.info("%-22s: %s", "half_dtype", props.half_dtype)
+        lines.append(f"User overrides (keyword arguments that are not None): {overrides}")
+    lines.append("Optimization options:")
+    options = {**props.describe(), "half_dtype": props.half_dtype}
+    lines.extend(f"{name:22} : {value}" for name, value in options.items())
+    lines.append("(verbosity=0 or logging configuration for 'amp_core' hides this summary)")
+    show_setup(logger, "\n".join(lines))
 
 
 def initialize(
@@ -166,7 +179,9 @@ def initialize(
         loss_scale: A static scale, or ``"dynamic"``.
         cast_model_outputs: dtype the model's floating outputs are cast to.
         num_losses: How many losses get their own scaler (``loss_id`` in ``scale_loss``).
-        verbosity: 0 logs nothing; 1 logs the options (INFO) and skipped steps (WARNING).
+        verbosity: 0 logs nothing; 1 logs the selected opt level and options (INFO, on
+            rank 0; printed to stderr when the application has not configured logging,
+            as Apex printed it) and skipped steps (WARNING).
         min_loss_scale: Floor of the dynamic scale.
         max_loss_scale: Ceiling of the dynamic scale.
         half_dtype: The low-precision dtype, at any level. Defaults to ``torch.float16`` for a
