@@ -444,3 +444,42 @@ def test_half_model_passed_to_o2_is_reported(caplog):
     with caplog.at_level(logging.WARNING, logger="amp_core"):
         amp.initialize(model, opt_level="O2", half_dtype=torch.float16, verbosity=1)
     assert any("expected torch.float32" in r.getMessage() for r in caplog.records)
+
+
+class _Wrapper:
+    """An optimizer wrapper shaped like Apex's / amp_parallel's LARC: the optimizer is `.optim`."""
+
+    def __init__(self, optim: torch.optim.Optimizer) -> None:
+        self.optim = optim
+
+    @property
+    def param_groups(self):
+        return self.optim.param_groups
+
+    @property
+    def state(self):
+        return self.optim.state
+
+    def step(self, closure=None):
+        return self.optim.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optim.zero_grad(set_to_none=set_to_none)
+
+
+def test_optimizer_wrapper_like_larc_accepted():
+    model = torch.nn.Linear(3, 2)
+    wrapper = _Wrapper(torch.optim.SGD(model.parameters(), lr=0.5))
+    model, out = amp.initialize(model, wrapper, opt_level="O1", loss_scale=8.0, verbosity=0)
+    assert out is wrapper
+    before = model.weight.detach().clone()
+    with amp.scale_loss(model(torch.ones(1, 3)).float().sum(), wrapper) as scaled:
+        scaled.backward()
+    wrapper.step()
+    # d(sum(W x + b))/dW = 1 for x = ones: one SGD step of lr 0.5, the scale of 8 removed.
+    torch.testing.assert_close(model.weight.detach(), before - 0.5)
+
+
+def test_objects_that_are_not_optimizers_still_refused():
+    with pytest.raises(TypeError, match="optimizers must be"):
+        amp.initialize(torch.nn.Linear(2, 2), object(), opt_level="O1", verbosity=0)

@@ -27,6 +27,7 @@ __all__ = [
     "first_param_device",
     "group_by_device_dtype",
     "params_with_grads",
+    "unscale_grads_in_place",
 ]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -55,6 +56,21 @@ def check_nonnegative(optimizer: str, name: str, value: Any) -> None:
         raise ValueError(f"{optimizer}: invalid {name} {value!r}; it must be a number >= 0")
     if not math.isfinite(value):
         raise ValueError(f"{optimizer}: invalid {name} {value!r}; it must be finite")
+
+
+def unscale_grads_in_place(grads: Sequence[Tensor], grad_scale: Tensor) -> None:
+    """Divide ``grads`` by ``grad_scale`` in place, on their devices (no host sync).
+
+    What ``torch.amp.GradScaler`` leaves behind for a plain optimizer (it unscales ``.grad``
+    in place): an optimizer that unscales inside its step calls this after it, so code that
+    reads the gradients after ``scaler.step(optimizer)`` sees the same values either way.
+    """
+    inv = grad_scale.double().reciprocal().float().reshape(())
+    by_device: dict[torch.device, list[Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    for device, gs in by_device.items():
+        torch._foreach_mul_(gs, inv.to(device))
 
 
 def check_betas(optimizer: str, betas: Any) -> None:

@@ -30,6 +30,7 @@ from ._base import (
     check_nonnegative,
     group_by_device_dtype,
     params_with_grads,
+    unscale_grads_in_place,
 )
 
 __all__ = ["FusedAdam"]
@@ -64,9 +65,14 @@ class FusedAdam(FusedOptimizerBase):
         RuntimeError: ``amsgrad=True``.
         ValueError: A negative ``lr``, ``eps`` or ``weight_decay``, or betas outside [0, 1).
 
-    Works with ``torch.amp.GradScaler``: the optimizer declares ``_step_supports_amp_scaling``,
-    reads the scaler's ``grad_scale`` and ``found_inf`` on the device, unscales inside the step
-    and skips it (state untouched) on inf/nan, with no host sync.
+    Works with ``torch.amp.GradScaler``. With ``capturable=True`` or ``master_weights=True``
+    the optimizer declares ``_step_supports_amp_scaling`` (as Apex's capturable FusedAdam):
+    it reads the scaler's ``grad_scale`` and ``found_inf`` on the device, unscales inside the
+    step, skips it (state untouched) on inf/nan with no host sync, and writes the unscaled
+    gradients back into ``.grad``. Otherwise the scaler unscales ``.grad`` in place and skips
+    ``step()`` itself, as for any optimizer (and, as torch's, refuses float16 gradients: use
+    ``capturable=True`` or ``master_weights=True`` for float16 params). Either way ``.grad``
+    holds the unscaled gradients after ``scaler.step(optimizer)``.
 
     Example:
         >>> model = torch.nn.Linear(4, 4)
@@ -75,7 +81,11 @@ class FusedAdam(FusedOptimizerBase):
         >>> opt.step()
     """
 
-    _step_supports_amp_scaling = True
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """Whether ``torch.amp.GradScaler`` leaves the unscaling to ``step`` (Apex: only when
+        capturable; here also with master weights, which it did not allow without)."""
+        return bool(self.capturable or self.master_weights)
 
     # Apex's op handles (read by code built on Apex's optimizers): the amp_C ops by name.
     multi_tensor_adam = AmpCOp("multi_tensor_adam")
@@ -262,6 +272,11 @@ class FusedAdam(FusedOptimizerBase):
             # An inf or a nan anywhere skips every group, as one step.
             own_flag = torch.zeros((), dtype=torch.float32, device=work[0][1][0].device)
             self._device_steps(work, inv_scale, own_flag, use_master_grads=False)
+        if grad_scale is not None:
+            # As the scaler leaves .grad for a plain optimizer (and Apex's capturable kernel
+            # left it): unscaled, whether or not the step was skipped.
+            grads = [p.grad for _, params in work for p in params if p.grad is not None]
+            unscale_grads_in_place(grads, grad_scale)
         return loss
 
     def _plain_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
