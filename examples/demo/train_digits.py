@@ -97,7 +97,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--loss-scale",
         type=loss_scale_arg,
         default=None,
-        help='"dynamic" or a number; default: amp\'s per-level default (none for bf16)',
+        help='"dynamic" or a number; default: amp\'s per-level default (dynamic at O1/O2)',
     )
     parser.add_argument(
         "--half-dtype",
