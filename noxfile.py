@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import importlib.util
+import json
 import os
 import platform
 import shutil
@@ -416,3 +417,47 @@ def cuda_build(session: nox.Session) -> None:
     session.run("python", "-m", "amp_fused_ops", "info", env=env)
     session.run("python", "-m", "amp_fused_ops", "build", "cuda", "--force", env=env)
     session.run("python", "-c", _CUDA_IMPORT_CHECK, env=env)
+
+
+EMULATION_TESTS = [
+    "packages/amp-fused-ops/tests/test_emulation.py",
+    "packages/amp-fused-ops/tests/test_cuda_kernels.py",
+    "packages/amp-fused-ops/tests/test_emulated_norm_syncbn_kernels.py",
+    "packages/amp-fused-ops/tests/test_error_types.py",
+    "packages/amp-fused-ops/tests/test_adam_semantics.py",
+]
+
+
+@nox.session(venv_params=SYSTEM_SITE)
+def cuda_emulation(session: nox.Session) -> None:
+    """Run the CUDA kernels on the CPU: the gpu tests against the emulated kernels.
+
+    The .cu sources of amp-fused-ops are compiled as C++ through csrc/emulation (threads as
+    fibers, launch and barrier checks) twice: the counting build (misaligned vector accesses
+    raise), then with AddressSanitizer + UBSan in a process that preloads libasan. No GPU and
+    no CUDA toolkit needed. ``-- <pytest args>`` narrows the tests.
+    """
+    _install_checkout(session, "pytest", "ninja")
+    session.env["MAX_JOBS"] = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
+    asan = _torch_query(
+        session,
+        "__import__('json').dumps(__import__('amp_fused_ops._emulation', fromlist=['x'])"
+        ".asan_environment())",
+    )
+    for build, extra in (("counting", {}), ("asan", json.loads(asan))):
+        # Compile in its own process first (the build time is printed), then test.
+        env = {"AMP_FUSED_OPS_EMULATION": build, **extra}
+        session.run("python", "-c", _EMULATION_BUILD, build, env=env)
+        session.run(
+            "python", "-m", "pytest", "-m", "cuda_emulation", "-q", *EMULATION_TESTS,
+            *session.posargs, env=env,
+        )  # fmt: skip
+
+
+_EMULATION_BUILD = """
+import sys, time
+from amp_fused_ops import _emulation
+start = time.perf_counter()
+_emulation.load(sys.argv[1])
+print(f"emulated CUDA kernels ({sys.argv[1]} build) ready in {time.perf_counter() - start:.0f} s")
+"""

@@ -12,6 +12,9 @@ must agree within the rounding of the output dtype:
 
 Noop-flag behaviour must match exactly. Sizes cross the vector width (1, 7), the chunk sizes
 (333 and 2048 * 32, so chunks start misaligned and aligned) and the launch batches.
+
+The same tests run on the emulated kernels (``nox -s cuda_emulation``, see
+``_kernel_target.py``) at the sizes 1, 7, 555 and 33333.
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ import pytest
 import torch
 from torch import Tensor
 
-from amp_fused_ops import _amp_C, _loader, _reference
+from _kernel_target import DEVICE, EMULATED, Graph, extension
+from amp_fused_ops import _amp_C, _reference
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.cuda_emulation]
 
-SIZES = (1, 7, 555, 33333, 2048 * 32 + 1, 2 * 2048 * 32)
+SIZES = (1, 7, 555, 33333) if EMULATED else (1, 7, 555, 33333, 2048 * 32 + 1, 2 * 2048 * 32)
 CHUNKS = (333, 2048 * 32)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 HALF = (torch.float16, torch.bfloat16)
@@ -43,14 +47,11 @@ INJECT_AT = (3, 1234)  # tensor 3 (33333 elements), element 1234
 
 @pytest.fixture(scope="module")
 def ext() -> Any:
-    module = _loader.get_extension("cuda")
-    if module is None:
-        pytest.fail(f"the CUDA extension is unavailable: {_loader.unavailable_reason('cuda')}")
-    return module
+    return extension()
 
 
 def _flag(value: int = 0) -> Tensor:
-    return torch.full((1,), value, dtype=torch.int32, device="cuda")
+    return torch.full((1,), value, dtype=torch.int32, device=DEVICE)
 
 
 def _tensors(
@@ -61,10 +62,10 @@ def _tensors(
     inject: float | None = None,
     positive: bool = False,
 ) -> list[Tensor]:
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
     out = []
     for n in SIZES:
-        t = torch.randn(n, generator=g, device="cuda") * scale
+        t = torch.randn(n, generator=g, device=DEVICE) * scale
         out.append((t.abs() if positive else t).to(dtype))
     if inject is not None:
         out[INJECT_AT[0]][INJECT_AT[1]] = inject
@@ -100,6 +101,7 @@ def _both(
 REFERENCE_ONLY = {"multi_tensor_l2norm_scale", "multi_tensor_lamb_mp"}
 
 
+@pytest.mark.skipif(EMULATED, reason="dispatch by device needs CUDA tensors")
 def test_amp_C_dispatches_cuda_tensors_to_the_kernel(ext: Any) -> None:
     assert {name for name in _reference.__all__ if not hasattr(ext, name)} == REFERENCE_ONLY
     for name in _reference.__all__:
@@ -197,7 +199,7 @@ def test_unscale_l2norm(ext: Any, dtype: torch.dtype, inv_scale_kind: str) -> No
     xs = _tensors(dtype, 7, scale=1024.0)
     inv_scale: Tensor | float = 1 / 1024
     if inv_scale_kind == "tensor":
-        inv_scale = torch.full((1,), 1 / 1024, device="cuda")
+        inv_scale = torch.full((1,), 1 / 1024, device=DEVICE)
     originals = _clone(xs)
     flags = [_flag(), _flag()]
     got = ext.multi_tensor_unscale_l2norm(333, flags[0], [xs], inv_scale, True)
@@ -272,9 +274,9 @@ def _master_inputs(
     params = [m.to(param_dtype) for m in masters]
     _, exp_avgs, exp_avg_sqs = _adam_state(torch.float32, torch.float32, 21)
     grads = _tensors(grad_dtype, 22, scale=512.0, inject=inject)
-    lr = torch.full((1,), 1e-2, device="cuda")
-    step = torch.full((1,), 3, dtype=torch.int32, device="cuda")
-    inv_scale = torch.full((1,), 1 / 512, device="cuda")
+    lr = torch.full((1,), 1e-2, device=DEVICE)
+    step = torch.full((1,), 3, dtype=torch.int32, device=DEVICE)
+    inv_scale = torch.full((1,), 1 / 512, device=DEVICE)
     lists = [grads, params, exp_avgs, exp_avg_sqs, masters]
     return _flag(flag_value), lists, (lr, 0.9, 0.999, 1e-8, step, 1, 1, 0.01, inv_scale)
 
@@ -327,7 +329,7 @@ def test_adam_capturable_master_skips_when_flag_set_on_entry(ext: Any) -> None:
 def test_adam_capturable_master_flags_overflow_of_the_unscaled_grad(ext: Any) -> None:
     # Finite fp16 grads whose product with inv_scale overflows float32 count as inf.
     flag, lists, args = _master_inputs(torch.float16, torch.float16, None, 0)
-    huge = torch.full((1,), 1e36, device="cuda")
+    huge = torch.full((1,), 1e36, device=DEVICE)
     ext.multi_tensor_adam_capturable_master(333, flag, lists, *args[:-1], huge)
     want = _flag()
     _reference.multi_tensor_adam_capturable_master(333, want, lists, *args[:-1], huge)
@@ -337,18 +339,29 @@ def test_adam_capturable_master_flags_overflow_of_the_unscaled_grad(ext: Any) ->
 def test_adam_capturable_master_runs_in_a_cuda_graph(ext: Any) -> None:
     flag, lists, args = _master_inputs(torch.float16, torch.float16, None, 0)
     ref_flag, ref_lists, _ = _master_inputs(torch.float16, torch.float16, None, 0)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up outside the graph (lazy inits)
-        ext.multi_tensor_adam_capturable_master(2048 * 32, _flag(), [_clone(t) for t in lists],
-                                                *args)  # fmt: skip
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ext.multi_tensor_adam_capturable_master(2048 * 32, flag, lists, *args)
-    graph.replay()
-    _reference.multi_tensor_adam_capturable_master(2048 * 32, ref_flag, ref_lists, *args)
-    torch.cuda.synchronize()
+    lr, step = args[0], args[4]
+    if not EMULATED:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm up outside the graph (lazy inits)
+            ext.multi_tensor_adam_capturable_master(
+                2048 * 32, _flag(), [_clone(t) for t in lists], *args
+            )
+        torch.cuda.current_stream().wait_stream(stream)
+    else:
+        step = step.float()  # the emulator replays launches only, not the int->float copy
+    captured = (*args[:4], step, *args[5:])
+    graph = Graph()
+    with graph:
+        ext.multi_tensor_adam_capturable_master(2048 * 32, flag, lists, *captured)
+    # Nothing ran during the capture; each replay reads lr and step from their tensors.
+    for new_lr, new_step in ((1e-2, 3), (5e-3, 4)):
+        lr.fill_(new_lr)
+        step.fill_(new_step)
+        graph.replay()
+        _reference.multi_tensor_adam_capturable_master(2048 * 32, ref_flag, ref_lists, *captured)
+    if not EMULATED:
+        torch.cuda.synchronize()
     for got, want in zip(lists, ref_lists, strict=True):
         _assert_lists_close(got, want)
 
@@ -450,7 +463,7 @@ def test_lamb(
         lists = [_tensors(dtype, 51), params, exp_avgs, exp_avg_sqs]
         norm: Tensor | float = global_norm if isinstance(global_norm, float) else 0.0
         if global_norm == "tensor":
-            norm = torch.full((1,), 3.0, device="cuda")
+            norm = torch.full((1,), 3.0, device=DEVICE)
         args = (1e-3, 0.9, 0.999, 1e-6, 4, 1, weight_decay, grad_averaging, mode, norm, 1.0,
                 use_nvlamb)  # fmt: skip
         return _flag(), lists, args
@@ -480,7 +493,7 @@ def test_novograd(ext: Any, dtype: torch.dtype, mode: int, norm_type: int, chunk
     for impl in (ext, _reference):
         params = _tensors(dtype, 60)
         exp_avgs = [torch.zeros_like(p, dtype=torch.float32) for p in params]
-        grad_norms = torch.linspace(0.5, 1.5, len(params), device="cuda")
+        grad_norms = torch.linspace(0.5, 1.5, len(params), device=DEVICE)
         flag = _flag()
         for step in (1, 2):
             grads = _tensors(dtype, 60 + step)
@@ -501,7 +514,7 @@ def test_novograd_flags_a_nonfinite_grad_norm(ext: Any, norm_type: int) -> None:
         params = _tensors(torch.float32, 61)
         exp_avgs = [torch.zeros_like(p) for p in params]
         grads = _tensors(torch.float32, 62, inject=NAN)
-        grad_norms = torch.ones(len(params), device="cuda")
+        grad_norms = torch.ones(len(params), device=DEVICE)
         impl.multi_tensor_novograd(333, flag, [grads, params, exp_avgs], grad_norms, 1e-2, 0.95,
                                    0.98, 1e-8, 1, 1, 0.0, 1, 0, norm_type)  # fmt: skip
     assert flags[0].item() == flags[1].item() == 1
@@ -515,9 +528,9 @@ def test_channels_last_tensors_keep_their_layout(ext: Any, dtype: torch.dtype) -
     shapes = [(2, 3, 5, 7), (4, 16, 9, 9), (1, 8, 1, 1)]
 
     def cl(seed: int, tensor_dtype: torch.dtype) -> list[Tensor]:
-        g = torch.Generator(device="cuda").manual_seed(seed)
+        g = torch.Generator(device=DEVICE).manual_seed(seed)
         return [
-            torch.randn(s, generator=g, device="cuda")
+            torch.randn(s, generator=g, device=DEVICE)
             .to(tensor_dtype)
             .contiguous(memory_format=torch.channels_last)
             for s in shapes
@@ -543,6 +556,8 @@ def test_channels_last_tensors_keep_their_layout(ext: Any, dtype: torch.dtype) -
 
 
 # --- preconditions --------------------------------------------------------------------------
+# A wrong value is a ValueError and a tensor on the wrong device a RuntimeError, on every path
+# (the reference, the CPU kernels and these).
 
 
 def _scale_call(
@@ -551,65 +566,67 @@ def _scale_call(
     ext.multi_tensor_scale(333, _flag() if flag is None else flag, [ins, outs], 2.0)
 
 
+@pytest.mark.skipif(EMULATED, reason="the emulated kernels take CPU tensors")
 def test_rejects_tensors_on_the_cpu(ext: Any) -> None:
     message = "tensor 0 of list 1 is on device cpu; the CUDA extension takes CUDA tensors only"
     with pytest.raises(RuntimeError, match=message):
-        _scale_call(ext, [torch.ones(3, device="cuda")], [torch.ones(3)])
+        _scale_call(ext, [torch.ones(3, device=DEVICE)], [torch.ones(3)])
 
 
 def test_rejects_a_noop_flag_on_the_cpu_or_of_the_wrong_dtype(ext: Any) -> None:
-    x = [torch.ones(3, device="cuda")]
-    with pytest.raises(RuntimeError, match="noop_flag must be a CUDA tensor"):
-        _scale_call(ext, x, x, torch.zeros(1, dtype=torch.int32))
-    with pytest.raises(RuntimeError, match="noop_flag must be an int32 tensor with one element"):
-        _scale_call(ext, x, x, torch.zeros(1, device="cuda"))
+    x = [torch.ones(3, device=DEVICE)]
+    if not EMULATED:
+        with pytest.raises(RuntimeError, match="noop_flag must be a CUDA tensor"):
+            _scale_call(ext, x, x, torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="noop_flag must be an int32 tensor with one element"):
+        _scale_call(ext, x, x, torch.zeros(1, device=DEVICE))
 
 
 def test_rejects_mismatched_sizes_and_list_lengths(ext: Any) -> None:
     message = "tensor 0 of list 1 has 4 elements but tensor 0 of list 0 has 3"
-    with pytest.raises(RuntimeError, match=message):
-        _scale_call(ext, [torch.ones(3, device="cuda")], [torch.ones(4, device="cuda")])
-    with pytest.raises(RuntimeError, match="list 0 has 1 tensors and list 1 has 2"):
-        _scale_call(ext, [torch.ones(3, device="cuda")], [torch.ones(3, device="cuda")] * 2)
+    with pytest.raises(ValueError, match=message):
+        _scale_call(ext, [torch.ones(3, device=DEVICE)], [torch.ones(4, device=DEVICE)])
+    with pytest.raises(ValueError, match="list 0 has 1 tensors and list 1 has 2"):
+        _scale_call(ext, [torch.ones(3, device=DEVICE)], [torch.ones(3, device=DEVICE)] * 2)
 
 
 def test_rejects_unsupported_and_mixed_dtypes(ext: Any) -> None:
-    with pytest.raises(RuntimeError, match="supported dtypes are float32, float16 and bfloat16"):
-        x = [torch.ones(3, device="cuda", dtype=torch.float64)]
+    with pytest.raises(ValueError, match="supported dtypes are float32, float16 and bfloat16"):
+        x = [torch.ones(3, device=DEVICE, dtype=torch.float64)]
         _scale_call(ext, x, x)
-    with pytest.raises(RuntimeError, match="the tensors of one list must share one dtype"):
-        ins = [torch.ones(3, device="cuda"), torch.ones(3, device="cuda", dtype=torch.half)]
-        _scale_call(ext, ins, [torch.ones(3, device="cuda")] * 2)
+    with pytest.raises(ValueError, match="the tensors of one list must share one dtype"):
+        ins = [torch.ones(3, device=DEVICE), torch.ones(3, device=DEVICE, dtype=torch.half)]
+        _scale_call(ext, ins, [torch.ones(3, device=DEVICE)] * 2)
 
 
 def test_rejects_non_dense_and_mismatched_layouts(ext: Any) -> None:
-    strided = torch.ones(4, 6, device="cuda")[:, ::2]
+    strided = torch.ones(4, 6, device=DEVICE)[:, ::2]
     message = "is neither contiguous nor dense in another memory format"
-    with pytest.raises(RuntimeError, match=message):
-        _scale_call(ext, [strided], [torch.ones(4, 3, device="cuda")])
-    x = torch.ones(2, 3, 4, 5, device="cuda")
-    with pytest.raises(RuntimeError, match="have different memory layouts"):
+    with pytest.raises(ValueError, match=message):
+        _scale_call(ext, [strided], [torch.ones(4, 3, device=DEVICE)])
+    x = torch.ones(2, 3, 4, 5, device=DEVICE)
+    with pytest.raises(ValueError, match="have different memory layouts"):
         _scale_call(ext, [x], [x.contiguous(memory_format=torch.channels_last)])
 
 
 def test_rejects_bad_choices_and_state_dtypes(ext: Any) -> None:
-    g = [torch.ones(3, device="cuda")]
-    with pytest.raises(RuntimeError, match="arg_to_check must be -1"):
+    g = [torch.ones(3, device=DEVICE)]
+    with pytest.raises(ValueError, match="arg_to_check must be -1"):
         ext.multi_tensor_axpby(333, _flag(), [g, g, g], 1.0, 1.0, 2)
-    with pytest.raises(RuntimeError, match=r"mode must be 0 \(Adam, L2 weight decay\) or 1"):
+    with pytest.raises(ValueError, match=r"mode must be 0 \(Adam, L2 weight decay\) or 1"):
         ext.multi_tensor_adam(333, _flag(), [g, g, g, g], 1e-3, 0.9, 0.999, 1e-8, 1, 2, 1, 0.0)
-    half = [torch.ones(3, device="cuda", dtype=torch.half)]
+    half = [torch.ones(3, device=DEVICE, dtype=torch.half)]
     message = r"optimizer state \(list 2\) has dtype BFloat16 but the params have dtype Half"
-    with pytest.raises(RuntimeError, match=message):
-        bf16 = [torch.ones(3, device="cuda", dtype=torch.bfloat16)]
+    with pytest.raises(ValueError, match=message):
+        bf16 = [torch.ones(3, device=DEVICE, dtype=torch.bfloat16)]
         ext.multi_tensor_adam(333, _flag(), [half, half, bf16, bf16], 1e-3, 0.9, 0.999, 1e-8, 1,
                               1, 1, 0.0)  # fmt: skip
-    one = torch.ones(1, device="cuda")
-    with pytest.raises(RuntimeError, match="moments and master params must be float32"):
+    one = torch.ones(1, device=DEVICE)
+    with pytest.raises(ValueError, match="moments and master params must be float32"):
         ext.multi_tensor_adam_capturable_master(333, _flag(), [half, half, g, g, half], one, 0.9,
                                                 0.999, 1e-8, one, 1, 1, 0.0, one)  # fmt: skip
-    with pytest.raises(RuntimeError, match="grad_norms must be a float32 tensor of 1 elements"):
-        ext.multi_tensor_novograd(333, _flag(), [g, g, g], torch.ones(2, device="cuda"), 1e-3,
+    with pytest.raises(ValueError, match="grad_norms must be a float32 tensor of 1 elements"):
+        ext.multi_tensor_novograd(333, _flag(), [g, g, g], torch.ones(2, device=DEVICE), 1e-3,
                                   0.9, 0.999, 1e-8, 1, 1, 0.0, 1, 0, 2)  # fmt: skip
-    with pytest.raises(RuntimeError, match="chunk_size must be in"):
+    with pytest.raises(ValueError, match="chunk_size must be in"):
         ext.multi_tensor_scale(0, _flag(), [g, g], 1.0)

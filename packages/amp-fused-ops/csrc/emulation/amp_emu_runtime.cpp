@@ -1,0 +1,739 @@
+// The emulator's scheduler, checks, counters and capture (see amp_emu_runtime.h).
+#include "amp_emu_runtime.h"
+
+#include <link.h>
+#include <pthread.h>
+#include <sys/mman.h>
+#include <ucontext.h>
+
+#include <torch/library.h>
+
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+#include <vector>
+
+// -fsanitize=kernel-address (the counting build) defines __SANITIZE_ADDRESS__ too.
+#if defined(__SANITIZE_ADDRESS__) && !defined(AMP_EMU_COUNTING)
+extern "C" {
+void __sanitizer_start_switch_fiber(void** fake_stack_save, const void* bottom, size_t size);
+void __sanitizer_finish_switch_fiber(void* fake_stack_save, const void** bottom_old,
+                                     size_t* size_old);
+}
+#define AMP_EMU_ASAN 1
+#else
+#define AMP_EMU_ASAN 0
+#endif
+
+uint3 threadIdx{0, 0, 0};
+uint3 blockIdx{0, 0, 0};
+dim3 blockDim{1, 1, 1};
+dim3 gridDim{1, 1, 1};
+
+namespace amp_emu {
+
+void find_module_range();
+
+namespace {
+
+constexpr size_t kStackBytes = AMP_EMU_ASAN ? 512 * 1024 : 128 * 1024;
+
+enum class State { kReady, kRunning, kWaitBlock, kWaitWarp, kDone };
+
+struct Fiber {
+  ucontext_t context;
+  char* stack;
+  uint3 index;
+  int warp;
+  int lane;
+  State state;
+  bool counting;  // global-memory accesses of this thread are counted
+  uint64_t wait_generation;
+  // Counting: the aligned 16-byte segment this thread is walking through, if any.
+  uintptr_t segment;
+  int segment_bytes;
+  bool segment_store;
+};
+
+struct Warp {
+  uint64_t slots[32];
+  unsigned pending_mask;
+  unsigned arrived;
+  uint64_t generation;
+  int threads;  // lanes that exist (the last warp of a block may be partial)
+};
+
+struct BlockBarrier {
+  int arrived;
+  uint64_t generation;
+  const char* file;
+  int line;
+};
+
+struct Scheduler {
+  std::vector<Fiber> fibers;
+  std::vector<Warp> warps;
+  BlockBarrier barrier{};
+  ucontext_t home;
+  Fiber* current = nullptr;
+  std::exception_ptr error;
+  const std::function<void()>* body = nullptr;
+  const char* kernel = "";
+  char* stacks = nullptr;
+  size_t stack_count = 0;
+#if AMP_EMU_ASAN
+  const void* home_bottom = nullptr;
+  size_t home_size = 0;
+#endif
+};
+
+Scheduler& scheduler() {
+  static Scheduler s;
+  return s;
+}
+
+std::mutex& launch_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+// --- counters -------------------------------------------------------------------------------
+
+Counters g_counters{};
+bool g_counting = false;  // true while a fiber runs (host code is not counted)
+uintptr_t g_stack_lo = 0, g_stack_hi = 0;  // the fibers' stacks
+uintptr_t g_home_lo = 0, g_home_hi = 0;    // the launching thread's stack
+
+// --- capture --------------------------------------------------------------------------------
+
+struct Recorded {
+  LaunchConfig config;
+  std::function<void()> body;
+  std::string where;
+};
+bool g_capturing = false;
+std::vector<Recorded> g_recording;
+std::vector<std::unique_ptr<std::vector<Recorded>>> g_graphs;
+
+std::string short_name(const char* pretty) {
+  // "const char* amp_emu::kernel_name() [with F = void(...)]" -> the F part.
+  std::string s(pretty);
+  const size_t at = s.find("F = ");
+  if (at != std::string::npos) s = s.substr(at + 4);
+  if (!s.empty() && s.back() == ']') s.pop_back();
+  return s.size() > 200 ? s.substr(0, 200) + "..." : s;
+}
+
+std::string block_name() {
+  std::ostringstream out;
+  out << "block (" << blockIdx.x << ", " << blockIdx.y << ", " << blockIdx.z << ")";
+  return out.str();
+}
+
+void switch_to_fiber(Scheduler& s, Fiber& f) {
+  s.current = &f;
+  f.state = State::kRunning;
+  threadIdx = f.index;
+  g_counting = f.counting;
+#if AMP_EMU_ASAN
+  void* fake = nullptr;
+  __sanitizer_start_switch_fiber(&fake, f.stack, kStackBytes);
+  swapcontext(&s.home, &f.context);
+  __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#else
+  swapcontext(&s.home, &f.context);
+#endif
+  g_counting = false;
+  s.current = nullptr;
+}
+
+void switch_to_home(Scheduler& s, Fiber& f, bool exiting) {
+#if AMP_EMU_ASAN
+  void* fake = nullptr;
+  __sanitizer_start_switch_fiber(exiting ? nullptr : &fake, s.home_bottom, s.home_size);
+  swapcontext(&f.context, &s.home);
+  __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#else
+  (void)exiting;
+  swapcontext(&f.context, &s.home);
+#endif
+}
+
+void fiber_main() {
+  Scheduler& s = scheduler();
+  Fiber& f = *s.current;
+#if AMP_EMU_ASAN
+  __sanitizer_finish_switch_fiber(nullptr, &s.home_bottom, &s.home_size);
+#endif
+  try {
+    (*s.body)();
+  } catch (...) {
+    if (!s.error) s.error = std::current_exception();
+  }
+  f.counting = false;
+  g_counting = false;
+  f.state = State::kDone;
+  switch_to_home(s, f, /*exiting=*/true);
+}
+
+// Turns counting off for the running thread while an intrinsic does the emulator's work.
+struct CountingPause {
+  Fiber& fiber;
+  bool saved;
+  explicit CountingPause(Fiber& f) : fiber(f), saved(f.counting) {
+    fiber.counting = false;
+    g_counting = false;
+  }
+  ~CountingPause() {
+    fiber.counting = saved;
+    g_counting = saved;
+  }
+};
+
+Fiber& current_fiber(const char* what) {
+  Scheduler& s = scheduler();
+  if (s.current == nullptr) {
+    fail(std::string(what) + " called outside a kernel");
+  }
+  return *s.current;
+}
+
+void wait(Fiber& f, State state, uint64_t generation) {
+  f.state = state;
+  f.wait_generation = generation;
+  switch_to_home(scheduler(), f, /*exiting=*/false);
+  if (scheduler().error) {
+    // Another thread of the block failed: unwind this one too (caught in fiber_main).
+    throw std::runtime_error("amp_emu: aborted");
+  }
+}
+
+bool runnable(const Scheduler& s, const Fiber& f) {
+  switch (f.state) {
+    case State::kReady:
+      return true;
+    case State::kWaitBlock:
+      return s.barrier.generation != f.wait_generation;
+    case State::kWaitWarp:
+      return s.warps[f.warp].generation != f.wait_generation;
+    default:
+      return false;
+  }
+}
+
+// Why no thread of the block can go on: the error a GPU would hang or misbehave on.
+[[noreturn]] void deadlock(const Scheduler& s, int threads) {
+  int done = 0, at_barrier = 0;
+  std::ostringstream out;
+  for (int t = 0; t < threads; ++t) {
+    done += s.fibers[t].state == State::kDone;
+    at_barrier += s.fibers[t].state == State::kWaitBlock;
+  }
+  for (size_t w = 0; w < s.warps.size(); ++w) {
+    const Warp& warp = s.warps[w];
+    if (warp.pending_mask == 0 || warp.arrived == warp.pending_mask) continue;
+    for (int lane = 0; lane < 32; ++lane) {
+      if (((warp.pending_mask >> lane) & 1u) && !((warp.arrived >> lane) & 1u)) {
+        const int t = static_cast<int>(w) * 32 + lane;
+        const char* why = t >= threads                             ? "does not exist"
+                          : s.fibers[t].state == State::kDone      ? "has exited"
+                          : s.fibers[t].state == State::kWaitBlock ? "waits at __syncthreads"
+                                                                   : "is elsewhere";
+        out << "amp_emu: " << s.kernel << ", " << block_name() << ": a warp-synchronous "
+            << "intrinsic of warp " << w << " has mask 0x" << std::hex << warp.pending_mask
+            << std::dec << ", which names lane " << lane << " that " << why
+            << " (an inactive lane in the mask is undefined behaviour on the GPU)";
+        fail(out.str());
+      }
+    }
+  }
+  out << "amp_emu: " << s.kernel << ", " << block_name() << ": __syncthreads() at "
+      << (s.barrier.file ? s.barrier.file : "?") << ":" << s.barrier.line << " reached by "
+      << at_barrier << " of " << threads << " threads; " << done
+      << " had exited (every thread of the block must reach it)";
+  fail(out.str());
+}
+
+uint64_t mix(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  return x ^ (x >> 33);
+}
+
+void run_block(Scheduler& s, int threads, uint64_t block_index) {
+  const int warps = (threads + 31) / 32;
+  s.warps.assign(warps, Warp{});
+  for (int w = 0; w < warps; ++w) s.warps[w].threads = std::min(32, threads - 32 * w);
+  s.barrier = BlockBarrier{};
+  for (int t = 0; t < threads; ++t) {
+    Fiber& f = s.fibers[t];
+    f.index = {static_cast<unsigned>(t % blockDim.x),
+               static_cast<unsigned>((t / blockDim.x) % blockDim.y),
+               static_cast<unsigned>(t / (blockDim.x * blockDim.y))};
+    f.warp = t / 32;
+    f.lane = t % 32;
+    f.state = State::kReady;
+    f.counting = false;
+    f.segment_bytes = 0;
+    getcontext(&f.context);
+    f.context.uc_stack.ss_sp = f.stack;
+    f.context.uc_stack.ss_size = kStackBytes;
+    f.context.uc_link = nullptr;
+    makecontext(&f.context, fiber_main, 0);
+  }
+  // Warps run greedily (each as far as it can go) in an order that varies per block.
+  std::vector<int> order(warps);
+  for (int w = 0; w < warps; ++w) order[w] = w;
+  uint64_t seed = mix(block_index + 0x9e3779b97f4a7c15ull);
+  for (int w = warps - 1; w > 0; --w) {
+    seed = mix(seed);
+    std::swap(order[w], order[seed % static_cast<uint64_t>(w + 1)]);
+  }
+  for (;;) {
+    bool progressed = false, all_done = true;
+    for (int w : order) {
+      bool any = true;
+      while (any) {
+        any = false;
+        for (int t = 32 * w; t < std::min(threads, 32 * w + 32); ++t) {
+          Fiber& f = s.fibers[t];
+          if (!runnable(s, f)) continue;
+          switch_to_fiber(s, f);
+          any = progressed = true;
+          if (s.error) return;
+        }
+      }
+    }
+    for (int t = 0; t < threads; ++t) all_done = all_done && s.fibers[t].state == State::kDone;
+    if (all_done) return;
+    if (!progressed) deadlock(s, threads);
+  }
+}
+
+// Finishes the fibers of a failed block so that their stacks hold no live frames.
+void drain(Scheduler& s, int threads) {
+  for (int pass = 0; pass < 4; ++pass) {
+    for (int t = 0; t < threads; ++t) {
+      Fiber& f = s.fibers[t];
+      if (f.state == State::kWaitBlock || f.state == State::kWaitWarp) switch_to_fiber(s, f);
+    }
+  }
+}
+
+void ensure_stacks(Scheduler& s, size_t threads) {
+  if (s.stack_count >= threads) return;
+  if (s.stacks != nullptr) munmap(s.stacks, s.stack_count * kStackBytes);
+  const size_t count = kMaxThreadsPerBlock;
+  void* mem = mmap(nullptr, count * kStackBytes, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (mem == MAP_FAILED) fail("amp_emu: cannot map the fibers' stacks");
+  s.stacks = static_cast<char*>(mem);
+  s.stack_count = count;
+  s.fibers.assign(count, Fiber{});
+  for (size_t t = 0; t < count; ++t) s.fibers[t].stack = s.stacks + t * kStackBytes;
+  g_stack_lo = reinterpret_cast<uintptr_t>(s.stacks);
+  g_stack_hi = g_stack_lo + count * kStackBytes;
+}
+
+void run(const LaunchConfig& config, const std::function<void()>& body, const char* where) {
+  Scheduler& s = scheduler();
+  const Dim g = config.grid, b = config.block;
+  const uint64_t threads = b.x * b.y * b.z;
+  std::ostringstream out;
+  out << "amp_emu: launch of " << where << " with grid (" << g.x << ", " << g.y << ", " << g.z
+      << ") and block (" << b.x << ", " << b.y << ", " << b.z << ")";
+  const std::string launch_name = out.str();
+  if (g.x == 0 || g.y == 0 || g.z == 0 || threads == 0) {
+    fail(launch_name + ": an empty grid or block is an invalid configuration on the GPU");
+  }
+  if (g.x > kMaxGridX || g.y > kMaxGridYZ || g.z > kMaxGridYZ) {
+    fail(launch_name + ": grid dimensions over CUDA's limits (2**31 - 1, 65535, 65535)");
+  }
+  if (threads > kMaxThreadsPerBlock || b.z > kMaxBlockDimZ) {
+    fail(launch_name + ": block over the H100's limits (1024 threads, z <= 64)");
+  }
+  if (config.shared_bytes > kDefaultDynamicShared) {
+    fail(launch_name + ": " + std::to_string(config.shared_bytes) +
+         " bytes of dynamic shared memory (over 48 KiB needs cudaFuncSetAttribute; the "
+         "H100's maximum is 227 KiB)");
+  }
+  ++g_counters.launches;
+  find_module_range();
+  ensure_stacks(s, threads);
+  pthread_attr_t attr;
+  if (pthread_getattr_np(pthread_self(), &attr) == 0) {
+    void* addr = nullptr;
+    size_t size = 0;
+    pthread_attr_getstack(&attr, &addr, &size);
+    g_home_lo = reinterpret_cast<uintptr_t>(addr);
+    g_home_hi = g_home_lo + size;
+    pthread_attr_destroy(&attr);
+  }
+  blockDim = dim3(static_cast<unsigned>(b.x), static_cast<unsigned>(b.y),
+                  static_cast<unsigned>(b.z));
+  gridDim = dim3(static_cast<unsigned>(g.x), static_cast<unsigned>(g.y),
+                 static_cast<unsigned>(g.z));
+  s.body = &body;
+  s.kernel = where;
+  s.error = nullptr;
+  uint64_t block_index = 0;
+  for (uint64_t z = 0; z < g.z; ++z) {
+    for (uint64_t y = 0; y < g.y; ++y) {
+      for (uint64_t x = 0; x < g.x; ++x, ++block_index) {
+        blockIdx = {static_cast<unsigned>(x), static_cast<unsigned>(y),
+                    static_cast<unsigned>(z)};
+        try {
+          run_block(s, static_cast<int>(threads), block_index);
+        } catch (...) {
+          if (!s.error) s.error = std::current_exception();
+        }
+        if (s.error) {
+          drain(s, static_cast<int>(threads));
+          std::exception_ptr error = s.error;
+          s.error = nullptr;
+          std::rethrow_exception(error);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+[[noreturn]] void fail(const std::string& message) { throw std::runtime_error(message); }
+
+void launch(const LaunchConfig& config, std::function<void()> body, const char* where) {
+  const std::lock_guard<std::mutex> lock(launch_mutex());
+  const std::string name = short_name(where);
+  if (g_capturing) {
+    g_recording.push_back({config, std::move(body), name});
+    return;
+  }
+  run(config, body, name.c_str());
+}
+
+void thread_counting(bool on) {
+  Scheduler& s = scheduler();
+  if (s.current != nullptr) s.current->counting = on;
+  g_counting = on && s.current != nullptr;
+}
+
+void syncthreads(const char* file, int line) {
+  Fiber& f = current_fiber("__syncthreads");
+  const CountingPause pause(f);
+  Scheduler& s = scheduler();
+  BlockBarrier& b = s.barrier;
+  if (b.arrived == 0) {
+    b.file = file;
+    b.line = line;
+  } else if (b.line != line || std::strcmp(b.file, file) != 0) {
+    std::ostringstream out;
+    out << "amp_emu: " << s.kernel << ", " << block_name() << ": thread (" << f.index.x << ", "
+        << f.index.y << ", " << f.index.z << ") reached __syncthreads() at " << file << ":"
+        << line << " while others wait at " << b.file << ":" << b.line
+        << " (divergent barriers are undefined behaviour on the GPU)";
+    fail(out.str());
+  }
+  const int threads = static_cast<int>(blockDim.x * blockDim.y * blockDim.z);
+  if (++b.arrived == threads) {
+    b.arrived = 0;
+    ++b.generation;
+    return;
+  }
+  wait(f, State::kWaitBlock, b.generation);
+}
+
+namespace {
+void warp_barrier(Fiber& f, unsigned mask, const char* name) {
+  Scheduler& s = scheduler();
+  Warp& w = s.warps[f.warp];
+  if (((mask >> f.lane) & 1u) == 0) {
+    std::ostringstream out;
+    out << "amp_emu: " << s.kernel << ", " << block_name() << ": lane " << f.lane << " of warp "
+        << f.warp << " calls " << name << " with mask 0x" << std::hex << mask
+        << ", which does not name the calling lane";
+    fail(out.str());
+  }
+  if (w.pending_mask == 0) {
+    w.pending_mask = mask;
+  } else if (w.pending_mask != mask) {
+    std::ostringstream out;
+    out << "amp_emu: " << s.kernel << ", " << block_name() << ": lanes of warp " << f.warp
+        << " call " << name << " with different masks (0x" << std::hex << w.pending_mask
+        << " and 0x" << mask << ")";
+    fail(out.str());
+  }
+  w.arrived |= 1u << f.lane;
+  if (w.arrived == mask) {
+    w.arrived = 0;
+    w.pending_mask = 0;
+    ++w.generation;
+    return;
+  }
+  wait(f, State::kWaitWarp, w.generation);
+}
+}  // namespace
+
+uint64_t shuffle_bits(unsigned mask, uint64_t bits, Shuffle kind, int arg, int width,
+                      const char* name) {
+  Fiber& f = current_fiber(name);
+  const CountingPause pause(f);
+  Scheduler& s = scheduler();
+  Warp& w = s.warps[f.warp];
+  if (width <= 0 || width > 32 || (width & (width - 1)) != 0) {
+    fail(std::string("amp_emu: ") + name + ": width " + std::to_string(width) +
+         " is not a power of two in [1, 32]");
+  }
+  w.slots[f.lane] = bits;
+  warp_barrier(f, mask, name);
+  const int base = f.lane / width * width;
+  int src = f.lane;
+  switch (kind) {
+    case Shuffle::kIdx:
+      src = base + ((arg % width) + width) % width;
+      break;
+    case Shuffle::kUp:
+      src = f.lane - arg >= base ? f.lane - arg : f.lane;
+      break;
+    case Shuffle::kDown:
+      src = f.lane + arg < base + width ? f.lane + arg : f.lane;
+      break;
+    case Shuffle::kXor:
+      src = (f.lane ^ arg) < base + width && (f.lane ^ arg) >= base ? (f.lane ^ arg) : f.lane;
+      break;
+  }
+  if (((mask >> src) & 1u) == 0) {
+    std::ostringstream out;
+    out << "amp_emu: " << s.kernel << ", " << block_name() << ": lane " << f.lane << " of warp "
+        << f.warp << " reads lane " << src << " with " << name << ", but mask 0x" << std::hex
+        << mask << " does not name it (the value is undefined on the GPU)";
+    fail(out.str());
+  }
+  const uint64_t out = w.slots[src];
+  warp_barrier(f, mask, name);  // nobody overwrites a slot before every lane has read
+  return out;
+}
+
+unsigned ballot(unsigned mask, bool predicate, const char* name) {
+  Fiber& f = current_fiber(name);
+  const CountingPause pause(f);
+  Warp& w = scheduler().warps[f.warp];
+  w.slots[f.lane] = predicate ? 1 : 0;
+  warp_barrier(f, mask, name);
+  unsigned out = 0;
+  for (int lane = 0; lane < 32; ++lane) {
+    if (((mask >> lane) & 1u) && w.slots[lane] != 0) out |= 1u << lane;
+  }
+  warp_barrier(f, mask, name);
+  return out;
+}
+
+void syncwarp(unsigned mask) {
+  Fiber& f = current_fiber("__syncwarp");
+  const CountingPause pause(f);
+  warp_barrier(f, mask, "__syncwarp");
+}
+
+cudaStream_t current_stream() { return nullptr; }
+
+const cudaDeviceProp* device_properties() {
+  static const cudaDeviceProp h100{132, 1024, 32, 48 * 1024, 227 * 1024, 9, 0};
+  return &h100;
+}
+
+Counters counters() { return g_counters; }
+void reset_counters() { g_counters = Counters{}; }
+
+void capture_begin() {
+  const std::lock_guard<std::mutex> lock(launch_mutex());
+  if (g_capturing) fail("amp_emu: a capture is already open");
+  g_capturing = true;
+  g_recording.clear();
+}
+
+int64_t capture_end() {
+  const std::lock_guard<std::mutex> lock(launch_mutex());
+  if (!g_capturing) fail("amp_emu: capture_end() without capture_begin()");
+  g_capturing = false;
+  g_graphs.push_back(std::make_unique<std::vector<Recorded>>(std::move(g_recording)));
+  g_recording.clear();
+  return static_cast<int64_t>(g_graphs.size()) - 1;
+}
+
+void replay(int64_t graph) {
+  const std::lock_guard<std::mutex> lock(launch_mutex());
+  if (graph < 0 || graph >= static_cast<int64_t>(g_graphs.size()) || !g_graphs[graph]) {
+    fail("amp_emu: no captured graph " + std::to_string(graph));
+  }
+  for (const Recorded& r : *g_graphs[graph]) run(r.config, r.body, r.where.c_str());
+}
+
+void reset_graph(int64_t graph) {
+  const std::lock_guard<std::mutex> lock(launch_mutex());
+  if (graph >= 0 && graph < static_cast<int64_t>(g_graphs.size())) g_graphs[graph].reset();
+}
+
+// Counting (the build with -fsanitize=kernel-address and call instrumentation): every access
+// of a running kernel thread that is not to its stack, the launching thread's stack or this
+// module's statics (the __shared__ variables) is a global-memory access.
+namespace {
+uintptr_t g_module_lo = 0, g_module_hi = 0;
+
+__attribute__((no_sanitize_address)) inline bool global_access(uintptr_t a) {
+  if (a >= g_stack_lo && a < g_stack_hi) return false;
+  if (a >= g_home_lo && a < g_home_hi) return false;
+  if (a >= g_module_lo && a < g_module_hi) return false;
+  return true;
+}
+
+__attribute__((no_sanitize_address)) void count(uintptr_t a, size_t n, bool store) {
+  if (!g_counting || !global_access(a)) return;
+  (store ? g_counters.bytes_written : g_counters.bytes_read) += static_cast<int64_t>(n);
+  Fiber* f = scheduler().current;
+  if (f == nullptr) return;
+  // A vector access: one thread walks an aligned 16-byte segment in one sequence.
+  if (f->segment_bytes > 0 && f->segment_store == store &&
+      a == f->segment + static_cast<uintptr_t>(f->segment_bytes) && (a & ~uintptr_t{15}) == f->segment) {
+    f->segment_bytes += static_cast<int>(n);
+  } else if ((a & 15u) == 0) {
+    f->segment = a;
+    f->segment_bytes = static_cast<int>(n);
+    f->segment_store = store;
+  } else {
+    f->segment_bytes = 0;
+    return;
+  }
+  if (f->segment_bytes == 16) {
+    (store ? g_counters.vector_bytes_written : g_counters.vector_bytes_read) += 16;
+    f->segment_bytes = 0;
+  }
+}
+
+}  // namespace
+
+// The address range of this module's loaded segments (its statics included).
+int find_module(dl_phdr_info* info, size_t, void* data) {
+  const uintptr_t marker = reinterpret_cast<uintptr_t>(data);
+  uintptr_t lo = UINTPTR_MAX, hi = 0;
+  for (int i = 0; i < info->dlpi_phnum; ++i) {
+    const ElfW(Phdr)& ph = info->dlpi_phdr[i];
+    if (ph.p_type != PT_LOAD) continue;
+    lo = std::min<uintptr_t>(lo, info->dlpi_addr + ph.p_vaddr);
+    hi = std::max<uintptr_t>(hi, info->dlpi_addr + ph.p_vaddr + ph.p_memsz);
+  }
+  if (marker >= lo && marker < hi) {
+    g_module_lo = lo;
+    g_module_hi = hi;
+    return 1;
+  }
+  return 0;
+}
+
+void find_module_range() {
+  static const bool found = [] {
+    dl_iterate_phdr(find_module, reinterpret_cast<void*>(&g_module_lo));
+    return true;
+  }();
+  (void)found;
+}
+
+}  // namespace amp_emu
+
+#define AMP_EMU_HOOK(SIZE)                                                                 \
+  extern "C" __attribute__((no_sanitize_address)) void __asan_load##SIZE##_noabort(        \
+      uintptr_t a) {                                                                       \
+    amp_emu::count(a, SIZE, false);                                                        \
+  }                                                                                        \
+  extern "C" __attribute__((no_sanitize_address)) void __asan_store##SIZE##_noabort(       \
+      uintptr_t a) {                                                                       \
+    amp_emu::count(a, SIZE, true);                                                         \
+  }
+#if defined(AMP_EMU_COUNTING)
+AMP_EMU_HOOK(1)
+AMP_EMU_HOOK(2)
+AMP_EMU_HOOK(4)
+AMP_EMU_HOOK(8)
+AMP_EMU_HOOK(16)
+extern "C" __attribute__((no_sanitize_address)) void __asan_loadN_noabort(uintptr_t a,
+                                                                           size_t n) {
+  amp_emu::count(a, n, false);
+}
+extern "C" __attribute__((no_sanitize_address)) void __asan_storeN_noabort(uintptr_t a,
+                                                                            size_t n) {
+  amp_emu::count(a, n, true);
+}
+extern "C" void __asan_handle_no_return() {}
+extern "C" void __asan_before_dynamic_init(const char*) {}
+extern "C" void __asan_after_dynamic_init() {}
+#endif
+
+// UBSan's report of a misaligned (or null) pointer use: in the emulator it is an error of the
+// kernel that made it (the GPU raises "misaligned address" for a vector access).
+namespace {
+struct SourceLocation {
+  const char* file;
+  uint32_t line;
+  uint32_t column;
+};
+struct TypeDescriptor {
+  uint16_t kind;
+  uint16_t info;
+  char name[1];
+};
+struct TypeMismatchData {
+  SourceLocation location;
+  const TypeDescriptor* type;
+  unsigned char log_alignment;
+  unsigned char check_kind;
+};
+void type_mismatch(TypeMismatchData* data, uintptr_t pointer) {
+  const uintptr_t alignment = uintptr_t{1} << data->log_alignment;
+  std::ostringstream out;
+  out << "amp_emu: " << data->location.file << ":" << data->location.line << ": ";
+  if (pointer == 0) {
+    out << "null pointer use of type " << data->type->name;
+  } else if ((pointer & (alignment - 1)) != 0) {
+    out << "misaligned access: address 0x" << std::hex << pointer << std::dec << " of type "
+        << data->type->name << " needs alignment " << alignment;
+  } else {
+    out << "access of type " << data->type->name << " to an object too small for it";
+  }
+  amp_emu::fail(out.str());
+}
+}  // namespace
+
+extern "C" void __ubsan_handle_type_mismatch_v1(TypeMismatchData* data, uintptr_t pointer) {
+  type_mismatch(data, pointer);
+}
+extern "C" void __ubsan_handle_type_mismatch_v1_abort(TypeMismatchData* data,
+                                                      uintptr_t pointer) {
+  type_mismatch(data, pointer);
+}
+
+namespace {
+std::vector<int64_t> counters_op() {
+  const amp_emu::Counters c = amp_emu::counters();
+  return {c.launches, c.bytes_read, c.bytes_written, c.vector_bytes_read, c.vector_bytes_written};
+}
+bool counting_op() {
+#if defined(AMP_EMU_COUNTING)
+  return true;
+#else
+  return false;
+#endif
+}
+}  // namespace
+
+TORCH_LIBRARY(amp_emu, m) {
+  m.def("counters", &counters_op);
+  m.def("counting", &counting_op);
+  m.def("reset_counters", &amp_emu::reset_counters);
+  m.def("capture_begin", &amp_emu::capture_begin);
+  m.def("capture_end", &amp_emu::capture_end);
+  m.def("replay", &amp_emu::replay);
+  m.def("reset_graph", &amp_emu::reset_graph);
+}

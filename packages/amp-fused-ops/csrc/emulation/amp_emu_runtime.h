@@ -1,0 +1,235 @@
+// The CUDA execution model on the CPU, for running the unmodified kernels of csrc/cuda.
+//
+// A launch `kernel<<<grid, block, smem, stream>>>(args)` (rewritten by the build into
+// `kernel % amp_emu::LaunchConfig(grid, block, smem, stream)(args)`) runs every block of the
+// grid, one after another, on the calling thread; the threads of a block are fibers
+// (ucontext) that switch only at __syncthreads and warp-synchronous intrinsics, so
+// `__shared__` variables (plain statics here) belong to the block that runs. Warp shuffles go
+// through a per-warp exchange; warps are scheduled greedily in an order that changes from
+// block to block, so a missing barrier shows up as a wrong result.
+//
+// What a GPU punishes is an error here (a RuntimeError naming the kernel's source line):
+// __syncthreads not reached by every thread of the block, or reached at different places;
+// a shuffle whose mask names an exited or waiting lane, or which reads a lane outside it;
+// block sizes and dynamic shared memory over the H100's limits; grid dimensions over CUDA's.
+// Misaligned vector loads and stores are caught by the build (-fsanitize=alignment, reported
+// through amp_emu's handler), out-of-bounds accesses by the AddressSanitizer build.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+struct uint3 {
+  unsigned x, y, z;
+};
+
+struct dim3 {
+  unsigned x, y, z;
+  constexpr dim3(unsigned vx = 1, unsigned vy = 1, unsigned vz = 1) : x(vx), y(vy), z(vz) {}
+  constexpr dim3(uint3 v) : x(v.x), y(v.y), z(v.z) {}
+};
+
+struct cudaDeviceProp {
+  int multiProcessorCount;
+  int maxThreadsPerBlock;
+  int warpSize;
+  size_t sharedMemPerBlock;
+  size_t sharedMemPerBlockOptin;
+  int major;
+  int minor;
+};
+
+struct amp_emu_stream;
+using cudaStream_t = amp_emu_stream*;
+
+// The running thread's coordinates (set by the scheduler whenever a fiber resumes).
+extern uint3 threadIdx;
+extern uint3 blockIdx;
+extern dim3 blockDim;
+extern dim3 gridDim;
+constexpr int warpSize = 32;
+
+namespace amp_emu {
+
+// H100 (sm_90) limits and CUDA's launch limits.
+constexpr unsigned kMaxThreadsPerBlock = 1024;
+constexpr unsigned kMaxBlockDimZ = 64;
+constexpr size_t kMaxDynamicShared = 227 * 1024;  // with cudaFuncSetAttribute opt-in
+constexpr size_t kDefaultDynamicShared = 48 * 1024;
+constexpr uint64_t kMaxGridX = (uint64_t{1} << 31) - 1;
+constexpr uint64_t kMaxGridYZ = 65535;
+
+[[noreturn]] void fail(const std::string& message);
+
+struct Dim {
+  uint64_t x, y, z;
+};
+
+template <typename T>
+Dim to_dim(const T& v, const char* what) {
+  if constexpr (std::is_integral_v<T>) {
+    if (v < 0 || static_cast<uint64_t>(v) > 0xffffffffull) {
+      fail(std::string("launch: ") + what + " " + std::to_string(static_cast<long long>(v)) +
+           " does not fit the unsigned int of a dim3");
+    }
+    return {static_cast<uint64_t>(v), 1, 1};
+  } else {
+    const dim3 d = v;
+    return {d.x, d.y, d.z};
+  }
+}
+
+struct LaunchConfig;
+
+template <typename... A>
+struct PendingLaunch {
+  const LaunchConfig* config;
+  std::tuple<A...> args;
+};
+
+struct LaunchConfig {
+  Dim grid;
+  Dim block;
+  size_t shared_bytes;
+  template <typename G, typename B>
+  LaunchConfig(const G& g, const B& b, size_t smem = 0, cudaStream_t = nullptr)
+      : grid(to_dim(g, "grid")), block(to_dim(b, "block")), shared_bytes(smem) {}
+  template <typename... A>
+  PendingLaunch<std::decay_t<A>...> operator()(A&&... a) const {
+    return {this, std::tuple<std::decay_t<A>...>(std::forward<A>(a)...)};
+  }
+};
+
+// Checks the configuration, then runs `body` once per thread of every block (or records it
+// while a capture is open). `where` names the kernel for error messages.
+void launch(const LaunchConfig& config, std::function<void()> body, const char* where);
+
+template <typename F>
+const char* kernel_name() {
+  return __PRETTY_FUNCTION__;
+}
+
+// Counting of global-memory accesses on (true) or off for the running thread: off while the
+// emulator itself works (its bookkeeping is not the kernel's traffic).
+void thread_counting(bool on);
+
+template <typename K, typename... A>
+void operator%(K* kernel, PendingLaunch<A...>&& pending) {
+  launch(*pending.config,
+         [kernel, args = std::move(pending.args)]() {
+           std::tuple<A...> local = args;  // the kernel's parameters, on this thread's stack
+           thread_counting(true);
+           std::apply([&](auto&... a) { kernel(a...); }, local);
+           thread_counting(false);
+         },
+         kernel_name<K>());
+}
+
+// Intrinsics (called from inside a kernel).
+void syncthreads(const char* file, int line);
+enum class Shuffle { kIdx, kUp, kDown, kXor };
+uint64_t shuffle_bits(unsigned mask, uint64_t bits, Shuffle kind, int arg, int width,
+                      const char* name);
+unsigned ballot(unsigned mask, bool predicate, const char* name);
+void syncwarp(unsigned mask);
+
+template <typename T>
+T shuffle(unsigned mask, T value, Shuffle kind, int arg, int width, const char* name) {
+  static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>, "shuffle of a register");
+  uint64_t bits = 0;
+  std::memcpy(&bits, &value, sizeof(T));
+  bits = shuffle_bits(mask, bits, kind, arg, width, name);
+  T out;
+  std::memcpy(&out, &bits, sizeof(T));
+  return out;
+}
+
+cudaStream_t current_stream();
+const cudaDeviceProp* device_properties();
+
+// Counters of the launches since the last reset (see amp_emu_runtime.cpp).
+struct Counters {
+  int64_t launches;
+  int64_t bytes_read;
+  int64_t bytes_written;
+  int64_t vector_bytes_read;
+  int64_t vector_bytes_written;
+};
+Counters counters();
+void reset_counters();
+// Capture: launches are recorded instead of run; replay runs them again, in order.
+void capture_begin();
+int64_t capture_end();  // returns the graph's id
+void replay(int64_t graph);
+void reset_graph(int64_t graph);
+
+}  // namespace amp_emu
+
+// CUDA's device-side API on the emulator.
+template <typename T>
+T __shfl_sync(unsigned mask, T v, int lane, int width = 32) {
+  return amp_emu::shuffle(mask, v, amp_emu::Shuffle::kIdx, lane, width, "__shfl_sync");
+}
+template <typename T>
+T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+  return amp_emu::shuffle(mask, v, amp_emu::Shuffle::kUp, static_cast<int>(delta), width,
+                          "__shfl_up_sync");
+}
+template <typename T>
+T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+  return amp_emu::shuffle(mask, v, amp_emu::Shuffle::kDown, static_cast<int>(delta), width,
+                          "__shfl_down_sync");
+}
+template <typename T>
+T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
+  return amp_emu::shuffle(mask, v, amp_emu::Shuffle::kXor, lane_mask, width, "__shfl_xor_sync");
+}
+inline unsigned __ballot_sync(unsigned mask, int p) {
+  return amp_emu::ballot(mask, p != 0, "__ballot_sync");
+}
+inline int __any_sync(unsigned mask, int p) {
+  return amp_emu::ballot(mask, p != 0, "__any_sync") != 0;
+}
+inline int __all_sync(unsigned mask, int p) {
+  return amp_emu::ballot(mask, p != 0, "__all_sync") == amp_emu::ballot(mask, true, "__all_sync");
+}
+inline void __syncwarp(unsigned mask = 0xffffffffu) { amp_emu::syncwarp(mask); }
+
+// Blocks run one at a time, so plain read-modify-writes are atomic.
+template <typename T>
+T atomicAdd(T* address, T value) {
+  const T old = *address;
+  *address = old + value;
+  return old;
+}
+template <typename T>
+T atomicMax(T* address, T value) {
+  const T old = *address;
+  *address = old < value ? value : old;
+  return old;
+}
+template <typename T>
+T atomicMin(T* address, T value) {
+  const T old = *address;
+  *address = value < old ? value : old;
+  return old;
+}
+template <typename T>
+T atomicExch(T* address, T value) {
+  const T old = *address;
+  *address = value;
+  return old;
+}
+template <typename T>
+T atomicCAS(T* address, T compare, T value) {
+  const T old = *address;
+  if (old == compare) *address = value;
+  return old;
+}
+inline void __threadfence() {}

@@ -1,0 +1,86 @@
+// Kernels that make the mistakes the emulator must catch (tests/test_emulation.py). Compiled
+// into the emulated extension only, never into the CUDA one.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+namespace {
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+// Sum of the block's thread indices through shared memory, one slot per warp; with
+// `barrier` false the second __syncthreads is missing.
+__global__ void warp_sums(float* out, bool barrier) {
+  __shared__ float partial[32];
+  float v = static_cast<float>(threadIdx.x);
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_down_sync(0xffffffffu, v, offset);
+  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = v;
+  __syncthreads();
+  float total = 0.f;
+  if (threadIdx.x == 0) {
+    for (unsigned w = 0; w < blockDim.x / 32; ++w) total += partial[w];
+    out[blockIdx.x] = total;
+  }
+  if (barrier) __syncthreads();
+  // Reuse of the shared slots: without the barrier above, warps may overwrite them before
+  // thread 0 has read them.
+  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = -1.f;
+}
+
+__global__ void early_exit_before_barrier(float* out) {
+  if (threadIdx.x >= 16) return;
+  __syncthreads();
+  out[threadIdx.x] = 1.f;
+}
+
+__global__ void shuffle_with_exited_lanes(float* out) {
+  if (threadIdx.x >= 16) return;
+  out[threadIdx.x] = __shfl_down_sync(0xffffffffu, 1.f, 1);
+}
+
+__global__ void vector_copy(const float* in, float* out, int64_t n) {
+  const int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
+  if (i + 4 <= n) {
+    *reinterpret_cast<Vec<float, 4>*>(out + i) = *reinterpret_cast<const Vec<float, 4>*>(in + i);
+  }
+}
+
+__global__ void nothing() {}
+
+at::Tensor warp_sums_op(int64_t blocks, int64_t threads, bool barrier) {
+  at::Tensor out = at::zeros({blocks});
+  warp_sums<<<blocks, threads>>>(out.data_ptr<float>(), barrier);
+  return out;
+}
+
+void early_exit_op() {
+  at::Tensor out = at::zeros({64});
+  early_exit_before_barrier<<<1, 64>>>(out.data_ptr<float>());
+}
+
+void shuffle_op() {
+  at::Tensor out = at::zeros({32});
+  shuffle_with_exited_lanes<<<1, 32>>>(out.data_ptr<float>());
+}
+
+void vector_copy_op(const at::Tensor& in, const at::Tensor& out) {
+  const int64_t n = in.numel();
+  vector_copy<<<(n / 4 + 127) / 128, 128>>>(in.data_ptr<float>(), out.data_ptr<float>(), n);
+}
+
+void launch_op(int64_t grid_x, int64_t grid_y, int64_t block_x, int64_t block_z,
+               int64_t shared_bytes) {
+  nothing<<<dim3(grid_x, grid_y), dim3(block_x, 1, block_z), shared_bytes>>>();
+}
+
+}  // namespace
+
+TORCH_LIBRARY(amp_emu_selftest, m) {
+  m.def("warp_sums", &warp_sums_op);
+  m.def("early_exit", &early_exit_op);
+  m.def("shuffle", &shuffle_op);
+  m.def("vector_copy", &vector_copy_op);
+  m.def("launch", &launch_op);
+}

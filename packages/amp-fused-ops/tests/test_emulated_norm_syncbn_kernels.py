@@ -1,0 +1,132 @@
+"""The LayerNorm / RMSNorm and SyncBN CUDA kernels, run on the emulated kernels.
+
+Only under ``nox -s cuda_emulation`` (``AMP_FUSED_OPS_EMULATION`` set): the ops of
+``csrc/cuda/layer_norm.cu`` and ``csrc/cuda/syncbn.cu`` compiled for the CPU are compared
+with the pure-PyTorch paths (``_norm_reference``, the CPU branch of ``_syncbn``), which are the
+oracle on every device. Sizes cross the vector width and the block sizes (1, 7, 555, 1024,
+4099 columns); a misaligned buffer takes the scalar path; SyncBN runs channels-first and
+channels-last. Tolerances as in test_cuda_kernels.py (two roundings of the output dtype).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from _kernel_target import EMULATED, norm_ops
+from amp_fused_ops import _norm_reference, _syncbn
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.cuda_emulation,
+    pytest.mark.skipif(not EMULATED, reason="runs the emulated kernels (nox -s cuda_emulation)"),
+]
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+TOL = {
+    torch.float32: {"rtol": 1e-5, "atol": 1e-5},
+    torch.float16: {"rtol": 2 * 2.0**-10, "atol": 1e-3},
+    torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-2},
+}
+STATS_TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return norm_ops()
+
+
+def _close(got: Tensor, want: Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, **TOL[got.dtype])
+
+
+@pytest.mark.parametrize("hidden", [1, 7, 555, 1024, 4099])
+@pytest.mark.parametrize(
+    ("x_dtype", "p_dtype", "mixed"),
+    [(d, d, False) for d in DTYPES]
+    + [(torch.float16, torch.float32, False), (torch.bfloat16, torch.float32, True)],
+)
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("memory_efficient", [False, True])
+@pytest.mark.parametrize("misaligned", [False, True])
+def test_norm_forward_and_backward(ops, hidden, x_dtype, p_dtype, mixed, rms, memory_efficient,
+                                   misaligned):  # fmt: skip
+    torch.manual_seed(hidden)
+    rows = 5
+    buffer = (torch.randn(rows * hidden + 1) * 3 + 1).to(x_dtype)
+    x = (buffer[1:] if misaligned else buffer[:-1]).view(rows, hidden)
+    weight = (torch.rand(hidden) + 0.5).to(p_dtype)
+    bias = None if rms else torch.randn(hidden).to(p_dtype)
+    y, mean, invvar = ops.layer_norm_fwd(x, weight, bias, 1e-5, rms, mixed)
+    y_ref, mean_ref, invvar_ref = _norm_reference.norm_forward_reference(
+        x, weight, bias, 1e-5, rms, mixed
+    )
+    _close(y, y_ref)
+    torch.testing.assert_close(mean, mean_ref, **STATS_TOL)
+    torch.testing.assert_close(invvar, invvar_ref, **STATS_TOL)
+
+    dy = torch.randn(rows, hidden).to(y.dtype)
+    saved = y_ref if memory_efficient else x
+    got = ops.layer_norm_bwd(dy, saved, mean_ref, invvar_ref, weight, bias, rms,
+                             memory_efficient, x_dtype)  # fmt: skip
+    want = _norm_reference.norm_backward_reference(
+        dy, saved, mean_ref, invvar_ref, weight, bias, rms, memory_efficient, x_dtype
+    )
+    _close(got[0], want[0])
+    # Column sums over the rows: accumulated in another order, compared at the sum's scale.
+    torch.testing.assert_close(got[1].float(), want[1].float(), rtol=2e-2, atol=2e-2)
+    if bias is not None:
+        torch.testing.assert_close(got[2].float(), want[2].float(), rtol=2e-2, atol=2e-2)
+
+
+def _batch(shape: tuple[int, ...], dtype: torch.dtype, seed: int, channel_last: bool) -> Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=g) * 2 + 0.5).to(dtype)
+    # Channels-last is a contiguous (..., C) tensor for the kernels.
+    return x.movedim(1, -1).contiguous() if channel_last else x
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1, 1), (3, 7, 5), (4, 33, 9, 9), (2, 5, 555)])
+@pytest.mark.parametrize("channel_last", [False, True])
+def test_syncbn_kernels_match_the_cpu_path(ops, dtype, shape, channel_last):
+    x = _batch(shape, dtype, 1, channel_last)
+    dy = _batch(shape, dtype, 2, channel_last)
+    channels = shape[1]
+    weight = torch.rand(channels) + 0.5
+    bias = torch.randn(channels)
+
+    mean, var = ops.syncbn_welford_mean_var(x, channel_last)
+    mean_ref, var_ref = _syncbn.welford_mean_var(x, channel_last=channel_last)
+    torch.testing.assert_close(mean, mean_ref, **STATS_TOL)
+    torch.testing.assert_close(var, var_ref, rtol=1e-4, atol=1e-5)
+
+    counts = torch.tensor([float(x.numel() // channels), 3.0])
+    means = torch.stack([mean_ref, mean_ref + 1])
+    variances = torch.stack([var_ref, var_ref * 2])
+    merged = ops.syncbn_welford_parallel(means, variances, counts, 1e-5)
+    merged_ref = _syncbn.welford_parallel(means, variances, counts, 1e-5)
+    for got, want in zip(merged, merged_ref, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    _, _, invstd = merged_ref
+
+    z = _batch(shape, dtype, 3, channel_last)
+    y = ops.syncbn_forward(x, mean_ref, invstd, weight, bias, z, True, channel_last)
+    y_ref = _syncbn.batchnorm_forward(
+        x, mean_ref, invstd, weight, bias, z=z, fuse_relu=True, channel_last=channel_last
+    )
+    _close(y, y_ref)
+
+    sum_dy, sum_dy_xmu = ops.syncbn_reduce(dy, x, mean_ref, channel_last)
+    sums_ref = _syncbn.reduce_bn(dy, x, mean_ref, invstd, weight, channel_last=channel_last)
+    torch.testing.assert_close(sum_dy, sums_ref[0], rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(sum_dy_xmu, sums_ref[1], rtol=1e-4, atol=1e-3)
+
+    count = x.numel() // channels
+    dx = ops.syncbn_backward(dy, x, mean_ref, invstd, weight, sums_ref[0], sums_ref[1], count,
+                             channel_last)  # fmt: skip
+    dx_ref = _syncbn.batchnorm_backward(dy, x, mean_ref, invstd, weight, sums_ref[0],
+                                        sums_ref[1], count, channel_last=channel_last)  # fmt: skip
+    _close(dx, dx_ref)
