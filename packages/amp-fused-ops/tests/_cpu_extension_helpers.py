@@ -85,7 +85,7 @@ def session_cache(factory: pytest.TempPathFactory) -> SessionBuild:
     ]
     reports = []
     for child in children:
-        output, _ = child.communicate(timeout=900)
+        output, _ = child.communicate(timeout=3600)  # minutes on a loaded machine
         lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
         if child.returncode != 0 or not lines:
             pytest.fail(f"building the CPU extension failed (exit {child.returncode}):\n{output}")
@@ -100,6 +100,7 @@ def load_from(cache: Path) -> object:
         patch.setenv(_loader.CACHE_ENV, str(cache))
         patch.delenv(_loader.DISABLE_ENV, raising=False)
         patch.setattr(_loader, "_compile", _no_compile)
+        _loader.clear_cache()  # the loader decides once per process: look in `cache` now
         ext = _loader.get_extension("cpu")
     assert ext is not None, "the session build should have left a loadable extension"
     return ext
