@@ -147,6 +147,7 @@ class BuildProgress:
     def _run(self) -> None:
         reported = 0
         last_line = 0.0
+        lock.update_progress(self.build_dir, f"[0/{self.steps}] steps done")
         while not self._stop.wait(POLL_SECONDS):
             elapsed = time.monotonic() - self._start
             done = finished_steps(self.build_dir)
@@ -161,6 +162,7 @@ class BuildProgress:
                     elapsed,
                 )
                 last_line = elapsed
+                lock.update_progress(self.build_dir, f"[{reported}/{self.steps}] steps done")
             if elapsed - last_line >= HEARTBEAT_SECONDS:
                 logger.warning(
                     "still compiling the %s extension: %.0f s so far (estimate %.0f s), "
@@ -172,4 +174,3 @@ class BuildProgress:
                     self.steps,
                 )
                 last_line = elapsed
-            lock.update_progress(self.build_dir, f"[{reported}/{self.steps}] after {elapsed:.0f} s")
