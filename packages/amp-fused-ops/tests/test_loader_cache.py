@@ -531,13 +531,14 @@ def test_calls_after_the_first_read_no_environment_and_take_no_lock(
     monkeypatch.setattr(_loader, "_compile", lambda kind, folder: pytest.fail("compiled"))
     ext = _loader.get_extension("cpu")
     assert ext is not None
-    monkeypatch.setattr(os, "environ", _NoEnvironment())
-    monkeypatch.setattr(api, "_lock", _NoLock())
     import torch
 
     tensors = [[torch.ones(3)], [torch.empty(3)]]
-    assert _loader.get_extension("cpu") is ext
-    assert _amp_C._kernel("multi_tensor_scale", tensors) is ext.multi_tensor_scale
+    with monkeypatch.context() as patch:  # undone before the fixtures clear the loader
+        patch.setattr(os, "environ", _NoEnvironment())
+        patch.setattr(api, "_lock", _NoLock())
+        assert _loader.get_extension("cpu") is ext
+        assert _amp_C._kernel("multi_tensor_scale", tensors) is ext.multi_tensor_scale
 
 
 def test_clear_cache_reads_the_environment_again(
