@@ -109,6 +109,10 @@ def tests(session: nox.Session, package: str) -> None:
     # The integration tests run the demo and the examples: they plot (matplotlib) and load
     # scikit-learn's digits, which the system site packages need not have.
     extra = ["scikit-learn", "matplotlib"] if package == "integration" else []
+    if package == "amp-fused-ops":
+        # The fused norms' ONNX export is tested with both exporters (TorchScript: onnx;
+        # dynamo: onnxscript too); both are pure-Python or wheels from PyPI.
+        extra = ["onnx", "onnxscript"]
     _install_checkout(session, "pytest", "ninja", *extra)
     # pytest exits with 5 when it collected no test; nox treats every non-zero exit as failure.
     session.run("python", "-m", "pytest", test_dir, "-m", "not gpu", *session.posargs)

@@ -142,11 +142,50 @@ def test_fp16_default_scale_is_dynamic_65536(opt_level):
     assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 65536.0, "unskipped": 0}}
 
 
-@pytest.mark.parametrize("opt_level", ["O1", "O2", "O3"])
-def test_bf16_default_scale_is_one(opt_level):
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_bf16_default_scale_is_dynamic_65536(opt_level):
+    # Apex's contract (dynamic unless overridden) holds for bf16 too.
     model = tiny_mlp()
     amp.initialize(model, _sgd(model), opt_level=opt_level, half_dtype=torch.bfloat16, verbosity=0)
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 65536.0, "unskipped": 0}}
+
+
+def test_bf16_o3_scale_is_one():
+    model = tiny_mlp()
+    amp.initialize(model, _sgd(model), opt_level="O3", half_dtype=torch.bfloat16, verbosity=0)
     assert _loss_scale() == 1.0
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+@pytest.mark.parametrize("half", HALF_DTYPES)
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_default_scaling_skips_a_nonfinite_step_bitwise(opt_level, half, bad):
+    model = tiny_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = amp.initialize(model, opt, opt_level=opt_level, half_dtype=half, verbosity=0)
+    x, y = torch.randn(4, 4), torch.randn(4, 3)
+
+    def step(inject):
+        opt.zero_grad()
+        with amp.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled_loss:
+            scaled_loss.backward()
+            if inject:
+                model[0].weight.grad.view(-1)[0] = bad
+        opt.step()
+
+    step(False)
+    before = [p.detach().clone() for p in model.parameters()]
+    masters = [p.detach().clone() for p in amp.master_params(opt)]
+    momenta = [v["momentum_buffer"].clone() for v in opt.state.values()]
+    scale = amp.state_dict()["loss_scaler0"]["loss_scale"]
+    step(True)
+    for a, b in zip(model.parameters(), before, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(amp.master_params(opt), masters, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip([v["momentum_buffer"] for v in opt.state.values()], momenta, strict=True):
+        assert torch.equal(a, b)
+    assert amp.state_dict()["loss_scaler0"] == {"loss_scale": scale / 2, "unskipped": 0}
 
 
 def test_o3_fp16_scale_is_one():
@@ -229,7 +268,7 @@ def test_default_half_dtype_on_cpu_is_bf16():
     model = tiny_mlp()
     model, _ = amp.initialize(model, _sgd(model), opt_level="O2", verbosity=0)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-    assert _loss_scale() == 1.0
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 65536.0
 
 
 def test_default_half_dtype_on_cpu_is_bf16_for_o1():
@@ -405,3 +444,42 @@ def test_half_model_passed_to_o2_is_reported(caplog):
     with caplog.at_level(logging.WARNING, logger="amp_core"):
         amp.initialize(model, opt_level="O2", half_dtype=torch.float16, verbosity=1)
     assert any("expected torch.float32" in r.getMessage() for r in caplog.records)
+
+
+class _Wrapper:
+    """An optimizer wrapper shaped like Apex's / amp_parallel's LARC: the optimizer is `.optim`."""
+
+    def __init__(self, optim: torch.optim.Optimizer) -> None:
+        self.optim = optim
+
+    @property
+    def param_groups(self):
+        return self.optim.param_groups
+
+    @property
+    def state(self):
+        return self.optim.state
+
+    def step(self, closure=None):
+        return self.optim.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optim.zero_grad(set_to_none=set_to_none)
+
+
+def test_optimizer_wrapper_like_larc_accepted():
+    model = torch.nn.Linear(3, 2)
+    wrapper = _Wrapper(torch.optim.SGD(model.parameters(), lr=0.5))
+    model, out = amp.initialize(model, wrapper, opt_level="O1", loss_scale=8.0, verbosity=0)
+    assert out is wrapper
+    before = model.weight.detach().clone()
+    with amp.scale_loss(model(torch.ones(1, 3)).float().sum(), wrapper) as scaled:
+        scaled.backward()
+    wrapper.step()
+    # d(sum(W x + b))/dW = 1 for x = ones: one SGD step of lr 0.5, the scale of 8 removed.
+    torch.testing.assert_close(model.weight.detach(), before - 0.5)
+
+
+def test_objects_that_are_not_optimizers_still_refused():
+    with pytest.raises(TypeError, match="optimizers must be"):
+        amp.initialize(torch.nn.Linear(2, 2), object(), opt_level="O1", verbosity=0)

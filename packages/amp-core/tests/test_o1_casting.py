@@ -119,17 +119,36 @@ def test_mixed_binary_ops_promote_to_fp32(device, half):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("half", HALF_DTYPES)
-def test_binary_cross_entropy_refused_with_advice(device, half):
+def test_binary_cross_entropy_refused_with_advice_for_half_inputs(device, half):
     p = torch.sigmoid(torch.randn(4, 3, device=device))
     t = torch.rand(4, 3, device=device)
     _o1(half, device)
-    with pytest.raises(RuntimeError, match=r"BCEWithLogitsLoss"):
-        F.binary_cross_entropy(p, t)
-    with pytest.raises(RuntimeError, match=r"BCEWithLogitsLoss"):
-        torch.nn.BCELoss()(p, t)
+    # As Apex: NotImplementedError, raised only when an input is half.
+    with pytest.raises(NotImplementedError, match=r"BCEWithLogitsLoss"):
+        F.binary_cross_entropy(p.to(half), t)
+    with pytest.raises(NotImplementedError, match=r"BCEWithLogitsLoss"):
+        torch.nn.BCELoss()(p, t.to(half))
+    # A half op's output (a Linear under O1) fed to BCELoss is refused too.
+    lin = torch.nn.Linear(3, 3).to(device)
+    with pytest.raises(NotImplementedError, match=r"BCEWithLogitsLoss"):
+        F.binary_cross_entropy(torch.sigmoid(lin(p)), t)
     # The recommended replacement works and is computed in fp32.
     out = F.binary_cross_entropy_with_logits(torch.randn(4, 3, device=device).to(half), t)
     assert out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("half", HALF_DTYPES)
+def test_binary_cross_entropy_runs_on_fp32_inputs_under_o1(device, half):
+    p = torch.sigmoid(torch.randn(4, 3, device=device))
+    t = torch.rand(4, 3, device=device)
+    # Reference from the closed form, before amp is switched on.
+    expected = -(t * p.log() + (1 - t) * (1 - p).log()).mean()
+    _o1(half, device)
+    out = F.binary_cross_entropy(p, t)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(torch.nn.BCELoss()(p, t), expected)
 
 
 @pytest.mark.parametrize("half", HALF_DTYPES)
@@ -333,3 +352,97 @@ def test_more_apex_fp32_ops_return_fp32(half, name):
     out = op(x)
     assert out.dtype == torch.float32, f"{name} returned {out.dtype}"
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- Apex's other list entries
+
+
+@pytest.mark.parametrize("half", HALF_DTYPES)
+def test_tensor_cpu_returns_fp32_for_half_tensor(half):
+    h = torch.tensor([1.5, -2.25, 3.0], dtype=half)
+    d = torch.tensor([1.0], dtype=torch.float64)
+    _o1(half)
+    out = h.cpu()
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, torch.tensor([1.5, -2.25, 3.0]), rtol=0, atol=0)
+    assert d.cpu().dtype == torch.float64  # only half tensors are widened
+    with amp.disable_casts():
+        assert h.cpu().dtype == half
+
+
+def test_tensor_cpu_restored_when_o1_switches_off():
+    original = torch.Tensor.cpu
+    _o1(torch.float16)
+    assert torch.Tensor.cpu is not original
+    amp.initialize(tiny_mlp(), opt_level="O0", verbosity=0)
+    assert torch.Tensor.cpu is original
+    assert "cpu" not in vars(torch.Tensor)
+    assert torch.ones(2, dtype=torch.float16).cpu().dtype == torch.float16
+
+
+_INPLACE_FP32_OPS = {
+    "exp_": lambda t: t.exp_(),
+    "log_": lambda t: t.log_(),
+    "rsqrt_": lambda t: t.rsqrt_(),
+    "reciprocal_": lambda t: t.reciprocal_(),
+    "pow_": lambda t: t.pow_(2),
+    "cumsum_": lambda t: t.cumsum_(0),
+    "torch.exp_": torch.exp_,
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("half", HALF_DTYPES)
+@pytest.mark.parametrize("name", list(_INPLACE_FP32_OPS))
+def test_inplace_fp32_op_on_half_tensor_refused(device, half, name):
+    op = _INPLACE_FP32_OPS[name]
+    h = torch.tensor([0.5, 1.0, 2.0], device=device, dtype=half)
+    before = h.clone()
+    _o1(half, device)
+    with pytest.raises(NotImplementedError, match=r"in-place function"):
+        op(h)
+    torch.testing.assert_close(h, before, rtol=0, atol=0)  # nothing written
+    # fp32 tensors run in place as before; a half exponent is widened.
+    x = torch.tensor([0.5, 1.0, 2.0], device=device)
+    expected = op(x.clone().double()).float()
+    torch.testing.assert_close(op(x), expected)
+    y = torch.tensor([1.5, 2.0], device=device)
+    y.pow_(torch.tensor([2.0, 3.0], device=device, dtype=half))
+    torch.testing.assert_close(y, torch.tensor([2.25, 8.0], device=device))
+    with amp.disable_casts():
+        assert op(h).dtype == half
+
+
+@pytest.mark.parametrize("half", HALF_DTYPES)
+@pytest.mark.parametrize("cell", [torch.nn.GRUCell, torch.nn.LSTMCell, torch.nn.RNNCell])
+def test_rnn_cells_run_in_half(half, cell):
+    torch.manual_seed(0)
+    layer = cell(4, 6)
+    x = torch.randn(3, 4)
+    ref = copy.deepcopy(layer).to(half)(x.to(half))
+    _o1(half)
+    out = layer(x)
+    out, ref = (out[0], ref[0]) if isinstance(out, tuple) else (out, ref)
+    assert out.dtype == half
+    torch.testing.assert_close(out, ref, **OP_TOL[half])
+    out.float().sum().backward()
+    assert layer.weight_ih.grad is not None and layer.weight_ih.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("half", HALF_DTYPES)
+@pytest.mark.parametrize("rnn", [torch.nn.GRU, torch.nn.LSTM, torch.nn.RNN])
+def test_rnns_run_in_half(half, rnn):
+    torch.manual_seed(0)
+    layer = rnn(4, 6, num_layers=2)
+    x = torch.randn(5, 3, 4)
+    ref, _ = copy.deepcopy(layer).to(half)(x.to(half))
+    _o1(half)
+    out, _ = layer(x)
+    assert out.dtype == half
+    torch.testing.assert_close(out, ref, **CHAIN_TOL[half])
+    out.float().sum().backward()
+    assert layer.weight_hh_l1.grad is not None
+    assert layer.weight_hh_l1.grad.dtype == torch.float32
+    packed = torch.nn.utils.rnn.pack_padded_sequence(x, [5, 4, 2])
+    packed_out, _ = layer(packed)
+    assert packed_out.data.dtype == half

@@ -11,6 +11,7 @@ checked in test_normalization_cuda.py.
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -205,25 +206,50 @@ def test_empty_batch_and_non_contiguous_input():
 
 
 @pytest.mark.parametrize("spec", NORMS, ids=NORM_IDS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("autocast_dtype", HALF)
+@pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mixed", [False, True])
-def test_autocast_output_dtype_follows_torch_layer_norm(spec: NormSpec, dtype, mixed):
-    # PyTorch's CPU autocast leaves layer_norm alone (its output takes the input's dtype); the
-    # fused norms do the same there, with fp32 math.
+def test_autocast_casts_input_and_params_to_its_dtype_like_apex(
+    spec: NormSpec, autocast_dtype, input_dtype, mixed
+):
+    # Apex's fused norms cast the input and the parameters to the autocast dtype and return
+    # that dtype; the statistics stay fp32 inside. So the result equals the norm run outside
+    # autocast on half copies, and the fp32 parameters get those gradients in fp32.
     torch.manual_seed(5)
     norm = (spec.mixed if mixed else spec.ours)(24)
     random_params(norm)
-    x, dy = torch.randn(4, 24).to(dtype), torch.randn(4, 24)
+    half_norm = (spec.mixed if mixed else spec.ours)(24).to(autocast_dtype)
+    half_norm.load_state_dict(norm.state_dict())
+    x, dy = torch.randn(4, 24).to(input_dtype), torch.randn(4, 24)
     params = list(norm.parameters())
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=autocast_dtype):
         y, grads = run_with_grads(norm, x, params, dy)
-        layer_norm_dtype = F.layer_norm(x, (24,), norm.weight, norm.bias).dtype
-    expected_dtype = torch.float32 if mixed else layer_norm_dtype
-    assert y.dtype == expected_dtype
-    y_ref, grads_ref = run_with_grads(norm, x, params, dy)  # outside autocast
+    assert y.dtype == autocast_dtype
+    y_ref, grads_ref = run_with_grads(
+        half_norm, x.to(autocast_dtype), list(half_norm.parameters()), dy
+    )
     torch.testing.assert_close(y, y_ref, atol=0, rtol=0)
-    for g, g_ref in zip(grads, grads_ref, strict=True):
-        torch.testing.assert_close(g, g_ref, atol=0, rtol=0)
+    assert grads[0].dtype == input_dtype
+    torch.testing.assert_close(grads[0], grads_ref[0].to(input_dtype), atol=0, rtol=0)
+    for g, g_ref in zip(grads[1:], grads_ref[1:], strict=True):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, g_ref.float(), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("spec", NORMS, ids=NORM_IDS)
+def test_autocast_functional_forms_cast_like_the_modules(spec: NormSpec):
+    x, w = torch.randn(3, 16), torch.rand(16) + 0.5
+    b = torch.randn(16)
+    with torch.autocast("cpu", dtype=torch.float16):
+        if spec.rms:
+            outs = [fused_rms_norm(x, 16), fused_rms_norm_affine(x, w, 16)]
+            outs.append(mixed_dtype_fused_rms_norm_affine(x, w, 16))
+        else:
+            outs = [fused_layer_norm(x, 16), fused_layer_norm_affine(x, w, b, 16)]
+            outs.append(mixed_dtype_fused_layer_norm_affine(x, w, b, 16))
+        float64 = (fused_rms_norm if spec.rms else fused_layer_norm)(x.double(), 16)
+    assert [o.dtype for o in outs] == [torch.float16] * 3
+    assert float64.dtype == torch.float64  # float64 is left alone, as by autocast
 
 
 @pytest.fixture
@@ -472,3 +498,85 @@ def test_cpu_layer_norm_on_aten_kernels_matches_the_fp32_reference(dtype, mixed)
         # dx: rounding of the result; dw, db: sums of `rows` products, rounded to their dtype
         bound = 4 * torch.finfo(g.dtype).eps * max(1.0, r.float().abs().max().item())
         assert max_err(g, r) <= bound, (name, max_err(g, r), bound)
+
+
+# --- integer inputs -----------------------------------------------------------------------------
+
+INTEGER_DTYPES = [torch.int64, torch.int32, torch.uint8, torch.bool]
+
+
+@pytest.mark.parametrize("spec", NORMS, ids=NORM_IDS)
+@pytest.mark.parametrize("dtype", INTEGER_DTYPES, ids=str)
+def test_integer_input_refused_like_torch(spec: NormSpec, dtype):
+    x = torch.ones(2, 8, dtype=dtype)
+    with pytest.raises(RuntimeError):
+        spec.torch_module(8)(x)  # PyTorch refuses it too
+    calls = {
+        "module": lambda: spec.ours(8)(x),
+        "module without affine": lambda: spec.ours(8, elementwise_affine=False)(x),
+        "mixed module": lambda: spec.mixed(8)(x),
+        "functional": lambda: (fused_rms_norm if spec.rms else fused_layer_norm)(x, 8),
+        "op": lambda: torch.ops.amp_fused_ops.norm_forward(
+            x, None, None, 1e-5, spec.rms, False, False
+        ),
+    }
+    for call in calls.values():
+        with pytest.raises(TypeError, match=rf"floating-point.*input of dtype {dtype}"):
+            call()
+        with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(TypeError):
+            call()
+    with pytest.raises(TypeError, match=r"weight of dtype torch\.int64"):
+        fused_layer_norm_affine(torch.randn(2, 8), torch.ones(8, dtype=torch.int64), None, 8)
+
+
+def test_integer_input_refused_under_torch_compile():
+    compiled = torch.compile(FusedLayerNorm(8), backend="aot_eager")
+    with pytest.raises(Exception, match="floating-point"):
+        compiled(torch.ones(2, 8, dtype=torch.int64))
+
+
+# --- tracing and export: plain PyTorch ops, as Apex's modules ---------------------------------
+
+
+def _net(rms_affine: bool = True) -> torch.nn.Module:
+    torch.manual_seed(9)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(6, 16),
+        FusedLayerNorm(16),
+        torch.nn.Linear(16, 16),
+        FusedRMSNorm(16, elementwise_affine=rms_affine),
+        MixedFusedLayerNorm(16),
+    )
+    for m in net:
+        if isinstance(m, (FusedLayerNorm, FusedRMSNorm)):
+            random_params(m)
+    return net
+
+
+def test_jit_trace_holds_standard_ops_and_matches_eager():
+    net, x = _net(), torch.randn(5, 6)
+    traced = torch.jit.trace(net, (x,))
+    assert "amp_fused_ops::" not in str(traced.inlined_graph)
+    torch.testing.assert_close(traced(x), net(x), atol=1e-5, rtol=1e-5)
+    other = torch.randn(3, 6)  # the trace is not tied to the example's values
+    torch.testing.assert_close(traced(other), net(other), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_onnx_export_runs_and_matches_eager(dynamo, tmp_path):
+    onnx = pytest.importorskip("onnx")
+    if dynamo:
+        pytest.importorskip("onnxscript")
+    from onnx.reference import ReferenceEvaluator
+
+    net, x = _net(), torch.randn(5, 6)
+    path = tmp_path / "net.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
+        torch.onnx.export(net, (x,), str(path), dynamo=dynamo, opset_version=18)
+    model = onnx.load(str(path))
+    ops = {node.op_type for node in model.graph.node}
+    assert "LayerNormalization" in ops
+    assert all(node.domain in ("", "ai.onnx") for node in model.graph.node)
+    [out] = ReferenceEvaluator(model).run(None, {model.graph.input[0].name: x.numpy()})
+    torch.testing.assert_close(torch.from_numpy(out), net(x).detach(), atol=1e-5, rtol=1e-5)

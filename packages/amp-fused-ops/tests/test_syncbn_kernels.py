@@ -132,7 +132,12 @@ def test_batchnorm_forward_matches_float64(dtype, channel_last, affine, with_z, 
 
 
 def _simulated_ranks(
-    x: Tensor, dy: Tensor, weight: Tensor, splits: tuple[int, ...], channel_last: bool
+    x: Tensor,
+    dy: Tensor,
+    weight: Tensor,
+    splits: tuple[int, ...],
+    channel_last: bool,
+    count_as: str = "int",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Run the per-rank pieces of a synchronized batch norm; return (dx, dweight, dbias)."""
     xs, dys = x.split(list(splits)), dy.split(list(splits))
@@ -150,10 +155,11 @@ def _simulated_ranks(
     ]
     sum_dy = torch.stack([r[0] for r in reduced]).sum(0)  # the all-reduce
     sum_dy_xmu = torch.stack([r[1] for r in reduced]).sum(0)
-    total = int(counts.sum())
+    # Apex (since its PR #980) passes the gathered int32 per-rank counts; the total works too.
+    count = int(counts.sum()) if count_as == "int" else counts.to(torch.int32)
     dxs = [
         syncbn.batchnorm_backward(
-            d, p, mean, invstd, weight, sum_dy, sum_dy_xmu, total, channel_last=channel_last
+            d, p, mean, invstd, weight, sum_dy, sum_dy_xmu, count, channel_last=channel_last
         )
         for d, p in zip(dys, xs, strict=True)
     ]
@@ -164,10 +170,11 @@ def _simulated_ranks(
     return torch.cat(dxs), dweight, dbias
 
 
+@pytest.mark.parametrize("count_as", ["int", "per_rank_int32"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("channel_last", [False, True])
 @pytest.mark.parametrize("shape", [(16, 3, 5), (16, 4, 3, 2), (16, 6)])
-def test_backward_over_simulated_ranks_matches_autograd(dtype, channel_last, shape):
+def test_backward_over_simulated_ranks_matches_autograd(dtype, channel_last, shape, count_as):
     x = _batch(shape, dtype, 4)
     dy = _batch(shape, dtype, 5)
     weight = torch.rand(shape[1]) + 0.5
@@ -176,7 +183,7 @@ def test_backward_over_simulated_ranks_matches_autograd(dtype, channel_last, sha
     w64, b64 = weight.double().requires_grad_(), bias.double().requires_grad_()
     y64 = F.batch_norm(x64, None, None, w64, b64, True, 0.0, EPS)
     dx64, dw64, db64 = torch.autograd.grad(y64, (x64, w64, b64), dy.double())
-    dx, dweight, dbias = _simulated_ranks(x, dy, weight, SPLITS, channel_last)
+    dx, dweight, dbias = _simulated_ranks(x, dy, weight, SPLITS, channel_last, count_as)
     assert dx.dtype == dtype and dweight.dtype == dbias.dtype == torch.float32
     tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {}
     torch.testing.assert_close(dx, dx64.to(dtype), **tol)
@@ -214,6 +221,12 @@ def test_errors_name_the_offending_value():
         syncbn.reduce_bn(torch.randn(4, 3), x, mean, invstd, None)
     with pytest.raises(ValueError, match="got count=0"):
         syncbn.batchnorm_backward(x, x, mean, invstd, None, mean, mean, 0)
+    with pytest.raises(TypeError, match=r"integer tensor.*got torch\.float32"):
+        syncbn.batchnorm_backward(x, x, mean, invstd, None, mean, mean, torch.tensor([4.0]))
+    with pytest.raises(ValueError, match=r"one element count per rank.*got \(2, 2\)"):
+        syncbn.batchnorm_backward(
+            x, x, mean, invstd, None, mean, mean, torch.ones(2, 2, dtype=torch.int32)
+        )
 
 
 # --- CUDA kernels against PyTorch's CUDA ops -------------------------------------------------

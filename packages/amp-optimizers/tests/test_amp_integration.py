@@ -319,10 +319,11 @@ def test_o2_fused_adam_accumulation_with_delay_unscale(half: torch.dtype) -> Non
         torch.testing.assert_close(p, r, rtol=torch.finfo(p.dtype).eps, atol=accum_atol)
 
 
-# --- 4b. gradients after a fused step -------------------------------------------------------------
-# The fused step reads the gradients scaled and leaves them so; whatever comes next (a backward
-# without zero_grad, master_params, a second step) must see them as the ordinary path leaves
-# them: unscaled, in the masters' .grad.
+# --- 4b. gradients after a step -------------------------------------------------------------------
+# As Apex's O2 did, every step (taken or skipped) drops the masters' gradients, on both paths:
+# model.zero_grad() cannot reach them, so a loop that clears only the model's gradients (the
+# transformers Trainer does) must still start each step clean. The fp32 params are the model's
+# own and keep their gradients until zeroed, as in any PyTorch loop.
 
 
 def _backward(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
@@ -334,17 +335,65 @@ def _master_grads(optimizer: torch.optim.Optimizer) -> list[Tensor | None]:
     return [None if p.grad is None else p.grad.clone() for p in amp.master_params(optimizer)]
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "ordinary"])
 @pytest.mark.parametrize("half", HALF_DTYPES)
-def test_o2_fused_adam_without_zero_grad_accumulates_as_the_ordinary_path(
-    half: torch.dtype,
+def test_o2_step_drops_the_master_grads(half: torch.dtype, fused: bool) -> None:
+    model, opt = o2(half, fused=fused, loss_scale="dynamic")
+    fp32_params = {id(p) for p in model.parameters() if p.dtype == torch.float32}
+    for step in range(2):
+        opt.zero_grad()
+        _backward(model, opt, step)
+        assert all(g is not None for g in _master_grads(opt))
+        opt.step()
+        for p in amp.master_params(opt):
+            if id(p) in fp32_params:
+                assert p.grad is not None  # the model's own fp32 params: kept until zeroed
+            else:
+                assert p.grad is None
+        assert all(p.grad is None for p in half_params(model))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "ordinary"])
+@pytest.mark.parametrize("half", HALF_DTYPES)
+def test_o2_loop_clearing_only_the_model_grads_equals_optimizer_zero_grad(
+    half: torch.dtype, fused: bool
 ) -> None:
+    # What the transformers Trainer does: model.zero_grad() only, never optimizer.zero_grad().
+    model, opt = o2(half, fused=fused, loss_scale="dynamic")
+    ref_model, ref = o2(half, fused=fused, loss_scale="dynamic")
+    for step in range(5):
+
+        def inject(m: nn.Module = model) -> None:
+            m[0].weight.grad.view(-1)[1] = float("inf")  # type: ignore[union-attr]
+
+        model.zero_grad()
+        loss = loss_fn(model, make_batch(step))
+        with amp.scale_loss(loss, opt) as scaled_loss:
+            scaled_loss.backward()
+            if step == 2:
+                inject()
+        opt.step()
+        train_step(
+            ref_model, ref, make_batch(step), (lambda: inject(ref_model)) if step == 2 else None
+        )
+    assert amp.skipped_steps(opt) == amp.skipped_steps(ref) == 1
+    assert_bitwise_equal(model_params(model), model_params(ref_model))
+    assert_bitwise_equal(masters(opt), masters(ref))
+    assert_bitwise_equal(opt.state_dict(), ref.state_dict())
+
+
+@pytest.mark.parametrize("half", HALF_DTYPES)
+def test_o2_fused_adam_without_zero_grad_matches_the_ordinary_path(half: torch.dtype) -> None:
+    # No zero_grad at all: each step reads the last backward's half grads alone (the masters'
+    # grads were dropped) and the fp32 params' accumulated grads, on both paths.
     model, opt = o2(half, fused=True, loss_scale="dynamic")
     ref_model, ref = o2(half, fused=False, loss_scale="dynamic")
     for step in range(4):
         for m, o in ((model, opt), (ref_model, ref)):
             _backward(m, o, step)
             o.step()
-    # The gradients hold all four backward passes.
+    _backward(model, opt, 4)
+    _backward(ref_model, ref, 4)
     grads, ref_grads = _master_grads(opt), _master_grads(ref)
     eps = torch.finfo(half).eps
     for g, r in zip(grads, ref_grads, strict=True):
@@ -355,17 +404,19 @@ def test_o2_fused_adam_without_zero_grad_accumulates_as_the_ordinary_path(
 
 
 @pytest.mark.parametrize("half", HALF_DTYPES)
-def test_o2_fused_adam_master_params_after_a_step_and_a_second_step(half: torch.dtype) -> None:
+def test_o2_fused_adam_master_params_before_a_step_and_a_second_step(half: torch.dtype) -> None:
     model, opt = o2(half, fused=True, loss_scale="dynamic")
     ref_model, ref = o2(half, fused=False, loss_scale="dynamic")
     for m, o in ((model, opt), (ref_model, ref)):
         o.zero_grad()
         _backward(m, o, 0)
-        o.step()
-    # After the step: the unscaled float32 gradients that step read (bitwise: same half
+    # Before the step: the unscaled float32 gradients the step will read (bitwise: same half
     # gradients, same inverse scale), for the half params' masters and the fp32 BatchNorm.
     assert_bitwise_equal(_master_grads(opt), _master_grads(ref))
-    # A second step without a new backward reads them again, unscaled.
+    opt.step()
+    ref.step()
+    # A second step without a new backward: the masters have no gradient left, the fp32
+    # params step again with theirs.
     opt.step()
     ref.step()
     assert_paths_agree(model, opt, ref_model, ref)
@@ -399,7 +450,13 @@ def test_o2_fused_adam_recovers_from_an_overflow_without_zero_grad(half: torch.d
 # --- 5. checkpoint resume -------------------------------------------------------------------------
 
 
-def _o2_run(model: nn.Module, opt: torch.optim.Optimizer, steps: range, overflow_at: int) -> None:
+def _o2_run(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    steps: range,
+    overflow_at: int,
+    clear: str = "optimizer",
+) -> None:
     for step in steps:
 
         def inject() -> None:
@@ -407,16 +464,31 @@ def _o2_run(model: nn.Module, opt: torch.optim.Optimizer, steps: range, overflow
             assert grad is not None
             grad.view(-1)[0] = float("nan")
 
-        train_step(model, opt, make_batch(step), inject if step == overflow_at else None)
+        if clear == "optimizer":
+            train_step(model, opt, make_batch(step), inject if step == overflow_at else None)
+            continue
+        model.zero_grad()  # the model's grads only, as the transformers Trainer does
+        with amp.scale_loss(loss_fn(model, make_batch(step)), opt) as scaled_loss:
+            scaled_loss.backward()
+            if step == overflow_at:
+                inject()
+        opt.step()
 
 
+@pytest.mark.parametrize(
+    ("fused", "clear"),
+    [(True, "optimizer"), (True, "model"), (False, "model")],
+    ids=["fused-opt_zero_grad", "fused-model_zero_grad", "ordinary-model_zero_grad"],
+)
 @pytest.mark.parametrize("loss_scale", [None, "dynamic"], ids=["preset", "dynamic"])
 @pytest.mark.parametrize("half", HALF_DTYPES)
-def test_o2_fused_adam_checkpoint_resume_is_bitwise(half: torch.dtype, loss_scale: Any) -> None:
+def test_o2_checkpoint_resume_is_bitwise(
+    half: torch.dtype, loss_scale: Any, fused: bool, clear: str
+) -> None:
     # An overflow in the first half makes the saved dynamic scale differ from the initial one.
     total, k, overflow_at = 7, 4, 1
-    model, opt = o2(half, fused=True, loss_scale=loss_scale)
-    _o2_run(model, opt, range(total), overflow_at)
+    model, opt = o2(half, fused=fused, loss_scale=loss_scale)
+    _o2_run(model, opt, range(total), overflow_at, clear)
     expected = {
         "model": copy.deepcopy(model.state_dict()),
         "params": model_params(model),
@@ -424,8 +496,8 @@ def test_o2_fused_adam_checkpoint_resume_is_bitwise(half: torch.dtype, loss_scal
         "amp": amp.state_dict(),
     }
 
-    model, opt = o2(half, fused=True, loss_scale=loss_scale)
-    _o2_run(model, opt, range(k), overflow_at)
+    model, opt = o2(half, fused=fused, loss_scale=loss_scale)
+    _o2_run(model, opt, range(k), overflow_at, clear)
     buffer = io.BytesIO()
     torch.save(
         {"model": model.state_dict(), "optimizer": opt.state_dict(), "amp": amp.state_dict()},
@@ -437,11 +509,11 @@ def test_o2_fused_adam_checkpoint_resume_is_bitwise(half: torch.dtype, loss_scal
         assert checkpoint["amp"]["loss_scaler0"]["loss_scale"] == MAX_SCALE / 2
 
     # Rebuilt from other random weights, then loaded in Apex's order.
-    model, opt = o2(half, fused=True, seed=1, loss_scale=loss_scale)
+    model, opt = o2(half, fused=fused, seed=1, loss_scale=loss_scale)
     model.load_state_dict(checkpoint["model"])
     opt.load_state_dict(checkpoint["optimizer"])
     amp.load_state_dict(checkpoint["amp"])
-    _o2_run(model, opt, range(k, total), overflow_at)
+    _o2_run(model, opt, range(k, total), overflow_at, clear)
 
     assert_bitwise_equal(model_params(model), expected["params"])
     assert_bitwise_equal(model.state_dict(), expected["model"])  # fp32 masters, BN stats

@@ -228,6 +228,8 @@ def test_grad_scaler_steps_like_unscaled_gradients(
             rtol=0,
             atol=1e-6,
         )
+        # After the step .grad holds the unscaled gradient, as torch's GradScaler leaves it.
+        torch.testing.assert_close(s.grad, p.grad, rtol=0, atol=1e-6)
 
 
 def _snapshot(opt: FusedMixedPrecisionLamb, params: list[Tensor]) -> list[Tensor]:

@@ -1,10 +1,12 @@
 """``torch.amp.GradScaler`` with every registered optimizer (device "cpu" works on CPU).
 
-FusedAdam declares ``_step_supports_amp_scaling``: the scaler hands it ``grad_scale`` and
-``found_inf`` and the optimizer unscales inside its step, leaving the gradients scaled. The
-others get torch's default treatment: the scaler unscales the gradients in place, checks them
-and skips ``step()`` on inf/nan. Either way an overflow leaves params and state untouched and
-halves the scale, and a step without overflow equals the unscaled one.
+FusedAdam with ``capturable=True`` or ``master_weights=True`` declares
+``_step_supports_amp_scaling`` (Apex: only when capturable): the scaler hands it ``grad_scale``
+and ``found_inf``, the optimizer unscales inside its step and writes the unscaled gradients
+back. The others (and FusedAdam by default) get torch's default treatment: the scaler unscales
+the gradients in place, checks them and skips ``step()`` on inf/nan. Either way an overflow
+leaves params and state untouched and halves the scale, a step without overflow equals the
+unscaled one, and ``.grad`` holds unscaled gradients after the step.
 """
 
 from __future__ import annotations
@@ -44,12 +46,17 @@ def _scaled_steps(
 
 
 def _supports_amp_scaling(spec: OptimizerSpec) -> bool:
-    return bool(getattr(spec.fused, "_step_supports_amp_scaling", False))
+    opt = spec.factory(two_groups(make_params(), spec.second_group))
+    return bool(getattr(opt, "_step_supports_amp_scaling", False))
 
 
 def test_which_optimizers_unscale_inside_their_step() -> None:
     supporting = {s.fused.__name__ for s in SPECS if _supports_amp_scaling(s)}
-    assert supporting == {"FusedAdam"}
+    assert supporting == set()  # built with their defaults: the scaler unscales
+    params = make_params()
+    assert FusedAdam(params, capturable=True)._step_supports_amp_scaling
+    assert FusedAdam(params, master_weights=True)._step_supports_amp_scaling
+    assert not FusedAdam(params)._step_supports_amp_scaling
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -66,13 +73,11 @@ def test_scaled_steps_equal_unscaled_steps(spec: OptimizerSpec, device: str) -> 
 
     assert scaler.get_scale() == INIT_SCALE
     assert max_abs_diff(params, plain_params) <= spec.atol
-    # The gradients the last step read: FusedAdam leaves them scaled, the scaler unscales the
-    # others' in place.
-    factor = INIT_SCALE if _supports_amp_scaling(spec) else 1.0
+    # The gradients the last step read are unscaled after it, as for torch's optimizers.
     for i in ACTIVE:
         grad, plain_grad = params[i].grad, plain_params[i].grad
         assert grad is not None and plain_grad is not None
-        torch.testing.assert_close(grad, plain_grad * factor, rtol=1e-5, atol=1e-5 * factor)
+        torch.testing.assert_close(grad, plain_grad, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -121,10 +126,10 @@ def test_fp16_params(spec: OptimizerSpec, device: str) -> None:
 
 
 def test_fused_adam_reads_the_scale_on_the_device() -> None:
-    # With found_inf set by the scaler, FusedAdam skips on the device: the step count of the
-    # group is a tensor that did not advance.
+    # With found_inf set by the scaler, capturable FusedAdam skips on the device: the step
+    # count of the group is a tensor that did not advance.
     params = make_params()
-    opt = FusedAdam(two_groups(params, {}), lr=1e-2)
+    opt = FusedAdam(two_groups(params, {}), lr=1e-2, capturable=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
     _scaled_steps(opt, params, scaler, range(2))
     steps = [g["step"] for g in opt.param_groups]
@@ -134,3 +139,42 @@ def test_fused_adam_reads_the_scale_on_the_device() -> None:
     scaler.step(opt)
     scaler.update()
     assert [g["step"].item() for g in opt.param_groups] == [2, 2]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["default", "capturable", "master_weights"])
+def test_fused_adam_grads_are_unscaled_after_the_step(device: str, mode: str) -> None:
+    kwargs = {} if mode == "default" else {mode: True}
+    params = make_params(device)
+    plain_params = make_params(device)
+    opt = FusedAdam(two_groups(params, {}), lr=1e-2, **kwargs)
+    plain = FusedAdam(two_groups(plain_params, {}), lr=1e-2, **kwargs)
+    scaler = torch.amp.GradScaler(device, init_scale=INIT_SCALE)
+    _scaled_steps(opt, params, scaler, range(3))
+    run_steps(plain, plain_params, range(3))
+    assert max_abs_diff(params, plain_params) <= 1e-6
+    for i in ACTIVE:
+        torch.testing.assert_close(params[i].grad, plain_params[i].grad, rtol=1e-6, atol=1e-7)
+    # An overflowing step: skipped, and the grads are still divided by the scale it used.
+    opt.zero_grad()
+    scaler.scale(loss_of(params, 3)).backward()
+    scaled = [params[i].grad.clone() for i in ACTIVE]
+    params[ACTIVE[0]].grad.view(-1)[0] = float("nan")
+    scaler.step(opt)
+    for i, before in zip(ACTIVE[1:], scaled[1:], strict=True):
+        torch.testing.assert_close(params[i].grad, before / INIT_SCALE, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["capturable", "master_weights"])
+def test_fused_adam_fp16_params_with_the_step_unscaling(mode: str) -> None:
+    params = make_params("cpu", torch.float16)
+    plain_params = make_params("cpu", torch.float16)
+    opt = FusedAdam(two_groups(params, {}), lr=1e-2, **{mode: True})
+    plain = FusedAdam(two_groups(plain_params, {}), lr=1e-2, **{mode: True})
+    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
+    _scaled_steps(opt, params, scaler, range(3))
+    run_steps(plain, plain_params, range(3))
+    scale = max(p.abs().max().item() for p in plain_params)
+    assert max_abs_diff(params, plain_params) <= torch.finfo(torch.float16).eps * scale
+    for i in ACTIVE:  # unscaled in fp16: one rounding of the division
+        torch.testing.assert_close(params[i].grad, plain_params[i].grad, rtol=1e-3, atol=1e-5)

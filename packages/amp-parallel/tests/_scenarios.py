@@ -357,6 +357,43 @@ def syncbn_group_of_one() -> float:
     return float((bn(x) - ref(x)).abs().max())
 
 
+@scenario("syncbn_empty_everywhere")
+def syncbn_empty_everywhere() -> dict[str, Any]:
+    """Every rank's batch is empty: running statistics unchanged, as nn.BatchNorm1d."""
+    bn = SyncBatchNorm(3)
+    with torch.no_grad():
+        bn.running_mean.fill_(1.5)
+        bn.running_var.fill_(2.5)
+    x = torch.randn(0, 3, requires_grad=True)
+    out = bn(x)
+    out.sum().backward()
+    return {
+        "shape": list(out.shape),
+        "running_mean": bn.running_mean.tolist(),
+        "running_var": bn.running_var.tolist(),
+        "tracked": int(bn.num_batches_tracked),
+        "dx_shape": list(x.grad.shape),
+    }
+
+
+@scenario("syncbn_one_value_in_total")
+def syncbn_one_value_in_total() -> dict[str, Any]:
+    """One sample on rank 0, none elsewhere: every rank refuses, as torch's batch norm."""
+    bn = SyncBatchNorm(3)
+    before = bn.running_var.clone()
+    rows = 1 if dist.get_rank() == 0 else 0
+    try:
+        bn(torch.randn(rows, 3))
+    except ValueError as exc:
+        message = str(exc)
+    else:
+        message = "no error"
+    unchanged = torch.equal(before, bn.running_var) and int(bn.num_batches_tracked) == 0
+    # The next call with a proper batch still works (no rank left waiting in a collective).
+    out = bn(torch.randn(2, 3))
+    return {"message": message, "unchanged": unchanged, "next_shape": list(out.shape)}
+
+
 @scenario("syncbn_bad_group_size")
 def syncbn_bad_group_size() -> str:
     try:

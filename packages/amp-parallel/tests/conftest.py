@@ -19,6 +19,7 @@ ALL_SCENARIOS = (
     + ["ddp_wrap_twice"]
     + [f"syncbn:{case}" for case in SYNCBN_CASES]
     + ["syncbn_group_of_one", "syncbn_bad_group_size"]
+    + ["syncbn_empty_everywhere", "syncbn_one_value_in_total"]
 )
 
 

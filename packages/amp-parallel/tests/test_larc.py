@@ -62,3 +62,68 @@ def test_passthrough():
 def test_wraps_only_optimizers():
     with pytest.raises(TypeError, match=r"wraps a torch\.optim\.Optimizer"):
         LARC(object())  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ with amp.initialize
+
+
+class _Elementwise(torch.nn.Module):
+    """Only elementwise fp32 math, which O1 leaves alone: amp changes nothing but the scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = torch.nn.Parameter(torch.randn(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ((self.w * x - 1.0) ** 2).mean()
+
+
+@pytest.fixture
+def amp():
+    amp = pytest.importorskip("amp_core").amp
+    yield amp
+    amp.initialize(torch.nn.Linear(1, 1), opt_level="O0", verbosity=0)
+
+
+@pytest.mark.parametrize("opt_level", ["O0", "O1"])
+def test_amp_initialize_accepts_larc_and_steps_like_it(amp, opt_level):
+    x = torch.linspace(-1.0, 1.0, 6)
+    plain_model = _Elementwise()
+    plain = LARC(torch.optim.SGD(plain_model.parameters(), lr=0.1, momentum=0.9))
+    model = _Elementwise()
+    larc = LARC(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    model, opt = amp.initialize(model, larc, opt_level=opt_level, loss_scale=1024.0, verbosity=0)
+    assert opt is larc
+    for _ in range(3):
+        plain.zero_grad()
+        plain_model(x).backward()
+        plain.step()
+        opt.zero_grad()
+        with amp.scale_loss(model(x), opt) as scaled:
+            scaled.backward()
+        opt.step()
+    # A power-of-two scale is exact: the same steps as LARC without amp.
+    torch.testing.assert_close(model.w.detach(), plain_model.w.detach(), rtol=0, atol=0)
+
+
+def test_amp_initialize_accepts_a_list_with_larc(amp):
+    models = [_Elementwise(), _Elementwise()]
+    opts = [
+        LARC(torch.optim.SGD(models[0].parameters(), lr=0.1)),
+        torch.optim.SGD(models[1].parameters(), lr=0.1),
+    ]
+    _, out = amp.initialize(models, opts, opt_level="O1", verbosity=0)
+    assert out == opts
+
+
+def test_amp_initialize_larc_overflow_skips_step(amp):
+    model = _Elementwise()
+    opt = LARC(torch.optim.SGD(model.parameters(), lr=0.1))
+    model, opt = amp.initialize(model, opt, opt_level="O1", loss_scale="dynamic", verbosity=0)
+    before = model.w.detach().clone()
+    with amp.scale_loss(model(torch.full((6,), float("inf"))), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    torch.testing.assert_close(model.w.detach(), before, rtol=0, atol=0)
+    assert amp.skipped_steps(opt) == 1

@@ -91,3 +91,60 @@ def test_group_size_zero_is_world():
     assert create_syncbn_process_group(0) is None
     with pytest.raises(RuntimeError, match="init_process_group"):
         create_syncbn_process_group(2)
+
+
+def test_empty_batch_leaves_running_stats_like_batchnorm():
+    ref, bn = nn.BatchNorm1d(3), SyncBatchNorm(3)
+    with torch.no_grad():
+        for m in (ref, bn):
+            m.running_mean.fill_(1.5)
+            m.running_var.fill_(2.5)
+    for _ in range(2):
+        x = torch.randn(0, 3, requires_grad=True)
+        out = bn(x)
+        assert out.shape == (0, 3)
+        out.sum().backward()
+        assert x.grad is not None and x.grad.shape == (0, 3)
+        ref(torch.randn(0, 3))
+    torch.testing.assert_close(bn.running_mean, ref.running_mean, rtol=0, atol=0)
+    torch.testing.assert_close(bn.running_var, ref.running_var, rtol=0, atol=0)
+    assert torch.equal(bn.running_var, torch.full((3,), 2.5))
+    assert int(bn.num_batches_tracked) == int(ref.num_batches_tracked) == 2
+
+
+@pytest.mark.parametrize("shape", [(1, 3), (1, 3, 1, 1)])
+@pytest.mark.parametrize("track_running_stats", [True, False])
+def test_one_value_per_channel_raises_like_batchnorm(shape, track_running_stats):
+    bn = SyncBatchNorm(3, track_running_stats=track_running_stats)
+    ref = nn.BatchNorm1d(3) if len(shape) == 2 else nn.BatchNorm2d(3)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
+        ref(torch.randn(shape))
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
+        bn(torch.randn(shape))
+    if track_running_stats:
+        assert torch.equal(bn.running_var, torch.ones(3))  # nothing decayed
+        bn.eval()
+        assert bn(torch.randn(shape)).shape == shape  # running statistics: fine
+
+
+def test_backward_uses_per_rank_int32_counts(monkeypatch):
+    from amp_parallel import _syncbn_function
+
+    kernels = _syncbn_function.fused_syncbn()
+    if kernels is None:
+        pytest.skip("amp-fused-ops not installed")
+    seen = []
+    real = kernels.batchnorm_backward
+
+    def spy(*args, **kwargs):
+        seen.append(args[7])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "batchnorm_backward", spy)
+    ref, bn = _pair()
+    x = torch.randn(6, 4, 3, 3, requires_grad=True)
+    gx = torch.autograd.grad(bn(x).square().sum(), x)[0]
+    gx_ref = torch.autograd.grad(ref(x).square().sum(), x)[0]
+    torch.testing.assert_close(gx, gx_ref)
+    [count] = seen
+    assert count.dtype == torch.int32 and count.tolist() == [6 * 3 * 3]

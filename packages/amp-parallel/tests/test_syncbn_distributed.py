@@ -28,3 +28,16 @@ def test_bad_group_size(results):
     assert all(
         "must divide the world size" in msg for msg in values(results["syncbn_bad_group_size"])
     )
+
+
+def test_empty_batch_on_every_rank_leaves_running_stats(results):
+    for out in values(results["syncbn_empty_everywhere"]):
+        assert out["shape"] == [0, 3] and out["dx_shape"] == [0, 3]
+        assert out["running_mean"] == [1.5] * 3 and out["running_var"] == [2.5] * 3
+        assert out["tracked"] == 1  # counted, as torch counts it
+
+
+def test_one_value_per_channel_in_total_raises_on_every_rank(results):
+    for out in values(results["syncbn_one_value_in_total"]):
+        assert out["message"].startswith("Expected more than 1 value per channel when training")
+        assert out["unchanged"] and out["next_shape"] == [2, 3]

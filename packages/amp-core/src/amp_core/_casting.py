@@ -22,7 +22,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
-from ._policy import PolicyKernels, cast_args, widest_dtype
+from ._policy import FP32_TENSOR_METHODS, PolicyKernels, cast_args, widest_dtype
 
 __all__ = [
     "O1Casting",
@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 
 _FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 class UserCast(enum.Enum):
@@ -135,6 +136,19 @@ def make_cast_wrapper(fn: F, cast: UserCast) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def _make_fp32_method(method: F) -> F:
+    """Wrap a Tensor method so that, under O1, a half ``self`` is widened to fp32 first."""
+
+    @functools.wraps(method)
+    def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if self.dtype in _LOW_PRECISION and active_casting() is not None:
+            self = self.float()
+        return method(self, *args, **kwargs)
+
+    wrapper.__amp_cast__ = UserCast.FLOAT  # type: ignore[attr-defined]
+    return wrapper  # type: ignore[return-value]
+
+
 class O1Casting:
     """Apex's O1 policy, switched on for one thread until :meth:`deactivate`.
 
@@ -155,7 +169,8 @@ class O1Casting:
         self._suspended = 0
         self._saved: dict[str, tuple[bool, torch.dtype]] = {}
         self._saved_cache_enabled = torch.is_autocast_cache_enabled()
-        self._wraps: list[tuple[Registration, Any, Any]] = []  # (entry, original, wrapper)
+        # (entry, original, wrapper, whether the original was the module's own attribute)
+        self._wraps: list[tuple[Registration, Any, Any, bool]] = []
         for device_type in device_types:
             self._saved[device_type] = (
                 torch.is_autocast_enabled(device_type),
@@ -172,6 +187,9 @@ class O1Casting:
         try:
             self._kernels = PolicyKernels(device_types)
             self._step_hook = register_optimizer_step_post_hook(self._after_step)
+            for name in FP32_TENSOR_METHODS:
+                entry = Registration(torch.Tensor, name, UserCast.FLOAT)
+                self._install(entry, _make_fp32_method(getattr(torch.Tensor, name)))
             for entry in registrations.entries:
                 self.apply_registration(entry)
         except BaseException:
@@ -201,10 +219,15 @@ class O1Casting:
         self.clear_cache()
 
     def apply_registration(self, entry: Registration) -> None:
+        self._install(entry, make_cast_wrapper(getattr(entry.module, entry.name), entry.cast))
+
+    def _install(self, entry: Registration, wrapper: Any) -> None:
         original = getattr(entry.module, entry.name)
-        wrapper = make_cast_wrapper(original, entry.cast)
+        # A class attribute found on a base class (Tensor.cpu lives on TensorBase) is
+        # restored by deleting the wrapper, not by copying the base's attribute down.
+        own = not isinstance(entry.module, type) or entry.name in vars(entry.module)
         setattr(entry.module, entry.name, wrapper)
-        self._wraps.append((entry, original, wrapper))
+        self._wraps.append((entry, original, wrapper, own))
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
@@ -222,9 +245,12 @@ class O1Casting:
         """Undo everything: autocast state, policy kernels, user wraps, the step hook."""
         if _ACTIVE.casting is not self:
             return
-        for entry, original, wrapper in reversed(self._wraps):
+        for entry, original, wrapper, own in reversed(self._wraps):
             if getattr(entry.module, entry.name, None) is wrapper:
-                setattr(entry.module, entry.name, original)
+                if own:
+                    setattr(entry.module, entry.name, original)
+                else:
+                    delattr(entry.module, entry.name)
             else:
                 logger.warning(
                     "%s.%s was replaced after amp wrapped it; leaving the new value in place.",

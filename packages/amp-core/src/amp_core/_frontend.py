@@ -22,12 +22,26 @@ logger = logging.getLogger("amp_core")
 
 
 def _as_list(value: Any, kind: type, what: str) -> tuple[list[Any], bool]:
-    if isinstance(value, kind):
+    def accepted(v: Any) -> bool:
+        return isinstance(v, kind) or (kind is torch.optim.Optimizer and _is_wrapper(v))
+
+    if accepted(value):
         return [value], False
-    if isinstance(value, (list, tuple)) and all(isinstance(v, kind) for v in value):
+    if isinstance(value, (list, tuple)) and all(accepted(v) for v in value):
         return list(value), True
     raise TypeError(
         f"{what} must be either a single {kind.__name__} or a list of them, got {value!r}."
+    )
+
+
+def _is_wrapper(value: Any) -> bool:
+    """An optimizer wrapper such as ``LARC``: it holds a torch optimizer as ``.optim`` and
+    exposes its ``param_groups``, ``state``, ``step`` and ``zero_grad`` (Apex accepted LARC)."""
+    return (
+        isinstance(getattr(value, "optim", None), torch.optim.Optimizer)
+        and hasattr(value, "param_groups")
+        and callable(getattr(value, "step", None))
+        and callable(getattr(value, "zero_grad", None))
     )
 
 
@@ -140,7 +154,8 @@ def initialize(
 
     Args:
         models: A model or a list of models.
-        optimizers: An optimizer, a list of optimizers, or ``None``.
+        optimizers: An optimizer, a list of optimizers, or ``None``. An optimizer wrapped in
+            ``amp_parallel.LARC`` (or any wrapper holding it as ``.optim``) is accepted.
         enabled: ``False`` returns the inputs untouched and makes every amp call a no-op.
         opt_level: ``"O0"``, ``"O1"``, ``"O2"`` or ``"O3"`` (the letter O).
         cast_model_type: dtype the model is cast to (O2/O3): ``torch.float16`` or

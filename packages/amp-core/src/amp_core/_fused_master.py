@@ -17,6 +17,10 @@ optimizers in one ``scale_loss``, ``delay_overflow_check``, or a call to
 unscaled float32 gradients into the masters' ``.grad`` exactly as the ordinary O2 path does, and
 the fused step then reads those with an inverse scale of 1.
 
+After every fused step (taken or skipped) amp drops the masters' ``.grad`` and the half params'
+gradients, as Apex's O2 step dropped its master gradients: ``model.zero_grad()`` alone then
+starts the next step clean.
+
 The protocol is opt-in by type (an optimizer without these three methods gets the ordinary O2
 path) and reversible (:meth:`amp_disable_fused_master_weights`, called when amp's wrapping of
 the optimizer is removed).

@@ -245,10 +245,11 @@ def resolve_properties(
     if cast == _HALF:
         cast = resolved_half
 
+    # The opt level's scale whatever the half dtype: O1 and O2 scale dynamically for bf16 too.
+    # bf16 needs no scale against underflow (it has fp32's exponent range), but the dynamic
+    # scaler is also what skips a step with an inf or nan gradient, and multiplying by a power
+    # of two costs bf16 no precision.
     loss_scale = values["loss_scale"]
-    if "loss_scale" not in overrides and resolved_half is torch.bfloat16 and loss_scale == DYNAMIC:
-        # bf16 has fp32's exponent range: gradients do not underflow, so no scaling by default.
-        loss_scale = 1.0
 
     if cast_model_outputs is not None and not (
         isinstance(cast_model_outputs, torch.dtype) and cast_model_outputs.is_floating_point

@@ -269,8 +269,7 @@ class OptimizerAmpState:
                         loss_id,
                         scaler.loss_scale(),
                     )
-        for master in self.masters:
-            master.grad = None
+        self.clear_master_grads()
 
     def _fused_step(self, closure: Callable[[], Any] | None) -> Any:
         """``step()`` on the fused master-weight path: one pass, no master->model copy."""
@@ -293,6 +292,7 @@ class OptimizerAmpState:
                 return None
             one = torch.ones((), dtype=torch.float32, device=device)
             optimizer.amp_fused_master_step(one, torch.zeros_like(one))
+            self.clear_master_grads()
             return None
         scaler, loss_id, check = pending
         scale = scaler.scale_tensor(scaler.device or self._any_device() or torch.device("cpu"))
@@ -300,6 +300,9 @@ class OptimizerAmpState:
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
         # Reads the scaled grads, unscales, checks, steps the masters, writes the model.
         optimizer.amp_fused_master_step(inv_scale, found_inf)
+        # The half grads are consumed (and, on overflow, dropped) with the masters' grads; the
+        # fp32 params' grads stay, still scaled, until zero_grad or settle_stale_grads.
+        self.clear_master_grads()
         self._stale_inv_scale = inv_scale
         scaler.update_(found_inf)
         if not check:
@@ -313,10 +316,6 @@ class OptimizerAmpState:
             self._overflow_checks = [(loss_id, found_inf)]
             self._skip(None)
             self._overflow_checks = []
-            # Drop the overflowed half grads, as the ordinary path drops their masters' grads:
-            # left in place, the next backward without zero_grad would add them back.
-            for param in self.model_params:
-                param.grad = None
         return None
 
     def _any_device(self) -> torch.device | None:
@@ -350,7 +349,20 @@ class OptimizerAmpState:
         result = self._original_step() if closure is None else self._original_step(closure)
         if self.masters:
             self.copy_masters_to_model()
+            self.clear_master_grads()
         return result
+
+    def clear_master_grads(self) -> None:
+        """Drop the masters' gradients after a step, taken or skipped (as Apex's O2 did).
+
+        ``model.zero_grad()`` cannot reach the masters, so a loop that clears only the model's
+        gradients (the transformers ``Trainer`` does) would otherwise add every step's
+        gradients to the last ones. The model's half gradients were consumed with them.
+        """
+        for master in self.masters:
+            master.grad = None
+        for param in self.model_params:
+            param.grad = None
 
     def copy_masters_to_model(self) -> None:
         with torch.no_grad():

@@ -18,7 +18,15 @@ from typing import Any
 import torch
 from torch._C import DispatchKey, DispatchKeySet
 
-__all__ = ["BANNED_MESSAGE", "POLICY", "Cast", "PolicyKernels", "cast_args", "widest_dtype"]
+__all__ = [
+    "BANNED_MESSAGE",
+    "FP32_TENSOR_METHODS",
+    "POLICY",
+    "Cast",
+    "PolicyKernels",
+    "cast_args",
+    "widest_dtype",
+]
 
 
 class Cast(enum.Enum):
@@ -27,7 +35,8 @@ class Cast(enum.Enum):
     LOW = "low"  # run in the half dtype (matmul, conv, linear)
     FP32 = "fp32"  # run in fp32 (reductions, softmax, norms, losses, pointwise math)
     PROMOTE = "promote"  # run in the widest floating dtype among the inputs
-    BANNED = "banned"  # refuse (binary_cross_entropy)
+    BANNED = "banned"  # refuse half inputs (binary_cross_entropy); fp32 inputs run
+    NO_HALF_INPLACE = "no_half_inplace"  # in-place fp32 op: refuse a half tensor to write into
 
 
 # The policy, by aten op name (all tensor overloads of each name). Mirrors Apex's lists in
@@ -39,6 +48,9 @@ POLICY: dict[Cast, tuple[str, ...]] = {
         "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
         "conv_transpose3d", "conv_tbc", "prelu", "linear",
         "addmm", "addmv", "addr", "matmul", "mm", "mv", "bmm", "baddbmm", "addbmm",
+        # recurrent layers and cells (Apex cast their inputs, weights and hidden states)
+        "lstm", "gru", "rnn_tanh", "rnn_relu",
+        "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
     ),
     Cast.FP32: (
         # pointwise
@@ -65,7 +77,23 @@ POLICY: dict[Cast, tuple[str, ...]] = {
         "stack",
     ),
     Cast.BANNED: ("binary_cross_entropy",),
+    # The in-place twins of the fp32 pointwise and reduction ops: a half result cannot be
+    # written in fp32, so Apex refused them on half tensors (and so do we).
+    Cast.NO_HALF_INPLACE: (
+        "acos_", "asin_", "cosh_", "erfinv_", "exp_", "expm1_", "log_", "log10_", "log2_",
+        "reciprocal_", "rsqrt_", "sinh_", "tan_", "pow_", "cumprod_", "cumsum_", "renorm_",
+    ),
 }  # fmt: skip
+
+#: Tensor methods cast to fp32 in Python (no aten op tells them apart): ``Tensor.cpu()`` of a
+#: half tensor returns an fp32 tensor, as in Apex ("cast to fp32 before transfer to CPU").
+FP32_TENSOR_METHODS: tuple[str, ...] = ("cpu",)
+
+# Ops PyTorch's autocast covers on a device through the op they call: CUDA runs ``lstm`` and
+# friends through ``_cudnn_rnn``, which its autocast casts to half (with a cached weight copy).
+_COVERED_BELOW: dict[str, frozenset[str]] = {
+    "cuda": frozenset({"lstm", "gru", "rnn_tanh", "rnn_relu"}),
+}
 
 BANNED_MESSAGE = (
     "\namp does not work out-of-the-box with `F.binary_cross_entropy` or `torch.nn.BCELoss.` "
@@ -75,6 +103,16 @@ BANNED_MESSAGE = (
     "that is compatible with amp.\nAnother option is to add\n"
     "    amp.register_float_function(torch, 'sigmoid')\nbefore calling `amp.initialize()`."
 )
+
+
+def inplace_message(name: str, dtype: torch.dtype) -> str:
+    """The error for an in-place fp32-policy op on a half tensor."""
+    return (
+        f"Cannot call in-place function {name} on a {dtype} tensor under amp O1: the op runs in "
+        f"float32 and its result cannot be written back in {dtype}. Use the out-of-place "
+        f"version (for example `x = x.{name[:-1]}()`), or call it inside `amp.disable_casts()`."
+    )
+
 
 _AUTOCAST_KEYS = {"cpu": DispatchKey.AutocastCPU, "cuda": DispatchKey.AutocastCUDA}
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -116,7 +154,7 @@ def cast_args(
     return _map_tensors(args, cast), {k: _map_tensors(v, cast) for k, v in kwargs.items()}
 
 
-def _tensor_overloads(name: str) -> list[torch._ops.OpOverload]:
+def _tensor_overloads(name: str, *, mutable: bool = False) -> list[torch._ops.OpOverload]:
     packet = getattr(torch.ops.aten, name, None)
     if packet is None:
         return []
@@ -130,7 +168,7 @@ def _tensor_overloads(name: str) -> list[torch._ops.OpOverload]:
             isinstance(a.type, (torch.TensorType, torch.ListType)) for a in schema.arguments
         )
         returns_tensor = any(isinstance(r.type, torch.TensorType) for r in schema.returns)
-        if takes_tensor and returns_tensor and not schema.is_mutable:
+        if takes_tensor and returns_tensor and schema.is_mutable == mutable:
             found.append(overload)
     return found
 
@@ -143,9 +181,25 @@ def _make_kernel(
     if cast is Cast.BANNED:
 
         def banned(*args: Any, **kwargs: Any) -> Any:
-            raise RuntimeError(BANNED_MESSAGE)
+            # As Apex: refused when an input is half; fp32 inputs run (in fp32).
+            if any(t.dtype in _LOW_PRECISION for t in _iter_tensors([*args, *kwargs.values()])):
+                raise NotImplementedError(BANNED_MESSAGE)
+            with torch._C._ExcludeDispatchKeyGuard(below):
+                return op(*args, **kwargs)
 
         return banned
+
+    if cast is Cast.NO_HALF_INPLACE:
+        name = op.name().split("::", 1)[1].split(".", 1)[0]
+
+        def no_half_inplace(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if self.dtype in _LOW_PRECISION:
+                raise NotImplementedError(inplace_message(name, self.dtype))
+            with torch._C._ExcludeDispatchKeyGuard(below):
+                args, kwargs = cast_args(args, kwargs, torch.float32, only=_LOW_PRECISION)
+                return op(self, *args, **kwargs)
+
+        return no_half_inplace
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         with torch._C._ExcludeDispatchKeyGuard(below):
@@ -180,9 +234,13 @@ class PolicyKernels:
             key = _AUTOCAST_KEYS.get(device_type)
             if key is None:
                 continue
+            covered = _COVERED_BELOW.get(device_type, frozenset())
             for cast, names in POLICY.items():
                 for name in names:
-                    for op in _tensor_overloads(name):
+                    if name in covered:
+                        continue
+                    mutable = cast is Cast.NO_HALF_INPLACE
+                    for op in _tensor_overloads(name, mutable=mutable):
                         self._register(op, cast, device_type, key)
 
     def _register(

@@ -48,6 +48,31 @@ void multi_tensor_adam_capturable_master(
     double beta1, double beta2, double eps, const at::Tensor& step, int64_t mode,
     int64_t bias_correction, double weight_decay, const at::Tensor& inv_scale);
 
+// Adam step on [grads, params, exp_avgs, exp_avg_sqs] (float32 moments) with lr, step and
+// inv_scale as one-element tensors; writes grad * inv_scale back into the grads. Writes nothing
+// when noop_flag is set on entry or an unscaled gradient is inf/nan (then sets noop_flag).
+void multi_tensor_adam_capturable(int64_t chunk_size, const at::Tensor& noop_flag,
+                                  const std::vector<std::vector<at::Tensor>>& tensor_lists,
+                                  const at::Tensor& lr, double beta1, double beta2, double eps,
+                                  const at::Tensor& step, int64_t mode, int64_t bias_correction,
+                                  double weight_decay, const at::Tensor& inv_scale);
+
+// LAMB stage 1 (Apex's multi_tensor_lamb_stage1_cuda) on [grads, params, exp_avgs,
+// exp_avg_sqs, updates]: moments and the update, bias correction at step + 1.
+void multi_tensor_lamb_stage1(int64_t chunk_size, const at::Tensor& noop_flag,
+                              const std::vector<std::vector<at::Tensor>>& tensor_lists,
+                              const at::Tensor& per_tensor_decay, int64_t step, double beta1,
+                              double beta2, double epsilon, const at::Tensor& global_grad_norm,
+                              double max_global_grad_norm);
+
+// LAMB stage 2 (Apex's multi_tensor_lamb_stage2_cuda) on [params, updates]:
+// p -= lr * trust ratio * update.
+void multi_tensor_lamb_stage2(int64_t chunk_size, const at::Tensor& noop_flag,
+                              const std::vector<std::vector<at::Tensor>>& tensor_lists,
+                              const at::Tensor& per_tensor_param_norm,
+                              const at::Tensor& per_tensor_update_norm, double lr,
+                              double weight_decay, bool use_nvlamb);
+
 // SGD step on [grads, params, momentum_bufs(, model_copies)]; writes nothing when noop_flag
 // is set on entry.
 void multi_tensor_sgd(int64_t chunk_size, const at::Tensor& noop_flag,

@@ -51,6 +51,38 @@ void multi_tensor_adam_capturable_master(int64_t chunk_size, const at::Tensor& n
                                          int64_t bias_correction, double weight_decay,
                                          const at::Tensor& inv_scale);
 
+// Adam step in place on [grads, params, exp_avgs, exp_avg_sqs] (float32 moments) with lr, step,
+// inv_scale as device tensors; writes grad * inv_scale back into the grads; skips (writes
+// nothing) when noop_flag is set on entry or an unscaled gradient is inf/nan (then sets it).
+void multi_tensor_adam_capturable(int64_t chunk_size, const at::Tensor& noop_flag,
+                                  const TensorListsArg& tensor_lists, const at::Tensor& lr,
+                                  double beta1, double beta2, double eps, const at::Tensor& step,
+                                  int64_t mode, int64_t bias_correction, double weight_decay,
+                                  const at::Tensor& inv_scale);
+
+// LAMB stage 1 (Apex's multi_tensor_lamb_stage1_cuda) on [grads, params, exp_avgs,
+// exp_avg_sqs, updates]; per_tensor_decay and global_grad_norm are device tensors.
+void multi_tensor_lamb_stage1(int64_t chunk_size, const at::Tensor& noop_flag,
+                              const TensorListsArg& tensor_lists,
+                              const at::Tensor& per_tensor_decay, int64_t step, double beta1,
+                              double beta2, double epsilon, const at::Tensor& global_grad_norm,
+                              double max_global_grad_norm);
+
+// LAMB stage 2 (Apex's multi_tensor_lamb_stage2_cuda) on [params, updates].
+void multi_tensor_lamb_stage2(int64_t chunk_size, const at::Tensor& noop_flag,
+                              const TensorListsArg& tensor_lists,
+                              const at::Tensor& per_tensor_param_norm,
+                              const at::Tensor& per_tensor_update_norm, double lr,
+                              double weight_decay, bool use_nvlamb);
+
+// Loss-scale update with hysteresis (Apex's update_scale_hysteresis); returns current_scale.
+at::Tensor update_scale_hysteresis(const at::Tensor& current_scale,
+                                   const at::Tensor& growth_tracker,
+                                   const at::Tensor& hysteresis_tracker,
+                                   const at::Tensor& found_inf, double growth_factor,
+                                   double backoff_factor, int64_t growth_interval,
+                                   int64_t hysteresis);
+
 // SGD step on [grads, params, momentum_bufs(, model_copies)]; skips when noop_flag is set.
 void multi_tensor_sgd(int64_t chunk_size, const at::Tensor& noop_flag,
                       const TensorListsArg& tensor_lists, double weight_decay, double momentum,

@@ -7,7 +7,13 @@ with exactly the arguments given; otherwise (no loader, no extension, op not com
 device type, empty lists) the pure-PyTorch reference in :mod:`amp_fused_ops._reference` runs.
 
 The compiled kernels check their own preconditions; the messages of the reference are the
-documented ones.
+documented ones. ``update_scale_hysteresis`` takes no tensor lists: it dispatches on the device
+of ``current_scale``.
+
+Every path bumps the autograd version counter of each tensor an op writes in place (the
+reference through ATen's in-place ops, the compiled extensions in their bindings), so autograd
+detects a tensor saved for backward and modified by an op, and caches keyed on versions (amp
+O1's weight-cast cache) see the change.
 
 ``amp_C`` is a module object, importable both ways::
 
@@ -58,7 +64,12 @@ def _kernel(name: str, tensor_lists: Sequence[Sequence[Tensor]]) -> Callable[...
     """The compiled op ``name`` for the device of ``tensor_lists[0][0]``, or None."""
     if not tensor_lists or not tensor_lists[0] or not isinstance(tensor_lists[0][0], Tensor):
         return None
-    device_type = tensor_lists[0][0].device.type
+    return _kernel_for(name, tensor_lists[0][0])
+
+
+def _kernel_for(name: str, tensor: Tensor) -> Callable[..., Any] | None:
+    """The compiled op ``name`` for the device of ``tensor``, or None."""
+    device_type = tensor.device.type
     if device_type not in _EXTENSION_DEVICE_TYPES:
         return None
     get_extension = _loader_get_extension()
@@ -89,21 +100,48 @@ def _dispatching(reference: _F) -> _F:
     return cast(_F, op)
 
 
+def _dispatching_scaler(reference: _F) -> _F:
+    """As :func:`_dispatching`, for ``update_scale_hysteresis`` (device of its first tensor)."""
+    name = reference.__name__
+
+    @functools.wraps(reference)
+    def op(current_scale: Tensor, *args: Any, **kwargs: Any) -> Any:
+        kernel = _kernel_for(name, current_scale) if isinstance(current_scale, Tensor) else None
+        impl = reference if kernel is None else kernel
+        return impl(current_scale, *args, **kwargs)
+
+    return cast(_F, op)
+
+
 class _AmpC(types.ModuleType):
     """The ``amp_C`` namespace: every multi-tensor op, with Apex's names and signatures."""
 
+    # In the order of Apex's csrc/amp_C_frontend.cpp.
     multi_tensor_scale = staticmethod(_dispatching(_reference.multi_tensor_scale))
+    multi_tensor_sgd = staticmethod(_dispatching(_reference.multi_tensor_sgd))
     multi_tensor_axpby = staticmethod(_dispatching(_reference.multi_tensor_axpby))
     multi_tensor_l2norm = staticmethod(_dispatching(_reference.multi_tensor_l2norm))
+    multi_tensor_l2norm_mp = staticmethod(_dispatching(_reference.multi_tensor_l2norm_mp))
+    multi_tensor_l2norm_scale = staticmethod(_dispatching(_reference.multi_tensor_l2norm_scale))
     multi_tensor_unscale_l2norm = staticmethod(_dispatching(_reference.multi_tensor_unscale_l2norm))
+    multi_tensor_lamb_stage1_cuda = staticmethod(
+        _dispatching(_reference.multi_tensor_lamb_stage1_cuda)
+    )
+    multi_tensor_lamb_stage2_cuda = staticmethod(
+        _dispatching(_reference.multi_tensor_lamb_stage2_cuda)
+    )
     multi_tensor_adam = staticmethod(_dispatching(_reference.multi_tensor_adam))
+    multi_tensor_adam_capturable = staticmethod(
+        _dispatching(_reference.multi_tensor_adam_capturable)
+    )
     multi_tensor_adam_capturable_master = staticmethod(
         _dispatching(_reference.multi_tensor_adam_capturable_master)
     )
-    multi_tensor_sgd = staticmethod(_dispatching(_reference.multi_tensor_sgd))
     multi_tensor_adagrad = staticmethod(_dispatching(_reference.multi_tensor_adagrad))
-    multi_tensor_lamb = staticmethod(_dispatching(_reference.multi_tensor_lamb))
     multi_tensor_novograd = staticmethod(_dispatching(_reference.multi_tensor_novograd))
+    multi_tensor_lamb = staticmethod(_dispatching(_reference.multi_tensor_lamb))
+    multi_tensor_lamb_mp = staticmethod(_dispatching(_reference.multi_tensor_lamb_mp))
+    update_scale_hysteresis = staticmethod(_dispatching_scaler(_reference.update_scale_hysteresis))
 
 
 amp_C = _AmpC(

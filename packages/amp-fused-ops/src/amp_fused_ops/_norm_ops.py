@@ -6,17 +6,18 @@ runs the CUDA kernels of ``csrc/cuda/layer_norm.cu`` (``torch.ops.amp_fused_ops_
 when the input is on CUDA and the CUDA extension is loaded, and the fp32-accumulating
 PyTorch reference of :mod:`amp_fused_ops._norm_reference` everywhere else.
 
-Under autocast, ``norm_forward`` follows ``aten::layer_norm``: where autocast has a kernel for
-``layer_norm`` on the input's device (PyTorch's CUDA policy, and amp O1's policy on every
-device), its half inputs are cast to fp32 and the output is fp32; where it has none (PyTorch's
-CPU autocast leaves ``layer_norm`` alone), it runs on its inputs as given. The math is fp32
-either way.
+Under ``torch.autocast`` on the input's device, ``norm_forward`` does what Apex's fused norms
+did: the input and the parameters (float32 / float16 / bfloat16) are cast to the autocast
+dtype, and the output is in that dtype. Under amp O1 (which runs on autocast with Apex's
+policy, where ``layer_norm`` is an fp32 op) it follows ``layer_norm`` instead: half inputs are
+cast to fp32 and the output is fp32. The statistics and the math are fp32 in every case.
 
 This module deliberately does not use ``from __future__ import annotations``: the custom-op
 decorators read the annotations at import time.
 """
 
 import logging
+import sys
 from typing import Any
 
 import torch
@@ -29,7 +30,13 @@ from amp_fused_ops._norm_reference import (
     output_dtype,
 )
 
-__all__ = ["cuda_op", "layer_norm_autocasts_to_fp32", "norm_backward", "norm_forward"]
+__all__ = [
+    "check_floating",
+    "cuda_op",
+    "layer_norm_autocasts_to_fp32",
+    "norm_backward",
+    "norm_forward",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +154,20 @@ def _native_backward(
     return dx.to(input_dtype), dw, db
 
 
+def check_floating(who: str, x: Tensor, weight: Tensor | None, bias: Tensor | None) -> None:
+    """Refuse integer (or bool, complex) inputs and parameters, as ``torch.nn.LayerNorm`` does.
+
+    Raises:
+        TypeError: Naming the tensor and its dtype.
+    """
+    for name, t in (("input", x), ("weight", weight), ("bias", bias)):
+        if t is not None and (not t.is_floating_point() or t.is_complex()):
+            raise TypeError(
+                f"{who} normalizes floating-point tensors; got {name} of dtype {t.dtype}. "
+                f"Convert it first, e.g. {name}.float()."
+            )
+
+
 def _dense(t: Tensor | None) -> Tensor | None:
     """The kernels take contiguous tensors (a no-op for the ones the modules pass)."""
     return t.contiguous() if t is not None else None
@@ -167,6 +188,7 @@ def norm_forward(
     ``memory_efficient`` only decides what autograd saves (the output instead of the input).
     """
     del memory_efficient
+    check_floating("norm_forward", x, weight, bias)
     supported = _kernel_supports(x.dtype, x, (weight, bias if not rms else None))
     op = cuda_op("layer_norm_fwd") if supported else None
     if op is not None:
@@ -188,6 +210,7 @@ def _norm_forward_fake(
     mixed: bool,
     memory_efficient: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    check_floating("norm_forward", x, weight, bias)
     out = x.new_empty(x.shape, dtype=output_dtype(x, weight, mixed))
     stats = x.new_empty((x.shape[0],), dtype=torch.float32)
     return out, stats, stats.clone()
@@ -302,6 +325,19 @@ def _to_fp32(t: Tensor | None, device_type: str) -> Tensor | None:
     return t
 
 
+def _to_autocast_dtype(t: Tensor | None, dtype: torch.dtype, device_type: str) -> Tensor | None:
+    # As torch.autocast's own casts (and Apex's): float64 and other devices are left alone.
+    if t is not None and t.dtype in _NATIVE_DTYPES and t.device.type == device_type:
+        return t.to(dtype)
+    return t
+
+
+def _amp_o1_active() -> bool:
+    """Whether amp O1 casting is on for this thread (amp-core, when it is imported at all)."""
+    casting = sys.modules.get("amp_core._casting")
+    return casting is not None and casting.active_casting() is not None
+
+
 def _autocast_kernel(device_type: str, key: str) -> Any:
     below = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
 
@@ -314,10 +350,19 @@ def _autocast_kernel(device_type: str, key: str) -> Any:
         mixed: bool,
         memory_efficient: bool,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        if layer_norm_autocasts_to_fp32(device_type):
-            x = _to_fp32(x, device_type)  # type: ignore[assignment]
-            weight = _to_fp32(weight, device_type)
-            bias = _to_fp32(bias, device_type)
+        if _amp_o1_active():
+            # amp O1: Apex's policy runs layer_norm in fp32, and so do the fused norms.
+            if layer_norm_autocasts_to_fp32(device_type):
+                x = _to_fp32(x, device_type)  # type: ignore[assignment]
+                weight = _to_fp32(weight, device_type)
+                bias = _to_fp32(bias, device_type)
+        else:
+            # torch.autocast: as Apex, inputs and parameters in the autocast dtype (the casts
+            # are recorded by autograd, so float32 parameters get float32 gradients).
+            dtype = torch.get_autocast_dtype(device_type)
+            x = _to_autocast_dtype(x, dtype, device_type)  # type: ignore[assignment]
+            weight = _to_autocast_dtype(weight, dtype, device_type)
+            bias = _to_autocast_dtype(bias, dtype, device_type)
         with torch._C._ExcludeDispatchKeyGuard(below):
             return torch.ops.amp_fused_ops.norm_forward.default(
                 x, weight, bias, eps, rms, mixed, memory_efficient

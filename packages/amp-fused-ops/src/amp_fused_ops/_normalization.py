@@ -3,11 +3,13 @@
 Every entry point reshapes the input to ``(rows, hidden)`` and calls the custom op
 ``torch.ops.amp_fused_ops.norm_forward`` (CUDA kernel or fp32-accumulating PyTorch reference,
 see :mod:`amp_fused_ops._norm_ops`). The math is fp32 whatever the dtypes. Under
-``torch.autocast`` (and amp O1, which runs on it) these norms behave as ``layer_norm`` does
-there: where autocast runs ``layer_norm`` in fp32 (PyTorch on CUDA, amp O1 everywhere) they
-take fp32 copies of half inputs and return fp32; under PyTorch's CPU autocast, which leaves
-``layer_norm`` alone, they return the input's dtype. (Apex cast to half instead; see the
-package CHANGELOG.)
+``torch.autocast`` they do what Apex's did: input and parameters are cast to the autocast dtype
+and the output is in it (fp32 statistics inside). Under amp O1, whose policy runs
+``layer_norm`` in fp32, they return fp32 like ``layer_norm``.
+
+While ``torch.jit.trace`` / ``torch.jit.script`` or ``torch.onnx.export`` runs, they fall back
+to plain PyTorch ops (``F.layer_norm``; RMSNorm written out), as Apex's modules did, so the
+traced graph and the exported model hold only standard operators.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import numbers
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from amp_fused_ops._norm_ops import norm_forward
+from amp_fused_ops._norm_ops import check_floating, norm_forward
+from amp_fused_ops._norm_reference import output_dtype
 
 __all__ = [
     "FusedLayerNorm",
@@ -49,6 +53,34 @@ def _as_shape(normalized_shape: ShapeArg) -> tuple[int, ...]:
     return shape
 
 
+def _exporting() -> bool:
+    """Tracing, scripting or ONNX export: the graph must hold standard operators only."""
+    return torch.jit.is_tracing() or torch.jit.is_scripting() or torch.onnx.is_in_onnx_export()
+
+
+def _plain_norm(
+    input: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    shape: tuple[int, ...],
+    eps: float,
+    rms: bool,
+    mixed: bool,
+) -> Tensor:
+    """The same norm in standard PyTorch ops, fp32 math, the fused op's output dtype."""
+    out_dtype = output_dtype(input, weight, mixed)
+    x = input.float()
+    w = weight.float() if weight is not None else None
+    if not rms:
+        b = bias.float() if bias is not None else None
+        return F.layer_norm(x, shape, w, b, eps).to(out_dtype)
+    dims = tuple(range(-len(shape), 0))
+    y = x * torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps)
+    if w is not None:
+        y = y * w
+    return y.to(out_dtype)
+
+
 def _normalize(
     input: Tensor,
     weight: Tensor | None,
@@ -61,6 +93,9 @@ def _normalize(
     memory_efficient: bool,
 ) -> Tensor:
     shape = _as_shape(normalized_shape)
+    check_floating("FusedRMSNorm" if rms else "FusedLayerNorm", input, weight, bias)
+    if _exporting():  # the plain ops check the shapes themselves
+        return _plain_norm(input, weight, bias if not rms else None, shape, eps, rms, mixed)
     if tuple(input.shape[input.dim() - len(shape) :]) != shape or input.dim() < len(shape):
         raise ValueError(
             f"input of shape {tuple(input.shape)} does not end with normalized_shape {shape}; "

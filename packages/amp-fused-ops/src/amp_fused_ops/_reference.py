@@ -23,23 +23,39 @@ op                             skips all writes if set      sets it to 1 when
 multi_tensor_scale             no (inf/nan propagate)       an input is inf/nan
 multi_tensor_axpby             no (inf/nan propagate)       a checked input is inf/nan
 multi_tensor_l2norm            no                           the norm is inf/nan
+multi_tensor_l2norm_mp         yes (returns zero norms)     the norm is inf/nan
+multi_tensor_l2norm_scale      no (inf/nan propagate)       the norm is inf/nan
 multi_tensor_unscale_l2norm    no                           the norm is inf/nan
 multi_tensor_adam              no (inf/nan propagate)       never
+multi_tensor_adam_capturable   yes                          a grad * inv_scale is inf/nan
+                                                            (then nothing is written either)
 multi_tensor_adam_capturable_  yes                          a grad * inv_scale is inf/nan
 master                                                      (then nothing is written either)
 multi_tensor_sgd               yes                          never
 multi_tensor_adagrad           no (inf/nan propagate)       never
 multi_tensor_lamb              no (inf/nan propagate)       a param or update norm is inf/nan
+multi_tensor_lamb_mp           yes (also when found_inf     a param or update norm is inf/nan
+                               is nonzero)                  (then nothing is written either)
+multi_tensor_lamb_stage1_cuda  no (inf/nan propagate)       never
+multi_tensor_lamb_stage2_cuda  no (inf/nan propagate)       never
 multi_tensor_novograd          no (inf/nan propagate)       a gradient norm is inf/nan
 ============================== ============================ ===================================
+
+``update_scale_hysteresis`` has no noop flag and no tensor lists: it is the loss-scale update
+of Megatron-style dynamic scaling with hysteresis (:mod:`amp_fused_ops._reference_scaler`).
 
 Tensors at the same position of different lists must have the same number of elements. When
 their shapes differ they are matched element by element in row-major (flattened) order, which
 for contiguous tensors is Apex's memory order.
 
-The optimizers live in :mod:`amp_fused_ops._reference_optim` (Adam, SGD, Adagrad) and
-:mod:`amp_fused_ops._reference_layerwise` (LAMB, NovoGrad), the shared checks and helpers in
-:mod:`amp_fused_ops._reference_common`; every op is importable from here.
+The optimizers live in :mod:`amp_fused_ops._reference_optim` (Adam, SGD, Adagrad),
+:mod:`amp_fused_ops._reference_layerwise` (LAMB, NovoGrad) and
+:mod:`amp_fused_ops._reference_lamb_stages` (the two LAMB stages and the mixed-precision
+LAMB), the scaler update in :mod:`amp_fused_ops._reference_scaler`, the shared checks and
+helpers in :mod:`amp_fused_ops._reference_common`; every op is importable from here.
+
+Every op writes its outputs with ATen in-place ops (``copy_``, ``masked_fill_``), so the
+autograd version counter of every tensor it writes is bumped, as the compiled kernels do.
 """
 
 from __future__ import annotations
@@ -57,25 +73,40 @@ from amp_fused_ops._reference_common import (
     _scalar,
     _write,
 )
+from amp_fused_ops._reference_lamb_stages import (
+    multi_tensor_lamb_mp,
+    multi_tensor_lamb_stage1_cuda,
+    multi_tensor_lamb_stage2_cuda,
+)
 from amp_fused_ops._reference_layerwise import multi_tensor_lamb, multi_tensor_novograd
 from amp_fused_ops._reference_optim import (
     multi_tensor_adagrad,
     multi_tensor_adam,
+    multi_tensor_adam_capturable,
     multi_tensor_adam_capturable_master,
     multi_tensor_sgd,
 )
+from amp_fused_ops._reference_scaler import update_scale_hysteresis
 
+# Every op of Apex's amp_C extension (csrc/amp_C_frontend.cpp), in its order.
 __all__ = [
     "multi_tensor_scale",
+    "multi_tensor_sgd",
     "multi_tensor_axpby",
     "multi_tensor_l2norm",
+    "multi_tensor_l2norm_mp",
+    "multi_tensor_l2norm_scale",
     "multi_tensor_unscale_l2norm",
+    "multi_tensor_lamb_stage1_cuda",
+    "multi_tensor_lamb_stage2_cuda",
     "multi_tensor_adam",
+    "multi_tensor_adam_capturable",
     "multi_tensor_adam_capturable_master",
-    "multi_tensor_sgd",
     "multi_tensor_adagrad",
-    "multi_tensor_lamb",
     "multi_tensor_novograd",
+    "multi_tensor_lamb",
+    "multi_tensor_lamb_mp",
+    "update_scale_hysteresis",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -232,3 +263,74 @@ def multi_tensor_unscale_l2norm(
     return _l2norms(
         "multi_tensor_unscale_l2norm", chunk_size, noop_flag, tensor_lists, inv_scale, per_tensor
     )
+
+
+@torch.no_grad()
+def multi_tensor_l2norm_mp(
+    chunk_size: int, noop_flag: Tensor, tensor_lists: TensorLists, per_tensor: bool | None = False
+) -> tuple[Tensor, Tensor]:
+    """:func:`multi_tensor_l2norm` that honours a noop flag already set (Apex's ``_mp`` norm).
+
+    Apex's mixed-precision LAMB computes its norms with this op so that a step already marked
+    as skipped does no work. When ``noop_flag`` is nonzero on entry the norms are zero (Apex
+    returned uninitialized memory then); otherwise the result and the flag are those of
+    :func:`multi_tensor_l2norm`.
+
+    Args:
+        chunk_size: Elements per chunk (validated, otherwise unused).
+        noop_flag: One-element int32 tensor; read, and set to 1 if the total norm is inf/nan.
+        tensor_lists: ``[xs]``.
+        per_tensor: Also return the norm of each tensor (None means False, as in Apex).
+
+    Returns:
+        ``(total_norm, per_tensor_norms)`` as :func:`multi_tensor_l2norm`.
+
+    Raises:
+        ValueError: Malformed lists, bad dtype or noop flag.
+        RuntimeError: Tensors on different devices.
+    """
+    op = "multi_tensor_l2norm_mp"
+    _check(op, chunk_size, noop_flag, tensor_lists, [("xs",)])
+    skipped = noop_flag.reshape(()) != 0  # read before the norm may raise the flag
+    total, per = _l2norms(op, chunk_size, noop_flag, tensor_lists, None, per_tensor)
+    return total.masked_fill(skipped, 0.0), per.masked_fill(skipped, 0.0)
+
+
+@torch.no_grad()
+def multi_tensor_l2norm_scale(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    scale: float,
+    per_tensor: bool | None = False,
+) -> tuple[Tensor, Tensor]:
+    """``out = in * scale`` for every pair, and the L2 norms of the *inputs*, in one pass.
+
+    Apex's distributed LAMB uses it to scale gradients while taking their norm. The norms are
+    those of ``ins`` before scaling, as :func:`multi_tensor_l2norm` computes them.
+
+    Args:
+        chunk_size: Elements per chunk (validated, otherwise unused).
+        noop_flag: One-element int32 tensor; never read (outputs are always written, inf/nan
+            propagate), set to 1 if the total norm is inf or nan.
+        tensor_lists: ``[ins, outs]``; ``outs[i]`` may be ``ins[i]`` and may have another
+            dtype.
+        scale: Multiplier of the outputs.
+        per_tensor: Also return the norm of each tensor (None means False, as in Apex).
+
+    Returns:
+        ``(total_norm, per_tensor_norms)`` of ``ins``, as :func:`multi_tensor_l2norm`.
+
+    Raises:
+        ValueError: Malformed lists, mismatched sizes, bad dtype or noop flag.
+        RuntimeError: Tensors on different devices.
+    """
+    op = "multi_tensor_l2norm_scale"
+    device = _check(op, chunk_size, noop_flag, tensor_lists, [("ins", "outs")])
+    if device is None:
+        return _l2norms(op, chunk_size, noop_flag, [[]], None, per_tensor)
+    ins, outs = tensor_lists
+    # The norms first: an output may alias its input.
+    total, per = _l2norms(op, chunk_size, noop_flag, [ins], None, per_tensor)
+    _write(outs, torch._foreach_mul(_fp32(ins), float(scale)))
+    return total, per

@@ -1,4 +1,4 @@
-"""Reference Adam, capturable master-weight Adam, SGD and Adagrad ``amp_C`` ops.
+"""Reference Adam (plain, capturable, capturable master-weight), SGD and Adagrad ``amp_C`` ops.
 
 Re-exported by :mod:`amp_fused_ops._reference`, which documents the conventions they follow.
 """
@@ -24,6 +24,7 @@ from amp_fused_ops._reference_common import (
 
 __all__ = [
     "multi_tensor_adam",
+    "multi_tensor_adam_capturable",
     "multi_tensor_adam_capturable_master",
     "multi_tensor_sgd",
     "multi_tensor_adagrad",
@@ -193,29 +194,133 @@ def multi_tensor_adam_capturable_master(
         ValueError: Malformed lists, sizes, dtypes, noop flag, mode or bias_correction.
         RuntimeError: Tensors on different devices.
     """
-    op = "multi_tensor_adam_capturable_master"
+    return _capturable_adam(
+        "multi_tensor_adam_capturable_master",
+        chunk_size,
+        noop_flag,
+        tensor_lists,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        step,
+        mode,
+        bias_correction,
+        weight_decay,
+        inv_scale,
+    )
+
+
+@torch.no_grad()
+def multi_tensor_adam_capturable(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    lr: Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    step: Tensor,
+    mode: int,
+    bias_correction: int,
+    weight_decay: float,
+    inv_scale: Tensor,
+) -> None:
+    """Capturable Adam step in place on the params themselves (Apex's capturable path).
+
+    ``lr``, ``step`` and ``inv_scale`` are device tensors and nothing syncs the host, so the
+    call can be recorded in a CUDA graph. The gradient is ``grad * inv_scale``; the Adam math
+    is that of :func:`multi_tensor_adam`, in float32, on the params' values; params keep their
+    dtype and are rounded once per step.
+
+    As in Apex, the unscaled gradient ``grad * inv_scale`` is written back into each gradient
+    (so that ``torch.amp.GradScaler`` users find unscaled gradients after the step). Nothing
+    is written -- gradients, params and moments keep their values -- when ``noop_flag`` is
+    nonzero on entry (the ``found_inf`` pattern of ``torch.amp.GradScaler``) or when any
+    unscaled gradient holds an inf or a nan; in the latter case ``noop_flag`` is set to 1
+    (Apex's kernel wrote the non-finite values into the params instead).
+
+    Args:
+        chunk_size: Elements per chunk (validated, otherwise unused).
+        noop_flag: One-element int32 tensor, read and possibly set (see above).
+        tensor_lists: ``[grads, params, exp_avgs, exp_avg_sqs]``: grads and params float32,
+            float16 or bfloat16; moments float32 (Apex's kernel reads them as float32; it
+            rounded them to the params' dtype when storing, which this op does not).
+        lr: One-element float32 tensor, the learning rate.
+        beta1: First-moment decay.
+        beta2: Second-moment decay.
+        eps: Added to the denominator.
+        step: One-element tensor (int32 in Apex, any number dtype here), the step number.
+        mode: 0 L2 regularisation, 1 decoupled decay (AdamW).
+        bias_correction: 1 to apply bias correction, 0 not to.
+        weight_decay: Weight decay.
+        inv_scale: One-element float32 tensor, the inverse of the loss scale.
+
+    Raises:
+        ValueError: Malformed lists, sizes, dtypes, noop flag, mode or bias_correction.
+        RuntimeError: Tensors on different devices.
+    """
+    _capturable_adam(
+        "multi_tensor_adam_capturable",
+        chunk_size,
+        noop_flag,
+        tensor_lists,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        step,
+        mode,
+        bias_correction,
+        weight_decay,
+        inv_scale,
+    )
+
+
+def _capturable_adam(
+    op: str,
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    lr: Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    step: Tensor,
+    mode: int,
+    bias_correction: int,
+    weight_decay: float,
+    inv_scale: Tensor,
+) -> None:
+    """Both capturable Adam ops: with a fifth list of float32 masters (``..._master``: the
+    masters are stepped, the params written from them, the grads left alone), or without
+    (the params are stepped and the unscaled grads written back)."""
     _check_choice(op, "mode", mode, (ADAM_MODE_L2, ADAM_MODE_ADAMW))
     _check_choice(op, "bias_correction", bias_correction, (0, 1))
-    names = [("grads", "params", "exp_avgs", "exp_avg_sqs", "master_params")]
-    dtypes = [_FLOAT_DTYPES, _FLOAT_DTYPES, _FP32_ONLY, _FP32_ONLY, _FP32_ONLY]
+    master = op.endswith("_master")
+    names: list[tuple[str, ...]] = [("grads", "params", "exp_avgs", "exp_avg_sqs")]
+    dtypes = [_FLOAT_DTYPES, _FLOAT_DTYPES, _FP32_ONLY, _FP32_ONLY]
+    if master:
+        names, dtypes = [(*names[0], "master_params")], [*dtypes, _FP32_ONLY]
     device = _check(op, chunk_size, noop_flag, tensor_lists, names, dtypes)
     if device is None:
         return
-    grads, params, exp_avgs, exp_avg_sqs, masters = tensor_lists
+    grads, params, exp_avgs, exp_avg_sqs = tensor_lists[:4]
     lr_t = _scalar(lr, device)
     step_t = _scalar(step, device)
     one = torch.ones((), dtype=torch.float32, device=device)
     bc1 = 1.0 - torch.pow(beta1, step_t) if bias_correction == 1 else one
     bc2 = 1.0 - torch.pow(beta2, step_t) if bias_correction == 1 else one
 
-    unscaled = torch._foreach_mul(_fp32(grads, like=masters), _scalar(inv_scale, device))
+    weights = list(tensor_lists[4]) if master else _fp32(params)
+    unscaled = torch._foreach_mul(_fp32(grads, like=params), _scalar(inv_scale, device))
     nonfinite = _any_nonfinite(unscaled, device)
     skip = (noop_flag.reshape(()) != 0) | nonfinite
     new_p, new_m, new_v = _adam_math(
         unscaled,
-        list(masters),
-        _fp32(exp_avgs, like=masters),
-        _fp32(exp_avg_sqs, like=masters),
+        weights,
+        _fp32(exp_avgs, like=params),
+        _fp32(exp_avg_sqs, like=params),
         lr_t,
         beta1,
         beta2,
@@ -225,7 +330,10 @@ def multi_tensor_adam_capturable_master(
         mode,
         weight_decay,
     )
-    _write(masters, new_p, skip)
+    if master:
+        _write(tensor_lists[4], new_p, skip)
+    else:
+        _write(grads, unscaled, skip)
     _write(params, new_p, skip)
     _write(exp_avgs, new_m, skip)
     _write(exp_avg_sqs, new_v, skip)

@@ -261,7 +261,7 @@ def batchnorm_backward(
     weight: Tensor | None,
     sum_dy: Tensor,
     sum_dy_xmu: Tensor,
-    count: int,
+    count: Tensor | int,
     *,
     channel_last: bool = False,
 ) -> Tensor:
@@ -277,17 +277,22 @@ def batchnorm_backward(
         weight: ``(C,)`` scale or ``None``.
         sum_dy: ``(C,)`` ``sum dy`` over the whole (synchronized) batch.
         sum_dy_xmu: ``(C,)`` ``sum dy * (x - mean)`` over the whole batch.
-        count: Elements per channel in the whole batch (all ranks).
+        count: As Apex (since its PR #980): an integer tensor (int32) of each rank's elements
+            per channel, ``(world,)``, summed on the device (no host sync); or the total as a
+            Python ``int``.
         channel_last: The channel dimension is the last one.
 
     Returns:
         ``grad_input`` in ``x``'s dtype.
 
     Raises:
-        ValueError: If ``count`` is not positive or a shape does not match ``x``'s channels.
+        ValueError: If an ``int`` ``count`` is not positive, or a shape does not match ``x``'s
+            channels.
+        TypeError: If a tensor ``count`` is not of an integer dtype.
 
     Example:
-        >>> dx = batchnorm_backward(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, x.numel() // 3)
+        >>> counts = torch.tensor([n0, n1], dtype=torch.int32)  # per rank, from all_gather
+        >>> dx = batchnorm_backward(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, counts)
     """
     channels = _channels(x, channel_last, "batchnorm_backward")
     _check_vectors(
@@ -295,7 +300,26 @@ def batchnorm_backward(
         sum_dy_xmu=sum_dy_xmu,
     )  # fmt: skip
     _check_like(x, "batchnorm_backward", grad_out=grad_out)
-    if count <= 0:
+    if isinstance(count, Tensor):
+        if count.is_floating_point() or count.is_complex() or count.dtype == torch.bool:
+            raise TypeError(
+                f"batchnorm_backward: count must be an integer tensor of per-rank element "
+                f"counts (Apex passes int32), got {count.dtype}"
+            )
+        if count.dim() > 1:
+            raise ValueError(
+                f"batchnorm_backward: count must hold one element count per rank, shape "
+                f"(world,), got {tuple(count.shape)}"
+            )
+        # Fold 1 / total into the sums on the device, then run with a count of 1.
+        total = count.to(device=sum_dy.device).sum().float()
+        sum_dy, sum_dy_xmu, count = sum_dy.float() / total, sum_dy_xmu.float() / total, 1
+    elif isinstance(count, bool) or not isinstance(count, int):
+        raise TypeError(
+            f"batchnorm_backward: count must be an integer tensor of per-rank counts or an "
+            f"int, got {type(count).__name__}"
+        )
+    elif count <= 0:
         raise ValueError(
             f"batchnorm_backward needs the positive number of elements per channel over the "
             f"whole batch, got count={count}"

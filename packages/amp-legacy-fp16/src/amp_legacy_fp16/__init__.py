@@ -1,6 +1,7 @@
 """amp-legacy-fp16: Apex's deprecated ``fp16_utils`` and pre-1.0 ``amp.init()`` API.
 
-Every entry point emits a ``FutureWarning`` naming its amp-core replacement.
+Every entry point emits a :class:`DeprecatedFeatureWarning` (a ``FutureWarning``, as Apex's
+``apex.DeprecatedFeatureWarning``) naming its amp-core replacement.
 
 Example:
     >>> from amp_legacy_fp16 import FP16_Optimizer, convert_network
@@ -10,6 +11,7 @@ Example:
 """
 
 from . import amp
+from ._deprecation import DeprecatedFeatureWarning
 from ._fp16_optimizer import FP16_Optimizer
 from ._fp16util import (
     BN_convert_float,
@@ -48,5 +50,7 @@ __all__ = [
     "to_python_float",
     # the pre-1.0 amp API (amp.init)
     "amp",
+    # the warning the legacy API emits
+    "DeprecatedFeatureWarning",
     "__version__",
 ]

@@ -20,11 +20,14 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "AmpCOp",
     "FusedOptimizerBase",
     "check_betas",
     "check_nonnegative",
+    "first_param_device",
     "group_by_device_dtype",
     "params_with_grads",
+    "unscale_grads_in_place",
 ]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -33,13 +36,41 @@ Bucket = list[list[Tensor]]
 
 
 def check_nonnegative(optimizer: str, name: str, value: Any) -> None:
-    """Raise ``ValueError`` unless ``value`` is a finite number >= 0 (or a tensor)."""
+    """Raise ``ValueError`` unless ``value`` is a finite number >= 0, or a one-element floating
+    tensor holding one (read back once, at construction)."""
     if isinstance(value, Tensor):
+        if value.numel() != 1 or not value.is_floating_point():
+            raise ValueError(
+                f"{optimizer}: invalid {name}: a tensor {name} must hold one floating-point "
+                f"value, got shape {tuple(value.shape)} and dtype {value.dtype}; pass e.g. "
+                "torch.tensor(1e-3)"
+            )
+        number = float(value.detach().reshape(()).item())
+        if not number >= 0.0 or not math.isfinite(number):
+            raise ValueError(
+                f"{optimizer}: invalid {name} {number!r} (a tensor); it must be a finite "
+                "number >= 0"
+            )
         return
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0.0:
         raise ValueError(f"{optimizer}: invalid {name} {value!r}; it must be a number >= 0")
     if not math.isfinite(value):
         raise ValueError(f"{optimizer}: invalid {name} {value!r}; it must be finite")
+
+
+def unscale_grads_in_place(grads: Sequence[Tensor], grad_scale: Tensor) -> None:
+    """Divide ``grads`` by ``grad_scale`` in place, on their devices (no host sync).
+
+    What ``torch.amp.GradScaler`` leaves behind for a plain optimizer (it unscales ``.grad``
+    in place): an optimizer that unscales inside its step calls this after it, so code that
+    reads the gradients after ``scaler.step(optimizer)`` sees the same values either way.
+    """
+    inv = grad_scale.double().reciprocal().float().reshape(())
+    by_device: dict[torch.device, list[Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    for device, gs in by_device.items():
+        torch._foreach_mul_(gs, inv.to(device))
 
 
 def check_betas(optimizer: str, betas: Any) -> None:
@@ -101,10 +132,56 @@ def group_by_device_dtype(
     return buckets
 
 
+class AmpCOp:
+    """A class attribute that reads the ``amp_C`` op of the given name (Apex's op handles).
+
+    Apex's fused optimizers bind their multi-tensor ops in the constructor
+    (``self.multi_tensor_adam = amp_C.multi_tensor_adam``) and code built on them reads those
+    handles (fairseq's ``FusedAdam`` subclass refuses to run without ``multi_tensor_adam``) and
+    calls them through ``multi_tensor_applier`` with Apex's arguments. The handle is looked up
+    by name on ``amp_fused_ops.amp_C`` when read, so it is exactly that op; an op the installed
+    amp-fused-ops does not provide reads as a missing attribute (``hasattr`` is False). An
+    instance may assign its own handle over it, as with any attribute.
+
+    Args:
+        op_name: The name of the op in ``amp_C``.
+    """
+
+    def __init__(self, op_name: str) -> None:
+        self.op_name = op_name
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.attr_name = name
+
+    def __get__(self, obj: object, objtype: type | None = None) -> Callable[..., Any]:
+        from amp_fused_ops import amp_C
+
+        op = getattr(amp_C, self.op_name, None)
+        if op is None:
+            raise AttributeError(
+                f"{getattr(objtype, '__name__', 'optimizer')}.{self.attr_name}: the installed "
+                f"amp-fused-ops has no amp_C.{self.op_name}; upgrade amp-fused-ops"
+            )
+        return op
+
+
+def first_param_device(param_groups: Iterable[dict[str, Any]]) -> torch.device:
+    """The device of the first param of the first non-empty group (CPU when there is none)."""
+    for group in param_groups:
+        for p in group["params"]:
+            return p.device
+    return torch.device("cpu")
+
+
 class FusedOptimizerBase(torch.optim.Optimizer):
     """``torch.optim.Optimizer`` plus Apex's ``zero_grad`` and dtype-preserving state loading.
 
     Subclasses set ``self.set_grad_none`` and implement ``step``.
+
+    Attributes:
+        _dummy_overflow_buf: As in Apex, a one-element int32 tensor on the device of the first
+            param, the ``noop_flag`` to pass to ``multi_tensor_applier`` (nonzero skips the op;
+            some ops set it on inf/nan). It is this optimizer's own flag for that device.
     """
 
     set_grad_none: bool = True
@@ -112,6 +189,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
     def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
         super().__init__(params, defaults)
         self._noop_flags: dict[torch.device, Tensor] = {}
+        self._dummy_overflow_buf = self.noop_flag(first_param_device(self.param_groups))
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """Clear the gradients: set them to ``None`` when ``set_grad_none`` (Apex), else zero.

@@ -9,7 +9,13 @@ import torch
 
 from amp_fused_ops import amp_C, multi_tensor_applier
 
-from ._base import FusedOptimizerBase, check_nonnegative, group_by_device_dtype, params_with_grads
+from ._base import (
+    AmpCOp,
+    FusedOptimizerBase,
+    check_nonnegative,
+    group_by_device_dtype,
+    params_with_grads,
+)
 
 __all__ = ["FusedAdagrad"]
 
@@ -37,6 +43,9 @@ class FusedAdagrad(FusedOptimizerBase):
         >>> model(torch.randn(2, 4)).sum().backward()
         >>> opt.step()
     """
+
+    # Apex's op handles (read by code built on Apex's optimizers): the amp_C ops by name.
+    multi_tensor_adagrad = AmpCOp("multi_tensor_adagrad")
 
     def __init__(
         self,

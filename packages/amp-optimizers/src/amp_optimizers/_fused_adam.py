@@ -22,12 +22,15 @@ from torch import Tensor
 
 from amp_fused_ops import amp_C, multi_tensor_applier
 
+from ._adam_state_format import add_per_param_steps, from_torch_adam, is_torch_adam_format
 from ._base import (
+    AmpCOp,
     FusedOptimizerBase,
     check_betas,
     check_nonnegative,
     group_by_device_dtype,
     params_with_grads,
+    unscale_grads_in_place,
 )
 
 __all__ = ["FusedAdam"]
@@ -62,9 +65,14 @@ class FusedAdam(FusedOptimizerBase):
         RuntimeError: ``amsgrad=True``.
         ValueError: A negative ``lr``, ``eps`` or ``weight_decay``, or betas outside [0, 1).
 
-    Works with ``torch.amp.GradScaler``: the optimizer declares ``_step_supports_amp_scaling``,
-    reads the scaler's ``grad_scale`` and ``found_inf`` on the device, unscales inside the step
-    and skips it (state untouched) on inf/nan, with no host sync.
+    Works with ``torch.amp.GradScaler``. With ``capturable=True`` or ``master_weights=True``
+    the optimizer declares ``_step_supports_amp_scaling`` (as Apex's capturable FusedAdam):
+    it reads the scaler's ``grad_scale`` and ``found_inf`` on the device, unscales inside the
+    step, skips it (state untouched) on inf/nan with no host sync, and writes the unscaled
+    gradients back into ``.grad``. Otherwise the scaler unscales ``.grad`` in place and skips
+    ``step()`` itself, as for any optimizer (and, as torch's, refuses float16 gradients: use
+    ``capturable=True`` or ``master_weights=True`` for float16 params). Either way ``.grad``
+    holds the unscaled gradients after ``scaler.step(optimizer)``.
 
     Example:
         >>> model = torch.nn.Linear(4, 4)
@@ -73,7 +81,16 @@ class FusedAdam(FusedOptimizerBase):
         >>> opt.step()
     """
 
-    _step_supports_amp_scaling = True
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """Whether ``torch.amp.GradScaler`` leaves the unscaling to ``step`` (Apex: only when
+        capturable; here also with master weights, which it did not allow without)."""
+        return bool(self.capturable or self.master_weights)
+
+    # Apex's op handles (read by code built on Apex's optimizers): the amp_C ops by name.
+    multi_tensor_adam = AmpCOp("multi_tensor_adam")
+    multi_tensor_adam_capturable = AmpCOp("multi_tensor_adam_capturable")
+    multi_tensor_adam_capturable_master = AmpCOp("multi_tensor_adam_capturable_master")
 
     def __init__(
         self,
@@ -117,6 +134,21 @@ class FusedAdam(FusedOptimizerBase):
 
     # -- state ----------------------------------------------------------------------------
 
+    @property
+    def param_groups_master(self) -> list[dict[str, list[Tensor | None]]]:
+        """Apex's view of the float32 master weights: one ``{"params": [...]}`` per param group,
+        holding each param's master (``state[p]["master_param"]``) or None where it has none
+        (a float32 param, master weights off, or before the first step created it)."""
+        return [
+            {
+                "params": [
+                    self.state[p].get("master_param") if p in self.state else None
+                    for p in group["params"]
+                ]
+            }
+            for group in self.param_groups
+        ]
+
     def _state(self, p: Tensor, master_source: Tensor | None = None) -> dict[str, Any]:
         state = self.state[p]
         if "exp_avg" not in state:
@@ -127,12 +159,35 @@ class FusedAdam(FusedOptimizerBase):
             state["master_param"] = source.detach().to(dtype=torch.float32, copy=True)
         return state
 
+    def state_dict(self) -> dict[str, Any]:
+        """The state dict; each param's state also holds its group's ``step`` (a float32
+        tensor), so that ``torch.optim.Adam`` / ``AdamW`` can load it too.
+
+        .. note:: With ``capturable=True`` the step is read back from the device.
+        """
+        return add_per_param_steps(super().state_dict())
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict saved by :meth:`state_dict` (bitwise, float32 state kept).
+        """Load a state dict saved by :meth:`state_dict` (bitwise, float32 state kept), or one
+        saved by ``torch.optim.Adam`` / ``AdamW`` (converted: one step per group).
 
         Master weights that exist already (amp O2 holds references to them) are overwritten in
         place rather than replaced, and kept when the loaded state has none.
+
+        Raises:
+            ValueError: A torch Adam state dict that FusedAdam cannot continue (AMSGrad,
+                ``maximize``, params of one group at different steps).
         """
+        if is_torch_adam_format(state_dict):
+            state_dict = from_torch_adam(state_dict, self.adam_w_mode)
+        else:  # the per-param steps of state_dict() repeat the group's
+            state_dict = {
+                **state_dict,
+                "state": {
+                    pid: {k: v for k, v in s.items() if k != "step"}
+                    for pid, s in state_dict["state"].items()
+                },
+            }
         masters = {
             id(p): self.state[p]["master_param"]
             for g in self.param_groups
@@ -217,6 +272,11 @@ class FusedAdam(FusedOptimizerBase):
             # An inf or a nan anywhere skips every group, as one step.
             own_flag = torch.zeros((), dtype=torch.float32, device=work[0][1][0].device)
             self._device_steps(work, inv_scale, own_flag, use_master_grads=False)
+        if grad_scale is not None:
+            # As the scaler leaves .grad for a plain optimizer (and Apex's capturable kernel
+            # left it): unscaled, whether or not the step was skipped.
+            grads = [p.grad for _, params in work for p in params if p.grad is not None]
+            unscale_grads_in_place(grads, grad_scale)
         return loss
 
     def _plain_step(self, group: dict[str, Any], params: list[Tensor]) -> None:

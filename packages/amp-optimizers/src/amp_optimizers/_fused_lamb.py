@@ -11,6 +11,7 @@ from torch import Tensor
 from amp_fused_ops import amp_C, multi_tensor_applier
 
 from ._base import (
+    AmpCOp,
     FusedOptimizerBase,
     check_betas,
     check_nonnegative,
@@ -153,6 +154,10 @@ class FusedLAMB(FusedOptimizerBase):
         >>> model(torch.randn(2, 4)).sum().backward()
         >>> opt.step()
     """
+
+    # Apex's op handles (read by code built on Apex's optimizers): the amp_C ops by name.
+    multi_tensor_l2norm = AmpCOp("multi_tensor_l2norm")
+    multi_tensor_lamb = AmpCOp("multi_tensor_lamb")
 
     def __init__(
         self,

@@ -7,10 +7,11 @@ The LAMB math is :class:`~amp_optimizers.FusedLAMB`'s (``amp_C.multi_tensor_lamb
   (``"master_param"``, made on their first step); the op steps the master, and the half param
   is written from it;
 * ``lr`` and ``step`` are tensors on the params' device in every param group (Apex's layout);
-* under ``torch.amp.GradScaler`` the gradients stay scaled: the scaler's ``grad_scale`` and
-  ``found_inf`` are read on the device, the unscaling is folded into the op's gradient divisor
-  (see :func:`_grad_divisor_norm`), and the step is skipped when ``found_inf`` is set or the
-  gradient norm is not finite.
+* under ``torch.amp.GradScaler`` the scaler's ``grad_scale`` and ``found_inf`` are read on
+  the device, the unscaling is folded into the op's gradient divisor (see
+  :func:`_grad_divisor_norm`), and the step is skipped when ``found_inf`` is set or the
+  gradient norm is not finite; after the step the gradients are unscaled in place, as the
+  scaler leaves them for a plain optimizer.
 """
 
 from __future__ import annotations
@@ -21,7 +22,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import FusedOptimizerBase, group_by_device_dtype, params_with_grads
+from ._base import (
+    AmpCOp,
+    FusedOptimizerBase,
+    group_by_device_dtype,
+    params_with_grads,
+    unscale_grads_in_place,
+)
 from ._fused_lamb import check_lamb_args, global_grad_norm, lamb_moments, launch_lamb
 
 __all__ = ["FusedMixedPrecisionLamb"]
@@ -69,8 +76,9 @@ class FusedMixedPrecisionLamb(FusedOptimizerBase):
             None, float16 or bfloat16.
 
     Works with ``torch.amp.GradScaler``: the optimizer declares ``_step_supports_amp_scaling``,
-    so ``scaler.step(optimizer)`` leaves the gradients scaled and hands over its ``grad_scale``
-    and ``found_inf`` tensors, which are read on the device.
+    so ``scaler.step(optimizer)`` hands over its ``grad_scale`` and ``found_inf`` tensors,
+    which are read on the device; after the step ``.grad`` holds the unscaled gradients (as
+    with a plain optimizer, whose gradients the scaler unscales in place).
 
     .. note:: A step reads the skip decision, ``lr`` and ``step`` back to the host in one
         transfer (the one host sync of a step, as ``GradScaler`` with a plain optimizer):
@@ -86,6 +94,10 @@ class FusedMixedPrecisionLamb(FusedOptimizerBase):
     """
 
     _step_supports_amp_scaling = True
+
+    # Apex's op handles (read by code built on Apex's optimizers): the amp_C ops by name.
+    multi_tensor_l2norm = AmpCOp("multi_tensor_l2norm_mp")
+    multi_tensor_lamb = AmpCOp("multi_tensor_lamb_mp")
 
     def __init__(
         self,
@@ -133,6 +145,8 @@ class FusedMixedPrecisionLamb(FusedOptimizerBase):
         self.reduced_precision_dtype = reduced_precision_dtype
         self.adam_w_mode = 1 if adam_w_mode else 0
         self.use_nvlamb = use_nvlamb
+        # Apex's attribute; the float32 copies of half params live in the state here.
+        self.param_groups_full_precision: list[dict[str, Any]] = []
 
     # -- param groups -----------------------------------------------------------------------
 
@@ -179,9 +193,16 @@ class FusedMixedPrecisionLamb(FusedOptimizerBase):
         grads = [p.grad for params in per_group for p in params if p.grad is not None]
         if not grads:
             return loss
-        device = grads[0].device
         grad_scale = getattr(self, "grad_scale", None)
-        found_inf = getattr(self, "found_inf", None)
+        self._lamb_step(per_group, grads, grad_scale, getattr(self, "found_inf", None))
+        if isinstance(grad_scale, Tensor):
+            unscale_grads_in_place(grads, grad_scale)
+        return loss
+
+    def _lamb_step(
+        self, per_group: list[list[Tensor]], grads: list[Tensor], grad_scale: Any, found_inf: Any
+    ) -> None:
+        device = grads[0].device
 
         norm = global_grad_norm(grads, device)  # (1,) of the gradients as they are (scaled)
         skip = ~torch.isfinite(norm)
@@ -197,7 +218,7 @@ class FusedMixedPrecisionLamb(FusedOptimizerBase):
         groups = self.param_groups
         host = _host_values([skip, scale, *(g["lr"] for g in groups), *(g["step"] for g in groups)])
         if host[0]:
-            return loss
+            return
         scale_value = host[1]
         lrs = host[2 : 2 + len(groups)]
         steps = [int(v) for v in host[2 + len(groups) :]]
@@ -234,7 +255,6 @@ class FusedMixedPrecisionLamb(FusedOptimizerBase):
                 )
                 if targets[0] is not ps[0]:  # masters were stepped: round them into the params
                     torch._foreach_copy_(ps, targets)
-        return loss
 
     def _stepped_tensor(self, state: dict[str, Any], p: Tensor) -> Tensor:
         """The tensor the op steps for ``p``: its float32 master, or ``p`` itself."""

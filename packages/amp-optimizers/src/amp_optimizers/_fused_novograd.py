@@ -10,6 +10,7 @@ import torch
 from amp_fused_ops import amp_C, multi_tensor_applier
 
 from ._base import (
+    AmpCOp,
     FusedOptimizerBase,
     check_betas,
     check_nonnegative,
@@ -62,6 +63,9 @@ class FusedNovoGrad(FusedOptimizerBase):
         >>> model(torch.randn(2, 4)).sum().backward()
         >>> opt.step()
     """
+
+    # Apex's op handles (read by code built on Apex's optimizers): the amp_C ops by name.
+    multi_tensor_novograd = AmpCOp("multi_tensor_novograd")
 
     def __init__(
         self,

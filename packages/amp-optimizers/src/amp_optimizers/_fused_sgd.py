@@ -11,7 +11,13 @@ from torch.optim.optimizer import required
 
 from amp_fused_ops import amp_C, multi_tensor_applier
 
-from ._base import FusedOptimizerBase, check_nonnegative, group_by_device_dtype, params_with_grads
+from ._base import (
+    AmpCOp,
+    FusedOptimizerBase,
+    check_nonnegative,
+    group_by_device_dtype,
+    params_with_grads,
+)
 
 __all__ = ["FusedSGD"]
 
@@ -47,6 +53,9 @@ class FusedSGD(FusedOptimizerBase):
         >>> opt.step()
     """
 
+    # Apex's op handles (read by code built on Apex's optimizers): the amp_C ops by name.
+    multi_tensor_sgd = AmpCOp("multi_tensor_sgd")
+
     def __init__(
         self,
         params: Iterable[Any],
@@ -79,6 +88,10 @@ class FusedSGD(FusedOptimizerBase):
         super().__init__(params, defaults)
         self.wd_after_momentum = wd_after_momentum
         self.materialize_master_grads = materialize_master_grads
+        # Apex's record of the loss scale its amp handed FusedSGD through backward (1.0: none);
+        # kept for code that reads or resets it. amp here unscales before step(), so 1.0.
+        self.most_recent_scale = 1.0
+        self.scale_set_by_backward = False
         self.set_grad_none = set_grad_none
 
     def __setstate__(self, state: dict[str, Any]) -> None:

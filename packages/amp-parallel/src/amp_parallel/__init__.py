@@ -6,6 +6,13 @@ Example:
 """
 
 from ._ddp import DistributedDataParallel
+from ._flat_dist import (
+    apply_flat_dist_call,
+    extract_tensors,
+    flat_dist_call,
+    split_by_type,
+    split_half_float_double,
+)
 from ._larc import LARC
 from ._reducer import Reducer
 from ._syncbn import SyncBatchNorm, convert_syncbn_model, create_syncbn_process_group
@@ -15,6 +22,12 @@ __all__ = [
     # data parallelism
     "DistributedDataParallel",
     "Reducer",
+    # Apex's bucket helpers (apex.parallel.distributed)
+    "flat_dist_call",
+    "apply_flat_dist_call",
+    "split_by_type",
+    "split_half_float_double",
+    "extract_tensors",
     # synchronized batch norm
     "SyncBatchNorm",
     "convert_syncbn_model",

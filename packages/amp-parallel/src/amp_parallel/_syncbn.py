@@ -93,11 +93,23 @@ class SyncBatchNorm(_BatchNorm):
         if use_batch_stats:
             sync = self.training and self._sync_enabled()
             with torch.no_grad():
-                mean, var, count = batch_stats(input, self.channel_last, self.process_group, sync)
+                mean, var, count, counts = batch_stats(
+                    input, self.channel_last, self.process_group, sync
+                )
+            if count == 1:  # as torch's batch norm (every rank sees the same total)
+                size = tuple(input.shape)
+                where = f" (over {counts.numel()} ranks)" if sync else ""
+                raise ValueError(
+                    f"Expected more than 1 value per channel when training, got input size "
+                    f"{size}{where}: a variance needs at least 2 values per channel; use a "
+                    "larger batch, or eval() mode with running statistics."
+                )
+            with torch.no_grad():
                 self._update_running_stats(mean, var, count)
         else:
             assert self.running_mean is not None and self.running_var is not None
-            sync, count = False, 0
+            sync = False
+            counts = torch.zeros(1, dtype=torch.int32, device=input.device)
             mean, var = self.running_mean.float(), self.running_var.float()
         invstd = torch.rsqrt(var + self.eps)
         out: Tensor = SyncBNFunction.apply(
@@ -107,7 +119,7 @@ class SyncBatchNorm(_BatchNorm):
             self.bias,
             mean,
             invstd,
-            count,
+            counts,
             self.process_group,
             sync,
             use_batch_stats,
@@ -122,6 +134,8 @@ class SyncBatchNorm(_BatchNorm):
         assert self.running_mean is not None and self.running_var is not None
         assert self.num_batches_tracked is not None
         self.num_batches_tracked.add_(1)
+        if count == 0:
+            return  # an empty batch (on every rank): no statistics, as torch's batch norm
         if self.momentum is None:
             factor = 1.0 / float(self.num_batches_tracked.item())
         else:

@@ -67,7 +67,7 @@ def local_moments(x: Tensor, channel_last: bool) -> tuple[Tensor, Tensor, int]:
 
 def batch_stats(
     x: Tensor, channel_last: bool, group: ProcessGroup | None, sync: bool
-) -> tuple[Tensor, Tensor, int]:
+) -> tuple[Tensor, Tensor, int, Tensor]:
     """Mean, biased variance and element count per channel over the (group's) batch.
 
     Args:
@@ -77,11 +77,14 @@ def batch_stats(
         sync: Merge the statistics of every rank of ``group``; local statistics otherwise.
 
     Returns:
-        ``(mean, var_biased, count)``, fp32 tensors and the total count.
+        ``(mean, var_biased, count, counts)``: fp32 tensors, the total count, and each rank's
+        count as an int32 ``(world,)`` tensor on ``x``'s device (what Apex's
+        ``syncbn.batchnorm_backward`` takes).
     """
     mean, m2, count = local_moments(x, channel_last)
     if not sync:
-        return mean, m2 / max(count, 1), count
+        counts = torch.tensor([count], dtype=torch.int32, device=x.device)
+        return mean, m2 / max(count, 1), count, counts
     channels = mean.numel()
     packed = torch.cat([mean, m2, mean.new_full((1,), float(count))])  # (2C + 1,)
     gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
@@ -92,7 +95,7 @@ def batch_stats(
     merged_mean = (means * counts).sum(0) / total.clamp(min=1)
     merged_m2 = (m2s + counts * (means - merged_mean) ** 2).sum(0)
     n = int(total.item())  # host sync: the count is needed for the running variance
-    return merged_mean, merged_m2 / max(n, 1), n
+    return merged_mean, merged_m2 / max(n, 1), n, counts.view(-1).to(torch.int32)
 
 
 class SyncBNFunction(torch.autograd.Function):
@@ -111,7 +114,7 @@ class SyncBNFunction(torch.autograd.Function):
         bias: Tensor | None,
         mean: Tensor,
         invstd: Tensor,
-        count: int,
+        counts: Tensor,
         group: ProcessGroup | None,
         sync: bool,
         batch_stats: bool,
@@ -127,9 +130,8 @@ class SyncBNFunction(torch.autograd.Function):
         if fuse_relu:
             y = torch.relu(y)
         out = y.to(x.dtype)
-        ctx.save_for_backward(x, weight, mean, invstd, out if fuse_relu else None)
+        ctx.save_for_backward(x, weight, mean, invstd, counts, out if fuse_relu else None)
         ctx.meta = (
-            count,
             group,
             sync,
             batch_stats,
@@ -141,8 +143,8 @@ class SyncBNFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        x, weight, mean, invstd, out = ctx.saved_tensors
-        count, group, sync, batch_stats, channel_last, has_z, z_dtype = ctx.meta
+        x, weight, mean, invstd, counts, out = ctx.saved_tensors
+        group, sync, batch_stats, channel_last, has_z, z_dtype = ctx.meta
         shape = stat_shape(x, channel_last)
         dims = reduce_dims(x, channel_last)
         dy = grad_out.float()
@@ -164,10 +166,19 @@ class SyncBNFunction(torch.autograd.Function):
                     both = torch.cat([sum_dy, sum_dy_xmu])
                     dist.all_reduce(both, group=group)
                     sum_dy, sum_dy_xmu = both.chunk(2)
-                n = float(max(count, 1))
-                mean_dy = (sum_dy / n).view(shape)
-                proj = (sum_dy_xmu * invstd * invstd / n).view(shape)
-                dx = (dy - mean_dy - x_mu * proj) * w.view(shape)
+                kernels = fused_syncbn()
+                if kernels is not None and x.numel() > 0:
+                    # Apex's kernel signature: the per-rank int32 counts, summed on the device.
+                    g = grad_out if out is None else grad_out.masked_fill(out <= 0, 0)
+                    dx = kernels.batchnorm_backward(
+                        g, x, mean, invstd, weight, sum_dy, sum_dy_xmu, counts,
+                        channel_last=channel_last,
+                    )  # fmt: skip
+                else:
+                    n = counts.sum().clamp(min=1).float()
+                    mean_dy = (sum_dy / n).view(shape)
+                    proj = (sum_dy_xmu * invstd * invstd / n).view(shape)
+                    dx = (dy - mean_dy - x_mu * proj) * w.view(shape)
             else:
                 dx = dy * w.view(shape)
             dx = dx.to(x.dtype)

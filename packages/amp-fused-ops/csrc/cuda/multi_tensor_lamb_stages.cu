@@ -1,0 +1,195 @@
+// multi_tensor_lamb_stage1_cuda and multi_tensor_lamb_stage2_cuda (Apex's names).
+//
+// Math in float32, the reference's (_reference_lamb_stages.py):
+//   stage 1 on [grads, params, exp_avgs, exp_avg_sqs, updates], bias correction at step + 1:
+//     g = grad / clip; m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g g;
+//     update = (m / bc1) / (sqrt(v / bc2) + eps) + decay[tensor] * p
+//   stage 2 on [params, updates]: p -= ratio[tensor] * update, with
+//     ratio = lr * param_norm / update_norm when both are nonzero and (use_nvlamb or
+//     weight_decay != 0), else lr.
+// The per-tensor decays and norms and the global norm are device tensors read by the kernels
+// (no host sync). The noop flag is neither read nor written, as in Apex. Self-contained
+// functors over multi_tensor_apply.cuh.
+#include "multi_tensor_apply.cuh"
+#include "multi_tensor_ops.h"
+
+namespace amp_fused_ops {
+namespace cuda {
+namespace {
+
+struct LambStage1ApexOp {
+  static constexpr unsigned kStores = 0b11100;
+  static constexpr int kReduce = 0;
+  static constexpr bool kReduceMax = false;
+  const float* decays;
+  const float* global_norm_ptr;
+  float max_grad_norm;
+  float beta1;
+  float beta2;
+  float one_minus_beta1;  // 1 - beta1 in double on the host, then rounded (as the reference)
+  float one_minus_beta2;
+  float bc1;
+  float bc2;
+  float epsilon;
+  float decay;
+  float clip;
+
+  __device__ bool prepare(int tensor, const int*) {
+    const float norm = *global_norm_ptr;
+    clip = norm > max_grad_norm ? norm / max_grad_norm : 1.0f;
+    decay = decays[tensor];
+    return true;
+  }
+  __device__ void operator()(float (&x)[5], float (&)[2], bool&) const {
+    const float g = x[0] / clip;
+    const float m = beta1 * x[2] + one_minus_beta1 * g;
+    const float v = beta2 * x[3] + one_minus_beta2 * g * g;
+    const float update = (m / bc1) / (sqrtf(v / bc2) + epsilon);
+    x[2] = m;
+    x[3] = v;
+    x[4] = update + x[1] * decay;
+  }
+};
+
+struct LambStage2ApexOp {
+  static constexpr unsigned kStores = 0b01;
+  static constexpr int kReduce = 0;
+  static constexpr bool kReduceMax = false;
+  const float* param_norms;
+  const float* update_norms;
+  float lr;
+  bool use_ratio;
+  float ratio;
+
+  __device__ bool prepare(int tensor, const int*) {
+    const float pn = param_norms[tensor];
+    const float un = update_norms[tensor];
+    ratio = (use_ratio && pn != 0.0f && un != 0.0f) ? lr * (pn / un) : lr;
+    return true;
+  }
+  __device__ void operator()(float (&x)[2], float (&)[2], bool&) const {
+    x[0] = x[0] - x[1] * ratio;
+  }
+};
+
+// A float32 tensor of one value per tensor, on the tensors' device, contiguous.
+at::Tensor per_tensor_arg(const char* op, const char* name, const at::Tensor& value, size_t n,
+                          const at::Device& device) {
+  TORCH_CHECK(value.defined() && value.scalar_type() == at::kFloat &&
+                  value.numel() == static_cast<int64_t>(n),
+              op, ": ", name, " must be a float32 tensor of ", n,
+              " elements (one per tensor), got dtype ",
+              value.defined() ? value.scalar_type() : at::kFloat, " with ",
+              value.defined() ? value.numel() : 0, " elements");
+  TORCH_CHECK(value.device() == device, op, ": ", name, " is on ", value.device(),
+              " but the tensors are on ", device, "; create it on the tensors' device");
+  return value.contiguous();
+}
+
+// The state list(s) [first, last] must have dtype float32 or the params' (list `param`).
+void check_float_or_param(const char* op, const TensorListsArg& lists, size_t param,
+                          size_t first, size_t last, const char* what) {
+  const at::ScalarType param_type = lists[param][0].scalar_type();
+  const at::ScalarType state = lists[first][0].scalar_type();
+  for (size_t l = first; l <= last; ++l) {
+    TORCH_CHECK(lists[l][0].scalar_type() == state, op, ": list ", l, " has dtype ",
+                lists[l][0].scalar_type(), " but list ", first, " has dtype ", state,
+                "; the ", what, " lists must share one dtype");
+  }
+  TORCH_CHECK(state == at::kFloat || state == param_type, op, ": ", what, " (list ", first,
+              ") has dtype ", state, " but the params have dtype ", param_type,
+              "; the CUDA kernel takes float32 or the params' dtype there");
+}
+
+}  // namespace
+
+void multi_tensor_lamb_stage1(int64_t chunk_size, const at::Tensor& noop_flag,
+                              const TensorListsArg& tensor_lists,
+                              const at::Tensor& per_tensor_decay, int64_t step, double beta1,
+                              double beta2, double epsilon, const at::Tensor& global_grad_norm,
+                              double max_global_grad_norm) {
+  constexpr const char* op = "multi_tensor_lamb_stage1_cuda";
+  const size_t n = check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 5);
+  if (n == 0) {
+    return;
+  }
+  check_float_or_param(op, tensor_lists, 1, 2, 3, "moment");
+  check_float_or_param(op, tensor_lists, 1, 4, 4, "update");
+  const c10::cuda::CUDAGuard guard(noop_flag.device());
+  const at::Device device = noop_flag.device();
+  const at::Tensor decays = per_tensor_arg(op, "per_tensor_decay", per_tensor_decay, n, device);
+  const at::Tensor norm = device_scalar(op, "global_grad_norm", global_grad_norm, device);
+
+  LambStage1ApexOp stage1{};
+  stage1.decays = decays.data_ptr<float>();
+  stage1.global_norm_ptr = norm.data_ptr<float>();
+  stage1.max_grad_norm = static_cast<float>(max_global_grad_norm);
+  stage1.beta1 = static_cast<float>(beta1);
+  stage1.beta2 = static_cast<float>(beta2);
+  stage1.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  stage1.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  // Bias corrections in double on the host, as the reference computes them in Python.
+  const double next_step = static_cast<double>(step + 1);
+  stage1.bc1 = static_cast<float>(1.0 - std::pow(beta1, next_step));
+  stage1.bc2 = static_cast<float>(1.0 - std::pow(beta2, next_step));
+  stage1.epsilon = static_cast<float>(epsilon);
+
+  const bool fp32_state = tensor_lists[2][0].scalar_type() == at::kFloat;
+  const bool fp32_update = tensor_lists[4][0].scalar_type() == at::kFloat;
+  const std::array<at::ScalarType, 2> types{tensor_lists[0][0].scalar_type(),
+                                            tensor_lists[1][0].scalar_type()};
+  dispatch_float_types(op, types, [&](auto type_list) {
+    using G = TypeAt<0, decltype(type_list)>;
+    using P = TypeAt<1, decltype(type_list)>;
+    if (fp32_state && fp32_update) {
+      multi_tensor_apply<LambStage1ApexOp, G, P, float, float, float>(chunk_size, noop_flag,
+                                                                      tensor_lists, stage1);
+    } else if (fp32_state) {
+      multi_tensor_apply<LambStage1ApexOp, G, P, float, float, P>(chunk_size, noop_flag,
+                                                                  tensor_lists, stage1);
+    } else if (fp32_update) {
+      multi_tensor_apply<LambStage1ApexOp, G, P, P, P, float>(chunk_size, noop_flag,
+                                                              tensor_lists, stage1);
+    } else {
+      multi_tensor_apply<LambStage1ApexOp, G, P, P, P, P>(chunk_size, noop_flag, tensor_lists,
+                                                          stage1);
+    }
+  });
+}
+
+void multi_tensor_lamb_stage2(int64_t chunk_size, const at::Tensor& noop_flag,
+                              const TensorListsArg& tensor_lists,
+                              const at::Tensor& per_tensor_param_norm,
+                              const at::Tensor& per_tensor_update_norm, double lr,
+                              double weight_decay, bool use_nvlamb) {
+  constexpr const char* op = "multi_tensor_lamb_stage2_cuda";
+  const size_t n = check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 2);
+  if (n == 0) {
+    return;
+  }
+  check_float_or_param(op, tensor_lists, 0, 1, 1, "update");
+  const c10::cuda::CUDAGuard guard(noop_flag.device());
+  const at::Device device = noop_flag.device();
+  const at::Tensor param_norms =
+      per_tensor_arg(op, "per_tensor_param_norm", per_tensor_param_norm, n, device);
+  const at::Tensor update_norms =
+      per_tensor_arg(op, "per_tensor_update_norm", per_tensor_update_norm, n, device);
+  LambStage2ApexOp stage2{};
+  stage2.param_norms = param_norms.data_ptr<float>();
+  stage2.update_norms = update_norms.data_ptr<float>();
+  stage2.lr = static_cast<float>(lr);
+  stage2.use_ratio = use_nvlamb || weight_decay != 0.0;
+  const bool fp32_update = tensor_lists[1][0].scalar_type() == at::kFloat;
+  const std::array<at::ScalarType, 1> types{tensor_lists[0][0].scalar_type()};
+  dispatch_float_types(op, types, [&](auto type_list) {
+    using P = TypeAt<0, decltype(type_list)>;
+    if (fp32_update) {
+      multi_tensor_apply<LambStage2ApexOp, P, float>(chunk_size, noop_flag, tensor_lists, stage2);
+    } else {
+      multi_tensor_apply<LambStage2ApexOp, P, P>(chunk_size, noop_flag, tensor_lists, stage2);
+    }
+  });
+}
+
+}  // namespace cuda
+}  // namespace amp_fused_ops

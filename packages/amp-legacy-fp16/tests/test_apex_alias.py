@@ -1,0 +1,136 @@
+"""The ``apex`` import hook behind ``python -m amp_legacy_fp16.apex_run`` (in this process).
+
+The end-to-end runs (a script importing every alias, ``torchrun`` with two ranks) are in
+``tests/integration/test_apex_run.py``; these need only amp-core and this package.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import sys
+import types
+from collections.abc import Iterator
+
+import pytest
+
+import amp_legacy_fp16
+from amp_core import amp as core_amp
+from amp_legacy_fp16 import _apex_alias
+from amp_legacy_fp16 import amp as legacy_amp
+
+
+def _real_apex_installed() -> bool:
+    _apex_alias.uninstall()
+    return importlib.util.find_spec("apex") is not None
+
+
+pytestmark = pytest.mark.skipif(
+    _real_apex_installed(), reason="a real apex is installed in this environment"
+)
+
+
+@pytest.fixture
+def hook() -> Iterator[None]:
+    _apex_alias.install()
+    yield
+    _apex_alias.uninstall()
+    sys.modules.pop("amp_C", None)
+
+
+def test_probes_find_apex_only_while_the_hook_is_installed(hook: None) -> None:
+    # What transformers' is_apex_available does: find_spec, then the distribution's version.
+    assert importlib.util.find_spec("apex") is not None
+    assert importlib.metadata.version("apex") == _apex_alias.APEX_VERSION
+    assert importlib.metadata.metadata("apex")["Name"] == "apex"
+    _apex_alias.uninstall()
+    assert importlib.util.find_spec("apex") is None
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version("apex")
+
+
+def test_install_twice_keeps_one_hook(hook: None) -> None:
+    _apex_alias.install()
+    hooks = [f for f in sys.meta_path if isinstance(f, _apex_alias.ApexAliasFinder)]
+    assert len(hooks) == 1
+
+
+def test_apex_amp_is_amp_core_plus_the_legacy_init(hook: None) -> None:
+    import apex
+    from apex import amp
+
+    assert apex.amp is amp
+    apex_names = [
+        "init", "half_function", "float_function", "promote_function",
+        "register_half_function", "register_float_function", "register_promote_function",
+        "scale_loss", "disable_casts", "initialize", "state_dict", "load_state_dict",
+        "master_params",
+    ]  # fmt: skip
+    for name in apex_names:
+        expected = getattr(legacy_amp if name == "init" else core_amp, name)
+        assert getattr(amp, name) is expected, name
+
+
+def test_apex_fp16_utils_and_its_submodules(hook: None) -> None:
+    apex_names = [
+        "BN_convert_float", "network_to_half", "prep_param_lists",
+        "model_grads_to_master_grads", "master_params_to_model_params", "tofp16",
+        "to_python_float", "clip_grad_norm", "convert_module", "convert_network", "FP16Model",
+        "FP16_Optimizer", "LossScaler", "DynamicLossScaler",
+    ]  # fmt: skip
+    fp16_utils = importlib.import_module("apex.fp16_utils")
+    for name in apex_names:
+        assert getattr(fp16_utils, name) is getattr(amp_legacy_fp16, name), name
+    from apex.fp16_utils.fp16_optimizer import FP16_Optimizer
+    from apex.fp16_utils.fp16util import network_to_half
+    from apex.fp16_utils.loss_scaler import DynamicLossScaler, LossScaler
+
+    assert FP16_Optimizer is amp_legacy_fp16.FP16_Optimizer
+    assert network_to_half is amp_legacy_fp16.network_to_half
+    assert (LossScaler, DynamicLossScaler) == (
+        amp_legacy_fp16.LossScaler,
+        amp_legacy_fp16.DynamicLossScaler,
+    )
+    assert not hasattr(fp16_utils, "amp")  # amp_legacy_fp16's own amp is not apex.fp16_utils'
+
+
+def test_a_missing_toolkit_package_names_the_pip_package(
+    hook: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # None in sys.modules makes `import amp_optimizers` fail as if it were not installed.
+    monkeypatch.setitem(sys.modules, "amp_optimizers", None)
+    with pytest.raises(ModuleNotFoundError, match="pip install amp-optimizers") as info:
+        importlib.import_module("apex.optimizers")
+    assert info.value.name == "apex.optimizers"
+    with pytest.raises(ImportError, match="amp-optimizers"):
+        exec("from apex.optimizers import FusedAdam", {})
+    assert "apex.optimizers" not in sys.modules
+
+
+def test_an_apex_module_the_toolkit_lacks_is_not_found(hook: None) -> None:
+    assert importlib.util.find_spec("apex.contrib") is None
+    with pytest.raises(ModuleNotFoundError, match=r"apex\.transformer"):
+        importlib.import_module("apex.transformer")
+    import apex
+
+    with pytest.raises(AttributeError, match="no attribute 'RNN'"):
+        _ = apex.RNN
+
+
+def test_a_real_apex_already_imported_is_not_mixed_with_the_aliases(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake = types.ModuleType("apex")
+    fake.__file__ = "/site-packages/apex/__init__.py"
+    monkeypatch.setitem(sys.modules, "apex", fake)
+    with pytest.raises(RuntimeError, match="a module named apex is imported already"):
+        _apex_alias.install()
+    assert not _apex_alias.installed()
+
+
+def test_uninstall_forgets_the_alias_modules(hook: None) -> None:
+    importlib.import_module("apex.amp")
+    assert "apex.amp" in sys.modules
+    _apex_alias.uninstall()
+    assert "apex" not in sys.modules and "apex.amp" not in sys.modules

@@ -1,0 +1,50 @@
+"""amp O1's weight-cast cache sees a weight updated in place by an ``amp_C`` op.
+
+O1 keeps low-precision copies of the weights in autocast's cast cache and drops them when a
+weight's autograd version moved (amp-core's README: the cache never serves a stale copy). An
+``amp_C`` op that writes a weight in place must therefore bump its version, on the compiled
+CPU kernels as on the reference path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from amp_core import amp
+from amp_fused_ops import _amp_C, _loader, amp_C, multi_tensor_applier
+
+
+@pytest.fixture(params=["compiled", "reference"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "reference":
+        monkeypatch.setattr(_amp_C, "_kernel", lambda name, tensor_lists: None)
+    elif _loader.get_extension("cpu") is None:
+        pytest.skip(f"no compiled CPU extension: {_loader.unavailable_reason('cpu')}")
+    return str(request.param)
+
+
+@pytest.fixture(autouse=True)
+def _amp_off_afterwards() -> object:
+    yield None
+    amp.initialize(torch.nn.Linear(1, 1), opt_level="O0", verbosity=0)
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_o1_recasts_a_weight_scaled_in_place_by_amp_C(path: str, half: torch.dtype) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", half_dtype=half, verbosity=0)
+    x = torch.randn(5, 6)
+    first = model(x)
+    if path == "compiled":
+        assert _amp_C._kernel("multi_tensor_scale", [[model.weight]]) is not None
+    flag = torch.zeros(1, dtype=torch.int32)
+    with torch.no_grad():
+        multi_tensor_applier(amp_C.multi_tensor_scale, flag, [[model.weight], [model.weight]], -2.0)
+    second = model(x)
+    expected = F.linear(x.to(half), model.weight.detach().to(half), model.bias.detach().to(half))
+    assert not torch.equal(first, second)
+    torch.testing.assert_close(second.detach(), expected, rtol=0, atol=0)
