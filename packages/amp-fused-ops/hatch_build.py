@@ -4,10 +4,11 @@ Every regular wheel gets ``csrc/`` as ``amp_fused_ops/csrc`` (the loader compile
 time; editable installs find it next to ``src/``). The compile step is a no-op unless
 ``AMP_FUSED_OPS_BUILD_EXT=1`` (so ``nox -s build`` and plain ``pip install`` make a
 pure-Python wheel that compiles just in time on first use). With the variable set,
-the wheel target compiles ``csrc/cpu`` through ``amp_fused_ops._loader`` (the same
-``torch.utils.cpp_extension`` build as just in time), ships the module in
-``amp_fused_ops/_prebuilt/`` with a JSON note of the torch and Python it was built for, and
-marks the wheel platform-specific. The loader uses that module only when torch and Python
+the wheel target compiles ``csrc/cpu`` through the loader (``amp_fused_ops/_extension``: the
+same ``torch.utils.cpp_extension`` build as just in time), ships the module in
+``amp_fused_ops/_prebuilt/`` with a JSON note of the torch and Python it was built for and of
+the module's size and SHA-256 (checked before it is loaded), and marks the wheel
+platform-specific. The loader uses that module only when torch and Python
 match; otherwise it compiles as usual. The build needs torch importable, so build with
 ``python -m build --no-isolation`` (or put torch in the build requirements)::
 
@@ -63,16 +64,22 @@ def requested_kinds(value: str) -> tuple[str, ...]:
 
 
 def _load_loader(root: Path) -> ModuleType:
-    """Import ``src/amp_fused_ops/_loader.py`` by path (without the package's __init__)."""
-    path = root / "src" / "amp_fused_ops" / "_loader.py"
-    name = "_amp_fused_ops_loader_for_build"
-    spec = importlib.util.spec_from_file_location(name, path)
+    """Import ``src/amp_fused_ops/_extension`` by path (without the package's __init__).
+
+    Its modules import each other relatively, so the folder loads as a package of its own.
+    """
+    folder = root / "src" / "amp_fused_ops" / "_extension"
+    name = "_amp_fused_ops_extension_for_build"
+    spec = importlib.util.spec_from_file_location(
+        name, folder / "__init__.py", submodule_search_locations=[str(folder)]
+    )
     if spec is None or spec.loader is None:
-        raise RuntimeError(f"cannot import the extension loader from {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while it executes
-    spec.loader.exec_module(module)
-    return module
+        raise RuntimeError(f"cannot import the extension loader from {folder}")
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[name] = package  # the relative imports look the package up by name
+    spec.loader.exec_module(package)
+    importlib.import_module(f"{name}.api")  # imports the other modules, which it uses
+    return package
 
 
 class CustomBuildHook(BuildHookInterface):
@@ -106,7 +113,7 @@ class CustomBuildHook(BuildHookInterface):
         # Objects and ninja files stay out of the output folder; finalize() removes them.
         self._build_dir = Path(tempfile.mkdtemp(prefix="amp_fused_ops_ext_"))
         # A shipped wheel must run on any CPU of its architecture: no host-specific flags.
-        os.environ[loader.PORTABLE_ENV] = "1"
+        os.environ[loader.settings.PORTABLE_ENV] = "1"
         for kind in kinds:
             self._build_kind(loader, kind, build_data)
         build_data["pure_python"] = False
@@ -116,18 +123,17 @@ class CustomBuildHook(BuildHookInterface):
         """Compile ``kind`` and add the module and its JSON note to the wheel."""
         build_dir = self._build_dir / kind
         try:
-            module_path = loader.build_extension(kind, force=True, build_dir=build_dir)
-        except loader.ExtensionUnavailableError as error:
+            module_path = loader.api.build_extension(kind, force=True, build_dir=build_dir)
+        except loader.settings.ExtensionUnavailableError as error:
             raise RuntimeError(
                 f"{BUILD_ENV}: cannot build the {kind} extension: {error}"
             ) from error
-        name = loader._MODULE_NAMES[kind]
+        name = loader.settings.MODULE_NAMES[kind]
         note = build_dir / f"{name}.json"
-        meta = {"file": module_path.name, "torch": loader.torch.__version__}
-        meta["python"] = loader._python_tag()
-        if kind == "cuda":
-            meta["arch"] = str(loader.cuda_arch_list())
-        note.write_text(json.dumps(meta))
+        # The build record (torch, Python, arch, size, SHA-256) is the note of the wheel.
+        record = json.loads((build_dir / loader.settings.MARKER).read_text())
+        keys = ("file", "torch", "python", "arch", "size", "sha256")
+        note.write_text(json.dumps({key: record[key] for key in keys if key in record}))
         prebuilt = "amp_fused_ops/_prebuilt"
         build_data["force_include"][str(module_path)] = f"{prebuilt}/{module_path.name}"
         build_data["force_include"][str(note)] = f"{prebuilt}/{note.name}"

@@ -102,6 +102,7 @@ def load_from(cache: Path) -> object:
         patch.setenv(_loader.CACHE_ENV, str(cache))
         patch.delenv(_loader.DISABLE_ENV, raising=False)
         patch.setattr(_loader, "_compile", _no_compile)
+        _loader.clear_cache()  # the loader decides once per process: look in `cache` now
         ext = _loader.get_extension("cpu")
     assert ext is not None, "the session build should have left a loadable extension"
     return ext

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -293,7 +294,13 @@ def test_prebuilt_module_is_preferred_when_torch_matches(
     prebuilt = tmp_path / "_prebuilt"
     prebuilt.mkdir()
     shutil.copy(built, prebuilt / built.name)
-    meta = {"file": built.name, "torch": torch.__version__, "python": _loader._python_tag()}
+    meta: dict[str, object] = {
+        "file": built.name,
+        "torch": torch.__version__,
+        "python": _loader._python_tag(),
+        "size": built.stat().st_size,
+        "sha256": hashlib.sha256(built.read_bytes()).hexdigest(),
+    }
     (prebuilt / "amp_fused_ops_cpu.json").write_text(json.dumps(meta))
     monkeypatch.setattr(_loader, "_PREBUILT_DIR", prebuilt)
     imported: list[Path] = []
@@ -307,6 +314,10 @@ def test_prebuilt_module_is_preferred_when_torch_matches(
     assert _loader.extension_status("cpu").state == "prebuilt"
     assert _loader.get_extension("cpu") is not None
     assert imported == [prebuilt / built.name]  # (Python reuses the module object by name)
+    meta["sha256"] = "0" * 64  # not the bytes it was built with: never loaded
+    (prebuilt / "amp_fused_ops_cpu.json").write_text(json.dumps(meta))
+    assert _loader.extension_status("cpu").state == "built"
+    meta["sha256"] = hashlib.sha256(built.read_bytes()).hexdigest()
     meta["torch"] = "0.0.1"  # built for another torch: ignored
     (prebuilt / "amp_fused_ops_cpu.json").write_text(json.dumps(meta))
     assert _loader.extension_status("cpu").state == "built"

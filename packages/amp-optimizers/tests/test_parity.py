@@ -7,6 +7,8 @@ compiled kernels and, with ``AMP_FUSED_OPS_DISABLE=1``, on the pure-PyTorch refe
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -25,11 +27,20 @@ from amp_fused_ops import _loader
 PATHS = ["kernel", "reference"]
 
 
+@pytest.fixture(autouse=True)
+def _fresh_loader() -> Iterator[None]:
+    """The loader reads AMP_FUSED_OPS_DISABLE once per process: start over around each test."""
+    _loader.clear_cache()
+    yield
+    _loader.clear_cache()
+
+
 def _select_path(path: str, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Force the reference ops, or make sure the compiled kernels are the ones tested."""
     kind = torch.device(device).type
     if path == "reference":
         monkeypatch.setenv(_loader.DISABLE_ENV, "1")
+        _loader.clear_cache()
         assert _loader.get_extension(kind) is None
     elif _loader.get_extension(kind) is None:
         pytest.skip(f"no compiled {kind} extension: {_loader.unavailable_reason(kind)}")

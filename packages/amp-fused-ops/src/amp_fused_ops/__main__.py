@@ -1,4 +1,4 @@
-"""Command line of ``amp_fused_ops``: ``python -m amp_fused_ops info|build``.
+"""Command line of ``amp_fused_ops``: ``python -m amp_fused_ops info|build|--version``.
 
 ``info`` says what this machine has (torch, CUDA, compiler, ninja) and, for each extension,
 whether it is prebuilt, built, buildable or unavailable and why. ``build`` compiles what this
@@ -7,22 +7,29 @@ is found) and exits non-zero when a build fails. ``build cuda`` (a kind named ex
 also fails when that kind cannot be built here, instead of skipping it::
 
     TORCH_CUDA_ARCH_LIST=9.0 python -m amp_fused_ops build cuda   # works without a GPU
+
+``build --force`` compiles from scratch whatever the cache holds. Failures (a compiler error,
+an unwritable cache, another build holding the lock too long) print one line that says what
+to do, and exit with status 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
 import torch
 
 from amp_fused_ops import _loader
+from amp_fused_ops._version import __version__
 
 
 def _info() -> int:
     """Print the toolchain and the state of every extension kind; always returns 0."""
+    print(f"amp-fused-ops: {__version__}")
     print(f"torch:        {torch.__version__}")
     print(f"CUDA:         {torch.version.cuda if torch.version.cuda else 'CPU build'}")
     print(f"compiler:     {_loader.compiler_path() or 'not found (set CXX or install g++)'}")
@@ -35,7 +42,13 @@ def _info() -> int:
     print(f"CUDA archs:   {archs or f'none (no GPU visible and {_loader.ARCH_ENV} unset)'}")
     source = _loader.source_dir()
     print(f"sources:      {source if source is not None else 'not shipped'}")
-    print(f"cache:        {_loader.cache_root()}")
+    configured = os.environ.get(_loader.CACHE_ENV)
+    origin = (
+        f"{_loader.CACHE_ENV}={configured}"
+        if configured
+        else f"default; {_loader.CACHE_ENV} moves it"
+    )
+    print(f"cache:        {_loader.cache_root()} ({origin})")
     for kind in _loader.KINDS:
         status = _loader.extension_status(kind)
         print(f"{kind} extension: {status.state} ({status.detail})")
@@ -59,7 +72,7 @@ def _build(kinds: Sequence[str], force: bool, *, explicit: bool) -> int:
             continue
         try:
             path = _loader.build_extension(kind, force=True)
-        except _loader.ExtensionUnavailableError as error:
+        except (_loader.ExtensionUnavailableError, OSError) as error:
             print(f"{kind} extension: FAILED: {error}", file=sys.stderr)
             failed = True
         else:
@@ -79,6 +92,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m amp_fused_ops", description="Inspect and build the compiled extensions."
     )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"amp-fused-ops {__version__} (torch {torch.__version__})",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="say what is built, buildable or unavailable, and why")
     build = commands.add_parser("build", help="compile the extensions this machine can build")
@@ -97,7 +115,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="same as the positional argument",
     )
     build.add_argument(
-        "--force", action="store_true", help="compile again even if a build is cached"
+        "--force",
+        action="store_true",
+        help="compile again from scratch, whatever the cache holds",
     )
     args = parser.parse_args(argv)
     # An application entry point may configure logging (the library never does).

@@ -1,0 +1,168 @@
+"""What callers use: ``get_extension`` and friends, and the per-process memo behind them.
+
+``get_extension`` resolves a kind once per process (reading the environment, looking at the
+cache, maybe building) and remembers the module, or ``None`` with its reason. Every later call
+is one dictionary lookup: no environment variable is read and no lock is taken on the path of
+an op call. :func:`clear_cache` forgets, so that the next call looks again (after changing
+``AMP_FUSED_OPS_*`` variables in a running process, for instance).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from types import ModuleType
+
+from . import cache, lookup
+from .settings import ExtensionStatus, ExtensionUnavailableError, check_kind
+
+logger = logging.getLogger(__name__)
+
+# Per-process memo: kind -> module (or None), kind -> reason, and the lines already logged.
+_resolved: dict[str, ModuleType | None] = {}
+_reasons: dict[str, str] = {}
+_logged: set[tuple[str, str]] = set()
+_lock = threading.Lock()
+
+
+def get_extension(kind: str) -> ModuleType | None:
+    """Return the compiled extension ``kind``, building it just in time on first use.
+
+    Never raises for a missing compiler, ninja, a damaged cache or a failed build: it returns
+    ``None`` and logs one WARNING line (once per process and reason) saying why and how to
+    fix it. The answer is remembered for the process (see :func:`clear_cache`).
+
+    Args:
+        kind: ``"cpu"`` (C++ CPU kernels) or ``"cuda"`` (CUDA kernels).
+
+    Returns:
+        The extension module, whose functions have Apex's ``amp_C`` signatures, or ``None``.
+
+    Raises:
+        ValueError: If ``kind`` is not ``"cpu"`` or ``"cuda"`` (a programming error).
+
+    Example:
+        >>> ext = get_extension("cpu")
+        >>> if ext is not None:
+        ...     ext.multi_tensor_scale(2048 * 32, flag, [ins, outs], 0.5)
+    """
+    try:
+        return _resolved[kind]
+    except KeyError:
+        return _resolve(kind)
+
+
+def _resolve(kind: str) -> ModuleType | None:
+    check_kind(kind)
+    with _lock:
+        if kind in _resolved:  # another thread resolved it while this one waited
+            return _resolved[kind]
+        module = None
+        reason = lookup.static_reason(kind)
+        if reason is None:
+            try:
+                module = lookup.load_or_build(kind, cache.build_directory(kind), force=False)
+            except ExtensionUnavailableError as error:
+                reason = str(error)
+            except Exception as error:  # never let the loader crash the caller
+                reason = f"unexpected error while loading it: {type(error).__name__}: {error}"
+        if module is None:
+            assert reason is not None  # every path that gets here set it
+            _reasons[kind] = reason
+            if (kind, reason) not in _logged:
+                _logged.add((kind, reason))
+                logger.warning(
+                    "amp_fused_ops %s extension unavailable, using the PyTorch reference path: %s",
+                    kind.upper(),
+                    reason,
+                )
+        _resolved[kind] = module
+        return module
+
+
+def unavailable_reason(kind: str) -> str | None:
+    """Why ``get_extension(kind)`` returns (or would return) ``None``, without building.
+
+    Args:
+        kind: ``"cpu"`` or ``"cuda"``.
+
+    Returns:
+        The reason with its fix, or ``None`` when the extension is loaded, prebuilt, cached,
+        or can be compiled on this machine.
+
+    Raises:
+        ValueError: If ``kind`` is not ``"cpu"`` or ``"cuda"``.
+    """
+    check_kind(kind)
+    if kind in _resolved:
+        return _reasons.get(kind) if _resolved[kind] is None else None
+    status = extension_status(kind)
+    return status.detail if status.state == "unavailable" else None
+
+
+def build_extension(kind: str, *, force: bool = False, build_dir: Path | None = None) -> Path:
+    """Build extension ``kind`` now (used by ``python -m amp_fused_ops build`` and the hook).
+
+    Args:
+        kind: ``"cpu"`` or ``"cuda"`` (needs ``TORCH_CUDA_ARCH_LIST`` where no GPU is visible).
+        force: Compile again from scratch, even when the cache holds a build or a failed
+            attempt.
+        build_dir: Folder to build in; defaults to :func:`build_directory`.
+
+    Returns:
+        The path of the compiled module.
+
+    Raises:
+        ValueError: If ``kind`` is unknown.
+        ExtensionUnavailableError: If the extension is disabled, cannot be built here (no
+            compiler, an unwritable cache, another build holding the lock too long), or the
+            build failed (the message names the log file).
+    """
+    check_kind(kind)
+    reason = lookup.static_reason(kind)
+    if reason is not None:
+        raise ExtensionUnavailableError(reason)
+    target = build_dir if build_dir is not None else cache.build_directory(kind)
+    with _lock:
+        module = lookup.load_or_build(kind, target, force=force, allow_prebuilt=False)
+        if build_dir is None:
+            _resolved[kind] = module
+            _reasons.pop(kind, None)
+    return Path(str(module.__file__))
+
+
+def extension_status(kind: str) -> ExtensionStatus:
+    """Say whether extension ``kind`` is prebuilt, built, buildable or unavailable.
+
+    Loads nothing and builds nothing; cheap enough for ``python -m amp_fused_ops info``.
+
+    Args:
+        kind: ``"cpu"`` or ``"cuda"``.
+
+    Returns:
+        The :class:`ExtensionStatus` of ``kind``.
+
+    Raises:
+        ValueError: If ``kind`` is unknown.
+    """
+    check_kind(kind)
+    return lookup.extension_status(kind)
+
+
+def build_directory(kind: str) -> Path:
+    """The cache folder of extension ``kind`` (see :func:`cache.build_directory`)."""
+    return cache.build_directory(kind)
+
+
+def clear_cache() -> None:
+    """Forget the modules, reasons and logged lines of this process.
+
+    Compiled modules stay loaded by Python; the next :func:`get_extension` looks again and
+    reads the environment again.
+    """
+    with _lock:
+        _resolved.clear()
+        _reasons.clear()
+        _logged.clear()
+        cache.forget()

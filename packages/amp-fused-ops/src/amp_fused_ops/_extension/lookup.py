@@ -1,0 +1,183 @@
+"""Which module to load: a prebuilt one, a verified cached build, or a fresh build."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from . import build, cache, lock, progress, record, toolkit
+from .record import DamagedBuildError
+from .settings import (
+    DISABLE_ENV,
+    FAILED,
+    MODULE_NAMES,
+    PREBUILT_DIR,
+    ExtensionStatus,
+    ExtensionUnavailableError,
+    disabled_kinds,
+    lock_timeout,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def static_reason(kind: str) -> str | None:
+    """Reasons that hold whatever is on disk: disabled by the user, or a CPU build of torch."""
+    if kind in disabled_kinds():
+        value = os.environ.get(DISABLE_ENV)
+        return f"disabled by {DISABLE_ENV}={value}; unset it to use the compiled kernels"
+    if kind == "cuda" and not torch.version.cuda:
+        return (
+            f"torch {torch.__version__} is a CPU build (torch.version.cuda is None); install a "
+            "CUDA build of torch to use the CUDA kernels"
+        )
+    return None
+
+
+def import_compiled(path: Path) -> ModuleType:
+    """Import a compiled module by path (its init function is named after the file stem)."""
+    name = path.name.split(".")[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}: not a Python extension module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def import_or_explain(path: Path) -> ModuleType:
+    """:func:`import_compiled`, with the fix in the error when it fails."""
+    try:
+        return import_compiled(path)
+    except ImportError as error:
+        raise ExtensionUnavailableError(
+            f"the compiled module {path} cannot be imported ({error}); delete {path.parent} "
+            "and run `python -m amp_fused_ops build`"
+        ) from error
+
+
+def prebuilt_module_path(kind: str) -> Path | None:
+    """The module shipped in the wheel, if it was built for this torch, Python (and GPU).
+
+    Raises:
+        DamagedBuildError: If its note is unreadable or the module does not match it.
+    """
+    name = MODULE_NAMES.get(kind)
+    meta_path = PREBUILT_DIR / f"{name}.json"
+    if name is None or not meta_path.is_file():
+        return None
+    meta = record.read_json(meta_path)
+    if meta.get("torch") != torch.__version__ or meta.get("python") != record.python_tag():
+        logger.debug("ignoring prebuilt %s: built for %s", name, meta)
+        return None
+    if kind == "cuda" and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        if not toolkit.arch_covers(str(meta.get("arch", "")), f"{major}.{minor}"):
+            logger.debug("ignoring prebuilt %s: built for %s, device is sm_%d%d", name, meta,
+                         major, minor)  # fmt: skip
+            return None
+    path = PREBUILT_DIR / str(meta.get("file", ""))
+    problem = record.mismatch(path, meta)
+    if problem is not None:
+        raise DamagedBuildError(f"the prebuilt module of this wheel is damaged: {problem}")
+    return path
+
+
+def load_or_build(
+    kind: str, build_dir: Path, *, force: bool, allow_prebuilt: bool = True
+) -> ModuleType:
+    """Load ``kind``: prebuilt, else a verified build in ``build_dir``, else compile it there.
+
+    Args:
+        kind: The extension kind.
+        build_dir: Its build folder.
+        force: Compile from scratch whatever the folder holds (``build --force``).
+        allow_prebuilt: Consider the module shipped in the wheel.
+
+    Raises:
+        ExtensionUnavailableError: With the reason and its fix, when nothing can be loaded.
+    """
+    if allow_prebuilt and not force:
+        try:
+            prebuilt = prebuilt_module_path(kind)
+        except DamagedBuildError as error:
+            logger.warning("%s; ignoring it", error)
+        else:
+            if prebuilt is not None:
+                return import_or_explain(prebuilt)
+    damaged = None
+    if not force:
+        try:
+            cached = record.verified_module(build_dir)
+        except DamagedBuildError as error:
+            damaged = str(error)
+        else:
+            if cached is not None:
+                return import_or_explain(cached)
+    missing = toolkit.missing_tools_reason(kind) or cache.unwritable_reason(build_dir, create=True)
+    if missing is not None:
+        raise ExtensionUnavailableError(
+            missing if damaged is None else f"{damaged}; it cannot be compiled again: {missing}"
+        )
+    if damaged is not None:
+        logger.warning("%s; compiling it again from scratch", damaged)
+    try:
+        with lock.build_lock(build_dir, kind, timeout=lock_timeout()):
+            if not force:
+                # Another process may have finished (or failed) the build while this one waited.
+                try:
+                    cached = record.verified_module(build_dir)
+                except DamagedBuildError:
+                    cached = None  # still damaged: rebuild
+                if cached is not None:
+                    return import_or_explain(cached)
+                failed = build_dir / FAILED
+                if failed.exists():
+                    raise ExtensionUnavailableError(build.failed_reason(kind, failed))
+            return build.compile_extension(kind, build_dir)
+    except OSError as error:
+        raise ExtensionUnavailableError(cache.cache_unwritable_message(build_dir, error)) from error
+
+
+def extension_status(kind: str) -> ExtensionStatus:
+    """Say whether extension ``kind`` is prebuilt, built, buildable or unavailable.
+
+    Loads nothing and builds nothing; cheap enough for ``python -m amp_fused_ops info``.
+    """
+    reason = static_reason(kind)
+    if reason is not None:
+        return ExtensionStatus(kind, "unavailable", reason)
+    try:
+        prebuilt = prebuilt_module_path(kind)
+    except DamagedBuildError:
+        prebuilt = None  # the cache is used instead
+    if prebuilt is not None:
+        return ExtensionStatus(kind, "prebuilt", f"shipped in the wheel: {prebuilt}", prebuilt)
+    build_dir = cache.build_directory(kind)
+    damaged = None
+    try:
+        cached = record.verified_module(build_dir)
+    except DamagedBuildError as error:
+        damaged, cached = str(error), None
+    if cached is not None:
+        return ExtensionStatus(kind, "built", f"cached: {cached}", cached)
+    failed = build_dir / FAILED
+    if damaged is None and failed.exists():
+        return ExtensionStatus(kind, "unavailable", build.failed_reason(kind, failed))
+    missing = toolkit.missing_tools_reason(kind) or cache.unwritable_reason(build_dir, create=False)
+    if missing is not None:
+        prefix = "" if damaged is None else f"{damaged}; it cannot be compiled again: "
+        return ExtensionStatus(kind, "unavailable", prefix + missing)
+    estimate = progress.describe_estimate(kind, len(cache.compiled_sources(kind)))
+    if damaged is not None:
+        detail = (
+            f"{damaged}; compiled again on first use ({estimate}), or now by "
+            "`python -m amp_fused_ops build --force`"
+        )
+        return ExtensionStatus(kind, "not built", detail)
+    return ExtensionStatus(kind, "not built", f"compiles on first use ({estimate}) in {build_dir}")
