@@ -7,6 +7,7 @@ Prints ``names <n>``, one ``step <i> loss <x>`` per step, and ``rank <r> ok``.
 """
 
 import argparse
+import gc
 import importlib
 import importlib.metadata
 import importlib.util
@@ -176,6 +177,11 @@ def main() -> None:
         gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, flat)
         assert all(torch.equal(g, gathered[0]) for g in gathered), "ranks diverged"
+        # Free the DDP wrapper before the group goes: Gloo threads it holds that outlive
+        # destroy_process_group can abort the process at exit.
+        del model, optimizer
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
     print(f"rank {rank} ok", flush=True)
 
