@@ -412,13 +412,14 @@ PRECONDITIONS = [
 
 @pytest.mark.parametrize(("op", "make_args", "match"), PRECONDITIONS)
 def test_preconditions_raise(ext: Any, op: str, make_args: Any, match: str) -> None:
-    with pytest.raises((RuntimeError, TypeError), match=match):
+    # A ValueError for a wrong value, a TypeError for a wrong type, as in the reference.
+    with pytest.raises((ValueError, TypeError), match=match):
         getattr(ext, op)(64, flag(), *make_args())
 
 
 def test_adam_rejects_lists_that_share_memory(ext: Any) -> None:
     g, p = torch.randn(8), torch.randn(8)
-    with pytest.raises(RuntimeError, match="tensor 0 of list 1 and tensor 0 of list 2 share"):
+    with pytest.raises(ValueError, match="tensor 0 of list 1 and tensor 0 of list 2 share"):
         ext.multi_tensor_adam(64, flag(), [[g], [p], [p], [torch.zeros(8)]], 1e-3, 0.9, 0.999,
                               1e-8, 1, 1, 1, 0.0)  # fmt: skip
 

@@ -379,3 +379,24 @@ def test_cpu_flags_follow_the_vector_width_torch_uses(
     # A wheel built ahead of time runs on any CPU of its architecture: no host flags.
     monkeypatch.setenv(_loader.PORTABLE_ENV, "1")
     assert not any(flag.startswith("-mavx") for flag in _loader._extra_cflags())
+
+
+def test_cache_key_covers_the_shared_headers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An edit of csrc/common (the math both extensions include) changes both cache keys."""
+    from amp_fused_ops._extension import cache
+
+    csrc = tmp_path / "csrc"
+    shutil.copytree(CUDA_DIR.parent, csrc)
+    assert (csrc / "common" / "adam_math.h").is_file()
+    monkeypatch.setattr(cache, "source_dir", lambda: csrc)
+    before = {kind: cache.source_hash(kind) for kind in ("cpu", "cuda")}
+    assert csrc / "common" / "adam_math.h" in cache.sources("cpu")
+    assert csrc / "common" / "adam_math.h" in cache.sources("cuda")
+    with (csrc / "common" / "adam_math.h").open("a") as header:
+        header.write("// edited\n")
+    after = {kind: cache.source_hash(kind) for kind in ("cpu", "cuda")}
+    assert after["cpu"] != before["cpu"] and after["cuda"] != before["cuda"]
+    # Headers are hashed, never compiled on their own.
+    assert all(path.parent.name != "common" for path in cache.compiled_sources("cpu"))

@@ -559,7 +559,7 @@ def _scale_call(**overrides: object) -> Case:
         (
             _scale_call(chunk_size=0),
             ValueError,
-            r"multi_tensor_scale: chunk_size must be a positive int, got 0",
+            r"multi_tensor_scale: chunk_size must be an int in \[1, 2\*\*30\], got 0",
         ),
         (
             _scale_call(tensor_lists=[[torch.ones(3)]]),

@@ -1,14 +1,16 @@
 // Multi-tensor Adam / AdamW step on CPU, in place on [grads, params, exp_avgs, exp_avg_sqs].
 //
-// Follows torch.optim.Adam (mode 0: L2 penalty added to the gradient) and torch.optim.AdamW
-// (mode 1: decoupled decay p *= 1 - lr * weight_decay before the update), including its
-// bias correction. Gradients and parameters may be float32, float16 or bfloat16 (each list
+// The element math is csrc/common/adam_math.h, shared with the CUDA kernels: Apex's
+// AdamFunctor (mode 0: L2 penalty added to the gradient; mode 1: decoupled decay added to the
+// update, not torch.optim.AdamW's p *= 1 - lr * weight_decay), no decay term at all when
+// weight_decay is 0. Gradients and parameters may be float32, float16 or bfloat16 (each list
 // position on its own); the moments are float32; all math is float32. Plain loops that the
 // compiler vectorizes at -O3 (see multi_tensor_elementwise.cpp).
 #include <atomic>
 #include <cmath>
 #include <type_traits>
 
+#include "../common/adam_math.h"
 #include "multi_tensor_apply.h"
 #include "multi_tensor_ops.h"
 
@@ -16,104 +18,52 @@ namespace amp_fused_ops {
 namespace cpu {
 namespace {
 
-// Scalars of one step, computed once on the host.
-struct AdamStep {
-  float beta1;
-  float beta2;
-  float eps;
-  float step_size;       // lr / (1 - beta1**step), or lr without bias correction
-  float inv_bc2_sqrt;    // 1 / sqrt(1 - beta2**step), or 1 without bias correction
-  float weight_decay;    // L2 coefficient (mode 0)
-  float decay_factor;    // 1 - lr * weight_decay (mode 1)
-};
+using math::AdamMode;
+using math::AdamScalars;
 
-template <typename g_t, typename p_t, bool kDecoupled>
+template <typename g_t, typename p_t, AdamMode kMode>
 struct AdamFunctor {
   // __restrict__: the four lists never overlap (the op checks it), which lets the compiler
-  // vectorize the loop. One division per element: the bias correction of the second moment
-  // is a multiplication by a reciprocal computed on the host.
+  // vectorize the loop; the scalars are copied into a local for the same reason.
   static void run(const g_t* __restrict__ grad, p_t* __restrict__ param,
                   float* __restrict__ exp_avg, float* __restrict__ exp_avg_sq, int64_t n,
-                  const AdamStep& s) {
-    const float one_minus_beta1 = 1.0f - s.beta1;
-    const float one_minus_beta2 = 1.0f - s.beta2;
+                  const AdamScalars& scalars) {
+    const AdamScalars s = scalars;
     for (int64_t i = 0; i < n; ++i) {
-      float g = static_cast<float>(grad[i]);
       float p = static_cast<float>(param[i]);
-      const float m0 = exp_avg[i];
-      const float v0 = exp_avg_sq[i];
-      if (kDecoupled) {
-        p *= s.decay_factor;
-      } else {
-        g += s.weight_decay * p;
-      }
-      const float m = m0 + one_minus_beta1 * (g - m0);  // torch's lerp
-      const float v = s.beta2 * v0 + one_minus_beta2 * g * g;
-      const float denom = std::sqrt(v) * s.inv_bc2_sqrt + s.eps;
+      float m = exp_avg[i];
+      float v = exp_avg_sq[i];
+      math::adam_math<kMode>(s, static_cast<float>(grad[i]), p, m, v);
       exp_avg[i] = m;
       exp_avg_sq[i] = v;
-      param[i] = static_cast<p_t>(p - s.step_size * m / denom);
+      param[i] = static_cast<p_t>(p);
     }
   }
 };
 
 // Scalars of one capturable step, read from the tensors on the host (CPU tensors: no sync).
 struct MasterAdamStep {
-  float beta1;
-  float beta2;
-  float eps;
-  float lr;
-  float bc1;  // 1 - beta1**step, or 1 without bias correction
-  float bc2;  // 1 - beta2**step, or 1 without bias correction
-  float weight_decay;
+  AdamScalars scalars;
   float inv_scale;
-  bool decay;  // weight_decay != 0: the reference adds no wd * p term (0 * inf) otherwise
 };
 
-// Adam on float32 masters in the reference's order of operations (multi_tensor_adam_capturable
-// _master in _reference_optim.py): the unscaled gradient g = grad * inv_scale, then
-//   g += wd * p (mode 0); m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g g;
-//   u = (m / bc1) / (sqrt(v / bc2) + eps) (+ wd * p in mode 1); p -= lr u.
-// kDecay is weight_decay != 0 (the reference adds no wd * p term then: 0 * inf is nan). Both
-// choices are template parameters and the scalars are copied into locals, so the loop has no
-// branch and no load that a store could alias, and it vectorizes.
-template <bool kDecoupled, bool kDecay>
-struct MasterAdamFunctor {
-  static void run(const float* __restrict__ grad, float* __restrict__ master,
-                  float* __restrict__ exp_avg, float* __restrict__ exp_avg_sq, int64_t n,
-                  const MasterAdamStep& s) {
-    const float beta1 = s.beta1;
-    const float beta2 = s.beta2;
-    const float one_minus_beta1 = 1.0f - beta1;
-    const float one_minus_beta2 = 1.0f - beta2;
-    const float bc1 = s.bc1;
-    const float bc2 = s.bc2;
-    const float eps = s.eps;
-    const float lr = s.lr;
-    const float weight_decay = s.weight_decay;
-    const float inv_scale = s.inv_scale;
-    for (int64_t i = 0; i < n; ++i) {
-      float g = grad[i] * inv_scale;
-      const float p = master[i];
-      if (!kDecoupled && kDecay) g += weight_decay * p;
-      const float m = beta1 * exp_avg[i] + one_minus_beta1 * g;
-      const float v = beta2 * exp_avg_sq[i] + one_minus_beta2 * (g * g);
-      float update = (m / bc1) / (std::sqrt(v / bc2) + eps);
-      if (kDecoupled && kDecay) update += weight_decay * p;
-      exp_avg[i] = m;
-      exp_avg_sq[i] = v;
-      master[i] = p - lr * update;
-    }
-  }
-};
-
-template <bool kDecoupled>
-void master_adam(const float* grad, float* master, float* exp_avg, float* exp_avg_sq,
-                 int64_t n, const MasterAdamStep& s) {
-  if (s.decay) {
-    MasterAdamFunctor<kDecoupled, true>::run(grad, master, exp_avg, exp_avg_sq, n, s);
-  } else {
-    MasterAdamFunctor<kDecoupled, false>::run(grad, master, exp_avg, exp_avg_sq, n, s);
+// Adam on float32 masters (the shared math of adam_math.h) on the unscaled gradient
+// g = grad * inv_scale. The mode is a template parameter and the scalars are copied into
+// locals, so the loop has no load that a store could alias, and it vectorizes.
+template <AdamMode kMode>
+void master_adam(const float* __restrict__ grad, float* __restrict__ master,
+                 float* __restrict__ exp_avg, float* __restrict__ exp_avg_sq, int64_t n,
+                 const MasterAdamStep& step) {
+  const AdamScalars s = step.scalars;
+  const float inv_scale = step.inv_scale;
+  for (int64_t i = 0; i < n; ++i) {
+    float p = master[i];
+    float m = exp_avg[i];
+    float v = exp_avg_sq[i];
+    math::adam_math<kMode>(s, grad[i] * inv_scale, p, m, v);
+    exp_avg[i] = m;
+    exp_avg_sq[i] = v;
+    master[i] = p;
   }
 }
 
@@ -127,11 +77,11 @@ struct UnscaledFiniteFunctor {
 };
 
 void check_mode_and_bias_correction(const char* op, int64_t mode, int64_t bias_correction) {
-  TORCH_CHECK(mode == 0 || mode == 1, op,
-              ": mode must be 0 (Adam, L2 weight decay) or 1 (AdamW, decoupled weight ",
-              "decay), got ", mode);
-  TORCH_CHECK(bias_correction == 0 || bias_correction == 1, op,
-              ": bias_correction must be 0 or 1, got ", bias_correction);
+  TORCH_CHECK_VALUE(mode == 0 || mode == 1, op,
+                    ": mode must be 0 (Adam, L2 weight decay) or 1 (AdamW, decoupled weight ",
+                    "decay), got ", mode);
+  TORCH_CHECK_VALUE(bias_correction == 0 || bias_correction == 1, op,
+                    ": bias_correction must be 0 or 1, got ", bias_correction);
 }
 
 // The lists `which` must not share memory at one position (the Adam loops use __restrict__).
@@ -146,8 +96,8 @@ void check_no_overlap(const char* op, const TensorLists& lists, const std::vecto
         const auto* x0 = static_cast<const char*>(x.data_ptr());
         const auto* y0 = static_cast<const char*>(y.data_ptr());
         const bool disjoint = x.numel() == 0 || x0 + x.nbytes() <= y0 || y0 + y.nbytes() <= x0;
-        TORCH_CHECK(disjoint, op, ": tensor ", i, " of list ", a, " and tensor ", i,
-                    " of list ", b, " share memory; every list needs tensors of its own");
+        TORCH_CHECK_VALUE(disjoint, op, ": tensor ", i, " of list ", a, " and tensor ", i,
+                          " of list ", b, " share memory; every list needs tensors of its own");
       }
     }
   }
@@ -162,23 +112,19 @@ void multi_tensor_adam(int64_t chunk_size, const at::Tensor& noop_flag,
   constexpr const char* op = "multi_tensor_adam";
   check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 4);
   check_mode_and_bias_correction(op, mode, bias_correction);
-  TORCH_CHECK(step >= 1 || bias_correction == 0, op,
-              ": step must be >= 1 when bias_correction is on, got ", step);
+  TORCH_CHECK_VALUE(step >= 1 || bias_correction == 0, op,
+                    ": step must be >= 1 when bias_correction is on, got ", step);
   check_fp32_lists(op, tensor_lists, {{2, "exp_avg"}, {3, "exp_avg_sq"}});
   check_no_overlap(op, tensor_lists, {0, 1, 2, 3});
   // As Apex's kernel: the noop flag is neither read nor set; infs and nans propagate
   // into the results (the caller decides about skipping before calling).
 
-  AdamStep s{};
-  s.beta1 = static_cast<float>(beta1);
-  s.beta2 = static_cast<float>(beta2);
-  s.eps = static_cast<float>(eps);
-  const double bc1 = bias_correction ? 1.0 - std::pow(beta1, static_cast<double>(step)) : 1.0;
-  const double bc2 = bias_correction ? 1.0 - std::pow(beta2, static_cast<double>(step)) : 1.0;
-  s.step_size = static_cast<float>(lr / bc1);
-  s.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
-  s.weight_decay = static_cast<float>(weight_decay);
-  s.decay_factor = static_cast<float>(1.0 - lr * weight_decay);
+  // Bias corrections in double on the host, as the reference computes them in Python.
+  AdamScalars s = math::adam_scalars(beta1, beta2, eps, weight_decay);
+  s.lr = static_cast<float>(lr);
+  const double steps = static_cast<double>(step);
+  s.bc1 = bias_correction ? static_cast<float>(1.0 - std::pow(beta1, steps)) : 1.0f;
+  s.bc2 = bias_correction ? static_cast<float>(1.0 - std::pow(beta2, steps)) : 1.0f;
 
   const auto& grads = tensor_lists[0];
   const auto& params = tensor_lists[1];
@@ -193,9 +139,9 @@ void multi_tensor_adam(int64_t chunk_size, const at::Tensor& noop_flag,
     const int64_t n = c.end - c.begin;
     const auto adam = [&](const float* g, float* p, float* m_tile, float* v_tile, int64_t len) {
       if (mode == 1) {
-        AdamFunctor<float, float, true>::run(g, p, m_tile, v_tile, len, s);
+        AdamFunctor<float, float, AdamMode::kDecoupled>::run(g, p, m_tile, v_tile, len, s);
       } else {
-        AdamFunctor<float, float, false>::run(g, p, m_tile, v_tile, len, s);
+        AdamFunctor<float, float, AdamMode::kL2>::run(g, p, m_tile, v_tile, len, s);
       }
     };
     if (grad.scalar_type() == at::kFloat && param.scalar_type() == at::kFloat) {
@@ -212,9 +158,9 @@ void multi_tensor_adam(int64_t chunk_size, const at::Tensor& noop_flag,
           p_t* p = data_as<p_t>(param) + c.begin;
           if constexpr (!std::is_same_v<g_t, c10::Half> && !std::is_same_v<p_t, c10::Half>) {
             if (mode == 1) {
-              AdamFunctor<g_t, p_t, true>::run(g, p, m, v, n, s);
+              AdamFunctor<g_t, p_t, AdamMode::kDecoupled>::run(g, p, m, v, n, s);
             } else {
-              AdamFunctor<g_t, p_t, false>::run(g, p, m, v, n, s);
+              AdamFunctor<g_t, p_t, AdamMode::kL2>::run(g, p, m, v, n, s);
             }
           }
         });
@@ -245,17 +191,14 @@ void multi_tensor_adam_capturable_master(
   check_fp32_lists(op, tensor_lists,
                    {{2, "exp_avg"}, {3, "exp_avg_sq"}, {4, "master_param"}});
   MasterAdamStep s{};
-  s.beta1 = static_cast<float>(beta1);
-  s.beta2 = static_cast<float>(beta2);
-  s.eps = static_cast<float>(eps);
-  s.lr = static_cast<float>(scalar_value(op, "lr", lr));
-  s.weight_decay = static_cast<float>(weight_decay);
+  s.scalars = math::adam_scalars(beta1, beta2, eps, weight_decay);
+  AdamScalars& a = s.scalars;
+  a.lr = static_cast<float>(scalar_value(op, "lr", lr));
   s.inv_scale = static_cast<float>(scalar_value(op, "inv_scale", inv_scale));
-  s.decay = weight_decay != 0.0;
   // As the reference: step as float32, beta**step in float32.
   const float step_f = static_cast<float>(scalar_value(op, "step", step));
-  s.bc1 = bias_correction ? 1.0f - std::pow(s.beta1, step_f) : 1.0f;
-  s.bc2 = bias_correction ? 1.0f - std::pow(s.beta2, step_f) : 1.0f;
+  a.bc1 = bias_correction ? 1.0f - std::pow(a.beta1, step_f) : 1.0f;
+  a.bc2 = bias_correction ? 1.0f - std::pow(a.beta2, step_f) : 1.0f;
   // A float32 param may be its own master (lists 1 and 4); nothing else may share memory.
   check_no_overlap(op, tensor_lists, {0, 2, 3, 4});
   // The found-inf pattern: a set flag means "skip this step", nothing is written.
@@ -295,9 +238,9 @@ void multi_tensor_adam_capturable_master(
       float* m = data_as<float>(exp_avgs[c.tensor]) + offset;
       float* v = data_as<float>(exp_avg_sqs[c.tensor]) + offset;
       if (mode == 1) {
-        master_adam<true>(g, master, m, v, n, s);
+        master_adam<AdamMode::kDecoupled>(g, master, m, v, n, s);
       } else {
-        master_adam<false>(g, master, m, v, n, s);
+        master_adam<AdamMode::kL2>(g, master, m, v, n, s);
       }
       tile_out(params[c.tensor], offset, n, master);
     });

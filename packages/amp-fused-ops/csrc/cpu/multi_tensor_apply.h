@@ -49,49 +49,50 @@ inline bool is_supported_float(at::ScalarType type) {
 inline void check_tensor_lists(
     const char* op, int64_t chunk_size, const at::Tensor& noop_flag,
     const TensorLists& lists, size_t depth) {
-  TORCH_CHECK(chunk_size > 0, op, ": chunk_size must be positive, got ", chunk_size);
+  TORCH_CHECK_VALUE(chunk_size > 0 && chunk_size <= (int64_t{1} << 30), op,
+                    ": chunk_size must be in [1, 2**30], got ", chunk_size);
   TORCH_CHECK(noop_flag.device().is_cpu(), op,
               ": noop_flag must be a CPU tensor for the CPU extension, got device ",
               noop_flag.device());
-  TORCH_CHECK(noop_flag.scalar_type() == at::kInt && noop_flag.numel() == 1, op,
-              ": noop_flag must be an int32 tensor with one element, got dtype ",
-              noop_flag.scalar_type(), " and ", noop_flag.numel(), " elements");
-  TORCH_CHECK(lists.size() == depth, op, ": expected ", depth, " tensor lists, got ",
-              lists.size());
+  TORCH_CHECK_VALUE(noop_flag.scalar_type() == at::kInt && noop_flag.numel() == 1, op,
+                    ": noop_flag must be an int32 tensor with one element, got dtype ",
+                    noop_flag.scalar_type(), " and ", noop_flag.numel(), " elements");
+  TORCH_CHECK_VALUE(lists.size() == depth, op, ": expected ", depth, " tensor lists, got ",
+                    lists.size());
   const size_t n = lists[0].size();
   for (size_t l = 0; l < depth; ++l) {
-    TORCH_CHECK(lists[l].size() == n, op, ": all tensor lists must have the same length, ",
-                "but list 0 has ", n, " tensors and list ", l, " has ", lists[l].size());
+    TORCH_CHECK_VALUE(lists[l].size() == n, op, ": all tensor lists must have the same length, ",
+                      "but list 0 has ", n, " tensors and list ", l, " has ", lists[l].size());
   }
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& first = lists[0][i];
     bool all_contiguous = true;
     for (size_t l = 0; l < depth; ++l) {
       const at::Tensor& t = lists[l][i];
-      TORCH_CHECK(t.defined(), op, ": tensor ", i, " of list ", l, " is undefined (None)");
+      TORCH_CHECK_TYPE(t.defined(), op, ": tensor ", i, " of list ", l, " is undefined (None)");
       TORCH_CHECK(t.device().is_cpu(), op, ": tensor ", i, " of list ", l,
                   " is on device ", t.device(),
                   "; the CPU extension takes CPU tensors only");
-      TORCH_CHECK(is_supported_float(t.scalar_type()), op, ": tensor ", i, " of list ", l,
-                  " has dtype ", t.scalar_type(), "; supported dtypes are float32, float16 ",
-                  "and bfloat16");
-      TORCH_CHECK(t.numel() == first.numel(), op, ": tensor ", i, " of list ", l, " has ",
-                  t.numel(), " elements but tensor ", i, " of list 0 has ", first.numel(),
-                  "; tensors at one position must have the same number of elements");
-      TORCH_CHECK(is_dense(t), op, ": tensor ", i, " of list ", l,
-                  " is not contiguous in any memory format (sizes ", t.sizes(),
-                  ", strides ", t.strides(), "); call .contiguous() on it first");
+      TORCH_CHECK_VALUE(is_supported_float(t.scalar_type()), op, ": tensor ", i, " of list ", l,
+                        " has dtype ", t.scalar_type(), "; supported dtypes are float32, float16 ",
+                        "and bfloat16");
+      TORCH_CHECK_VALUE(t.numel() == first.numel(), op, ": tensor ", i, " of list ", l, " has ",
+                        t.numel(), " elements but tensor ", i, " of list 0 has ", first.numel(),
+                        "; tensors at one position must have the same number of elements");
+      TORCH_CHECK_VALUE(is_dense(t), op, ": tensor ", i, " of list ", l,
+                        " is not contiguous in any memory format (sizes ", t.sizes(),
+                        ", strides ", t.strides(), "); call .contiguous() on it first");
       all_contiguous = all_contiguous && t.is_contiguous();
     }
     if (!all_contiguous) {
       // Storage order differs from logical order: all layouts must agree element by element.
       for (size_t l = 1; l < depth; ++l) {
         const at::Tensor& t = lists[l][i];
-        TORCH_CHECK(t.sizes() == first.sizes() && t.strides() == first.strides(), op,
-                    ": tensor ", i, " of list ", l, " (sizes ", t.sizes(), ", strides ",
-                    t.strides(), ") and tensor ", i, " of list 0 (sizes ", first.sizes(),
-                    ", strides ", first.strides(), ") have different memory layouts; ",
-                    "give them the same memory_format or call .contiguous() on both");
+        TORCH_CHECK_VALUE(t.sizes() == first.sizes() && t.strides() == first.strides(), op,
+                          ": tensor ", i, " of list ", l, " (sizes ", t.sizes(), ", strides ",
+                          t.strides(), ") and tensor ", i, " of list 0 (sizes ", first.sizes(),
+                          ", strides ", first.strides(), ") have different memory layouts; ",
+                          "give them the same memory_format or call .contiguous() on both");
       }
     }
   }
@@ -134,8 +135,8 @@ decltype(auto) dispatch_float(at::ScalarType type, const char* op, const Fn& fn)
     case at::kBFloat16:
       return fn(c10::BFloat16{});
     default:
-      TORCH_CHECK(false, op, ": unsupported dtype ", type,
-                  "; supported dtypes are float32, float16 and bfloat16");
+      TORCH_CHECK_VALUE(false, op, ": unsupported dtype ", type,
+                        "; supported dtypes are float32, float16 and bfloat16");
   }
 }
 
@@ -167,9 +168,9 @@ inline void check_fp32_lists(const char* op, const TensorLists& tensor_lists,
   for (const NamedList& list : lists) {
     const auto& tensors = tensor_lists[list.index];
     for (size_t i = 0; i < tensors.size(); ++i) {
-      TORCH_CHECK(tensors[i].scalar_type() == at::kFloat, op, ": tensor ", i, " of list ",
-                  list.index, " (", list.name, ") has dtype ", tensors[i].scalar_type(),
-                  "; optimizer state must be float32");
+      TORCH_CHECK_VALUE(tensors[i].scalar_type() == at::kFloat, op, ": tensor ", i, " of list ",
+                        list.index, " (", list.name, ") has dtype ", tensors[i].scalar_type(),
+                        "; optimizer state must be float32");
     }
   }
 }
@@ -177,10 +178,10 @@ inline void check_fp32_lists(const char* op, const TensorLists& tensor_lists,
 // The value of a one-element CPU tensor of any number dtype, as a double; `name` names the
 // argument in the messages.
 inline double scalar_value(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK(t.defined(), op, ": ", name, " is undefined (None)");
+  TORCH_CHECK_TYPE(t.defined(), op, ": ", name, " is undefined (None)");
   TORCH_CHECK(t.device().is_cpu(), op, ": ", name,
               " must be a CPU tensor for the CPU extension, got device ", t.device());
-  TORCH_CHECK(t.numel() == 1, op, ": ", name, " must have one element, got ", t.numel());
+  TORCH_CHECK_VALUE(t.numel() == 1, op, ": ", name, " must have one element, got ", t.numel());
   return t.item<double>();
 }
 
@@ -256,7 +257,7 @@ inline float* tile_in(const at::Tensor& t, int64_t offset, int64_t n, float* buf
       if (load) convert_n(data_as<c10::BFloat16>(t) + offset, buffer, n);
       return buffer;
     default:
-      TORCH_CHECK(false, "unsupported dtype ", t.scalar_type());
+      TORCH_CHECK_VALUE(false, "unsupported dtype ", t.scalar_type());
   }
 }
 
@@ -276,7 +277,7 @@ inline void tile_out(const at::Tensor& t, int64_t offset, int64_t n, const float
       convert_n(values, data_as<c10::BFloat16>(t) + offset, n);
       return;
     default:
-      TORCH_CHECK(false, "unsupported dtype ", t.scalar_type());
+      TORCH_CHECK_VALUE(false, "unsupported dtype ", t.scalar_type());
   }
 }
 

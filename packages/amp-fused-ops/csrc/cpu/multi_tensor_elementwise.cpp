@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cmath>
 
+#include "../common/optim_math.h"
 #include "multi_tensor_apply.h"
 #include "multi_tensor_ops.h"
 
@@ -25,7 +26,7 @@ struct ScaleFunctor {
     for (int64_t i = 0; i < n; ++i) {
       const float x = static_cast<float>(in[i]);
       finite &= finite_bit(x);
-      out[i] = static_cast<out_t>(x * scale);
+      out[i] = static_cast<out_t>(math::scale_math(x, scale));
     }
     return finite != 0;
   }
@@ -43,7 +44,7 @@ struct AxpbyFunctor {
       const float yi = static_cast<float>(y[i]);
       finite_x &= finite_bit(xi);
       finite_y &= finite_bit(yi);
-      out[i] = static_cast<out_t>(a * xi + b * yi);
+      out[i] = static_cast<out_t>(math::axpby_math(a, xi, b, yi));
     }
     if (arg_to_check == 0) return finite_x != 0;
     if (arg_to_check == 1) return finite_y != 0;
@@ -84,8 +85,9 @@ void multi_tensor_axpby(int64_t chunk_size, const at::Tensor& noop_flag,
                         const std::vector<std::vector<at::Tensor>>& tensor_lists, double a,
                         double b, int64_t arg_to_check) {
   constexpr const char* op = "multi_tensor_axpby";
-  TORCH_CHECK(arg_to_check >= -1 && arg_to_check <= 1, op,
-              ": arg_to_check must be -1 (check x and y), 0 (x) or 1 (y), got ", arg_to_check);
+  TORCH_CHECK_VALUE(arg_to_check >= -1 && arg_to_check <= 1, op,
+                    ": arg_to_check must be -1 (check x and y), 0 (x) or 1 (y), got ",
+                    arg_to_check);
   check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 3);
   const auto& xs = tensor_lists[0];
   const auto& ys = tensor_lists[1];

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cmath>
 
+#include "../common/optim_math.h"
 #include "multi_tensor_apply.h"
 #include "multi_tensor_ops.h"
 
@@ -18,40 +19,32 @@ namespace cpu {
 namespace {
 
 void check_flag(const char* op, const char* name, int64_t value) {
-  TORCH_CHECK(value == 0 || value == 1, op, ": ", name, " must be 0 or 1, got ", value);
+  TORCH_CHECK_VALUE(value == 0 || value == 1, op, ": ", name, " must be 0 or 1, got ", value);
 }
 
+using math::LambScalars;
+using math::NovoGradScalars;
+
+// The float32 LAMB arguments of one call: the shared scalars and the clipping divisor.
 struct LambArgs {
-  float beta1;
-  float beta2;
-  float beta3;  // 1 - beta1 with grad averaging, else 1
-  float epsilon;
-  float bc1;
-  float bc2;
+  LambScalars s;
   float clip;  // the gradients are divided by it
-  float weight_decay;
-  bool decay;  // weight_decay != 0
 };
 
-// LAMB stage 1 on float32 tiles: new moments in place, the update into `update`.
-//   g = grad / clip (+ wd * p in mode 0); m = b1 m + b3 g; v = b2 v + (1 - b2) g g;
-//   update = (m / bc1) / (sqrt(v / bc2) + eps) (+ wd * p in mode 1)
+// LAMB stage 1 on float32 tiles (math::lamb_update_math): new moments in place, the update
+// into `update`.
 template <bool kDecoupled>
 struct LambStage1Functor {
   static void run(const float* grad, const float* param, float* exp_avg, float* exp_avg_sq,
                   float* update, int64_t n, const LambArgs& a) {
-    const float one_minus_beta2 = 1.0f - a.beta2;
+    const LambScalars s = a.s;
+    const float clip = a.clip;
     for (int64_t i = 0; i < n; ++i) {
-      const float p = param[i];
-      float g = grad[i] / a.clip;
-      if (!kDecoupled && a.decay) g += a.weight_decay * p;
-      const float m = exp_avg[i] * a.beta1 + a.beta3 * g;
-      const float v = exp_avg_sq[i] * a.beta2 + one_minus_beta2 * (g * g);
-      float u = (m / a.bc1) / (std::sqrt(v / a.bc2) + a.epsilon);
-      if (kDecoupled && a.decay) u += a.weight_decay * p;
+      float m = exp_avg[i];
+      float v = exp_avg_sq[i];
+      update[i] = math::lamb_update_math(s, kDecoupled, grad[i] / clip, param[i], m, v);
       exp_avg[i] = m;
       exp_avg_sq[i] = v;
-      update[i] = u;
     }
   }
 };
@@ -63,38 +56,19 @@ struct LambStage2Functor {
   }
 };
 
-struct NovoGradArgs {
-  float beta1;
-  float beta3;  // 1 - beta1 with grad averaging, else 1
-  float bc1;
-  float lr;
-  float weight_decay;
-  bool decay;  // weight_decay != 0
-};
-
-// NovoGrad stage 2 on float32 tiles, with denom = grad_norms[i] / bc2 + eps of the tensor:
-//   mode 0: m = b1 m + b3 (g / denom + wd p); p -= lr * m / bc1
-//   mode 1: m = b1 m + b3 g;                   p -= lr * ((m / bc1) / denom + wd p)
+// NovoGrad stage 2 on float32 tiles (math::novograd_math), with denom = grad_norms[i] / bc2 +
+// eps of the tensor.
 template <bool kDecoupled>
 struct NovoGradFunctor {
   static void run(const float* grad, float* param, float* exp_avg, int64_t n, float denom,
-                  const NovoGradArgs& a) {
+                  const NovoGradScalars& scalars) {
+    const NovoGradScalars s = scalars;
     for (int64_t i = 0; i < n; ++i) {
-      const float p = param[i];
-      float m;
-      float update;
-      if (!kDecoupled) {
-        float scaled = grad[i] / denom;
-        if (a.decay) scaled += a.weight_decay * p;
-        m = exp_avg[i] * a.beta1 + a.beta3 * scaled;
-        update = m / a.bc1;
-      } else {
-        m = exp_avg[i] * a.beta1 + a.beta3 * grad[i];
-        update = m / a.bc1 / denom;
-        if (a.decay) update += a.weight_decay * p;
-      }
+      float p = param[i];
+      float m = exp_avg[i];
+      math::novograd_math(s, kDecoupled, denom, grad[i], p, m);
       exp_avg[i] = m;
-      param[i] = p - a.lr * update;
+      param[i] = p;
     }
   }
 };
@@ -110,23 +84,22 @@ void multi_tensor_lamb(int64_t chunk_size, const at::Tensor& noop_flag,
   constexpr const char* op = "multi_tensor_lamb";
   check_flag(op, "bias_correction", bias_correction);
   check_flag(op, "grad_averaging", grad_averaging);
-  TORCH_CHECK(mode == 0 || mode == 1, op,
-              ": mode must be 0 (L2 weight decay) or 1 (decoupled weight decay), got ", mode);
+  TORCH_CHECK_VALUE(mode == 0 || mode == 1, op,
+                    ": mode must be 0 (L2 weight decay) or 1 (decoupled weight decay), got ", mode);
   check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 4);
   const float norm = static_cast<float>(scalar_value(op, "global_grad_norm", global_grad_norm));
   const float max_norm = static_cast<float>(max_grad_norm);
 
   LambArgs a{};
-  a.beta1 = static_cast<float>(beta1);
-  a.beta2 = static_cast<float>(beta2);
-  a.beta3 = grad_averaging ? static_cast<float>(1.0 - beta1) : 1.0f;
-  a.epsilon = static_cast<float>(epsilon);
-  a.bc1 = bias_correction ? static_cast<float>(1.0 - std::pow(beta1, double(step))) : 1.0f;
-  a.bc2 = bias_correction ? static_cast<float>(1.0 - std::pow(beta2, double(step))) : 1.0f;
+  a.s.beta1 = static_cast<float>(beta1);
+  a.s.beta2 = static_cast<float>(beta2);
+  a.s.beta3 = grad_averaging ? static_cast<float>(1.0 - beta1) : 1.0f;
+  a.s.epsilon = static_cast<float>(epsilon);
+  a.s.bc1 = bias_correction ? static_cast<float>(1.0 - std::pow(beta1, double(step))) : 1.0f;
+  a.s.bc2 = bias_correction ? static_cast<float>(1.0 - std::pow(beta2, double(step))) : 1.0f;
   // As Apex: a max_grad_norm of 0 clips every nonzero norm (g / inf = 0).
   a.clip = norm > max_norm ? norm / max_norm : 1.0f;
-  a.weight_decay = static_cast<float>(weight_decay);
-  a.decay = weight_decay != 0.0;
+  a.s.weight_decay = static_cast<float>(weight_decay);
 
   const auto& grads = tensor_lists[0];
   const auto& params = tensor_lists[1];
@@ -204,25 +177,25 @@ void multi_tensor_novograd(int64_t chunk_size, const at::Tensor& noop_flag,
   constexpr const char* op = "multi_tensor_novograd";
   check_flag(op, "bias_correction", bias_correction);
   check_flag(op, "grad_averaging", grad_averaging);
-  TORCH_CHECK(mode == 0 || mode == 1, op,
-              ": mode must be 0 (weight decay inside the moment) or 1 (decoupled weight ",
-              "decay), got ", mode);
-  TORCH_CHECK(norm_type == 0 || norm_type == 2, op,
-              ": norm_type must be 2 (L2 norm) or 0 (infinity norm), got ", norm_type);
+  TORCH_CHECK_VALUE(mode == 0 || mode == 1, op,
+                    ": mode must be 0 (weight decay inside the moment) or 1 (decoupled weight ",
+                    "decay), got ", mode);
+  TORCH_CHECK_VALUE(norm_type == 0 || norm_type == 2, op,
+                    ": norm_type must be 2 (L2 norm) or 0 (infinity norm), got ", norm_type);
   check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 3);
   const auto& grads = tensor_lists[0];
   const auto& params = tensor_lists[1];
   const auto& exp_avgs = tensor_lists[2];
   const size_t n_tensors = grads.size();
-  TORCH_CHECK(grad_norms.defined(), op, ": grad_norms is undefined (None)");
+  TORCH_CHECK_TYPE(grad_norms.defined(), op, ": grad_norms is undefined (None)");
   TORCH_CHECK(grad_norms.device().is_cpu(), op,
               ": grad_norms must be a CPU tensor for the CPU extension, got device ",
               grad_norms.device());
-  TORCH_CHECK(grad_norms.scalar_type() == at::kFloat &&
+  TORCH_CHECK_VALUE(grad_norms.scalar_type() == at::kFloat &&
                   grad_norms.numel() == static_cast<int64_t>(n_tensors),
-              op, ": grad_norms must be a float32 tensor of ", n_tensors,
-              " elements (one per tensor), got dtype ", grad_norms.scalar_type(), " with ",
-              grad_norms.numel(), " elements");
+                    op, ": grad_norms must be a float32 tensor of ", n_tensors,
+                    " elements (one per tensor), got dtype ", grad_norms.scalar_type(), " with ",
+                    grad_norms.numel(), " elements");
 
   // Stage 1: each gradient's norm, one partial (sum of squares or max |g|) per chunk.
   const auto chunks = make_chunks(grads, chunk_size);
@@ -271,13 +244,12 @@ void multi_tensor_novograd(int64_t chunk_size, const at::Tensor& noop_flag,
   }
 
   // Stage 2: the elementwise step.
-  NovoGradArgs a{};
+  NovoGradScalars a{};
   a.beta1 = static_cast<float>(beta1);
   a.beta3 = grad_averaging ? static_cast<float>(1.0 - beta1) : 1.0f;
   a.bc1 = bias_correction ? static_cast<float>(1.0 - std::pow(beta1, double(step))) : 1.0f;
   a.lr = static_cast<float>(lr);
   a.weight_decay = static_cast<float>(weight_decay);
-  a.decay = weight_decay != 0.0;
   for_each_chunk(chunks, chunk_size, [&](int64_t, const Chunk& c) {
     float g_tile[kTile], p_tile[kTile], m_tile[kTile];
     for_each_tile(c, [&](int64_t offset, int64_t n) {

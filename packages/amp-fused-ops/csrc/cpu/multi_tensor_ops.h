@@ -31,8 +31,8 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_unscale_l2norm(
     const std::vector<std::vector<at::Tensor>>& tensor_lists, const at::Tensor& inv_scale,
     bool per_tensor);
 
-// One Adam / AdamW step in place on [grads, params, exp_avgs, exp_avg_sqs]; does nothing
-// when noop_flag is nonzero on entry.
+// One Adam / AdamW step in place on [grads, params, exp_avgs, exp_avg_sqs]. As Apex's kernel,
+// the noop flag is neither read nor written: inf/nan gradients propagate into the results.
 void multi_tensor_adam(int64_t chunk_size, const at::Tensor& noop_flag,
                        const std::vector<std::vector<at::Tensor>>& tensor_lists, double lr,
                        double beta1, double beta2, double eps, int64_t step, int64_t mode,

@@ -1,9 +1,11 @@
-// Multi-tensor SGD and Adagrad steps on CPU (semantics: _reference_optim.py).
+// Multi-tensor SGD and Adagrad steps on CPU (semantics: _reference_optim.py); the element math
+// is csrc/common/optim_math.h, shared with the CUDA kernels.
 //
 // Every list may be float32, float16 or bfloat16 on its own: the functors run on float32 tiles
 // (tile_in / tile_out of multi_tensor_apply.h) and results are rounded once, on store.
 #include <type_traits>
 
+#include "../common/optim_math.h"
 #include "multi_tensor_apply.h"
 #include "multi_tensor_ops.h"
 
@@ -11,35 +13,22 @@ namespace amp_fused_ops {
 namespace cpu {
 namespace {
 
-struct SgdArgs {
-  float weight_decay;
-  float momentum;
-  float dampening;
-  float lr;
-  float scale;
-  bool decay;  // weight_decay != 0: the reference adds no wd * p term (0 * inf) otherwise
-};
+using math::AdagradScalars;
+using math::SgdScalars;
 
-// One SGD step on float32 tiles; `param` and (with momentum) `buf` are updated in place.
-//   g = grad * scale (+ wd * p unless kWdAfterMomentum)
-//   buf = g on the first run, else momentum * buf + (1 - dampening) * g     (kMomentum)
-//   g = g + momentum * buf (kNesterov) or buf                                (kMomentum)
-//   g += wd * p (kWdAfterMomentum);  p -= lr * g
+// One SGD step on float32 tiles (math::sgd_math); `param` and (with momentum) `buf` are
+// updated in place. The flags are template parameters, so the loop has no branch.
 template <bool kMomentum, bool kNesterov, bool kFirstRun, bool kWdAfterMomentum>
 struct SgdFunctor {
-  static void run(const float* grad, float* param, float* buf, int64_t n, const SgdArgs& a) {
-    const float buf_grad_scale = 1.0f - a.dampening;
+  static void run(const float* grad, float* param, float* buf, int64_t n,
+                  const SgdScalars& scalars) {
+    const SgdScalars s = scalars;
     for (int64_t i = 0; i < n; ++i) {
-      const float p = param[i];
-      float g = grad[i] * a.scale;
-      if (!kWdAfterMomentum && a.decay) g += a.weight_decay * p;
-      if (kMomentum) {
-        const float b = kFirstRun ? g : buf[i] * a.momentum + buf_grad_scale * g;
-        buf[i] = b;
-        g = kNesterov ? g + a.momentum * b : b;
-      }
-      if (kWdAfterMomentum && a.decay) g += a.weight_decay * p;
-      param[i] = p - a.lr * g;
+      float p = param[i];
+      float b = (kMomentum && !kFirstRun) ? buf[i] : 0.0f;
+      math::sgd_math(s, kMomentum, kNesterov, kFirstRun, kWdAfterMomentum, grad[i], p, b);
+      if (kMomentum) buf[i] = b;
+      param[i] = p;
     }
   }
 };
@@ -63,28 +52,18 @@ void dispatch_sgd(bool momentum, bool nesterov, bool first_run, bool wd_after, c
   return first_run ? with_wd(T{}, F{}, T{}) : with_wd(T{}, F{}, F{});
 }
 
-struct AdagradArgs {
-  float lr;
-  float epsilon;
-  float weight_decay;
-  bool decay;  // weight_decay != 0
-};
-
-// One Adagrad step on float32 tiles, `param` and `state_sum` in place:
-//   g = grad (+ wd * p in L2 mode); h += g * g; p -= lr * (g / (sqrt(h) + eps) (+ wd * p)).
+// One Adagrad step on float32 tiles (math::adagrad_math), `param` and `state_sum` in place.
 template <bool kDecoupled>
 struct AdagradFunctor {
   static void run(const float* grad, float* param, float* state_sum, int64_t n,
-                  const AdagradArgs& a) {
+                  const AdagradScalars& scalars) {
+    const AdagradScalars s = scalars;
     for (int64_t i = 0; i < n; ++i) {
-      const float p = param[i];
-      float g = grad[i];
-      if (!kDecoupled && a.decay) g += a.weight_decay * p;
-      const float h = state_sum[i] + g * g;
-      float update = g / (std::sqrt(h) + a.epsilon);
-      if (kDecoupled && a.decay) update += a.weight_decay * p;
+      float p = param[i];
+      float h = state_sum[i];
+      math::adagrad_math(s, kDecoupled, grad[i], p, h);
       state_sum[i] = h;
-      param[i] = p - a.lr * update;
+      param[i] = p;
     }
   }
 };
@@ -97,15 +76,15 @@ void multi_tensor_sgd(int64_t chunk_size, const at::Tensor& noop_flag,
                       bool nesterov, bool first_run, bool wd_after_momentum, double scale) {
   constexpr const char* op = "multi_tensor_sgd";
   const size_t depth = tensor_lists.size();
-  TORCH_CHECK(depth == 3 || depth == 4, op,
-              ": expected 3 tensor lists [grads, params, momentum_bufs] or 4 [grads, params, ",
-              "momentum_bufs, model_copies], got ", depth);
+  TORCH_CHECK_VALUE(depth == 3 || depth == 4, op,
+                    ": expected 3 tensor lists [grads, params, momentum_bufs] or 4 [grads, ",
+                    "params, momentum_bufs, model_copies], got ", depth);
   check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, depth);
   // Apex's FusedSGD: a set flag (inf/nan found by the loss scaler) skips the step.
   if (noop_is_set(noop_flag)) return;
-  const SgdArgs args{static_cast<float>(weight_decay), static_cast<float>(momentum),
-                     static_cast<float>(dampening), static_cast<float>(lr),
-                     static_cast<float>(scale), weight_decay != 0.0};
+  const SgdScalars args{static_cast<float>(weight_decay), static_cast<float>(momentum),
+                        static_cast<float>(dampening), static_cast<float>(lr),
+                        static_cast<float>(scale)};
   const bool use_momentum = momentum != 0.0;
   const auto& grads = tensor_lists[0];
   const auto& params = tensor_lists[1];
@@ -134,12 +113,12 @@ void multi_tensor_adagrad(int64_t chunk_size, const at::Tensor& noop_flag,
                           const std::vector<std::vector<at::Tensor>>& tensor_lists, double lr,
                           double epsilon, int64_t mode, double weight_decay) {
   constexpr const char* op = "multi_tensor_adagrad";
-  TORCH_CHECK(mode == 0 || mode == 1, op,
-              ": mode must be 0 (L2 weight decay) or 1 (decoupled weight decay), got ", mode);
+  TORCH_CHECK_VALUE(mode == 0 || mode == 1, op,
+                    ": mode must be 0 (L2 weight decay) or 1 (decoupled weight decay), got ", mode);
   check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 3);
   // As Apex: the noop flag is neither read nor set; inf/nan propagate.
-  const AdagradArgs args{static_cast<float>(lr), static_cast<float>(epsilon),
-                         static_cast<float>(weight_decay), weight_decay != 0.0};
+  const AdagradScalars args{static_cast<float>(lr), static_cast<float>(epsilon),
+                            static_cast<float>(weight_decay)};
   const auto& grads = tensor_lists[0];
   const auto& params = tensor_lists[1];
   const auto& sums = tensor_lists[2];

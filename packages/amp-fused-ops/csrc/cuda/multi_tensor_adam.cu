@@ -1,11 +1,8 @@
 // multi_tensor_adam and multi_tensor_adam_capturable_master.
 //
-// Math in float32, exactly the reference's (_reference_optim.py: _adam_math):
-//   g = grad (+ weight_decay * p in mode 0)
-//   m = beta1 * m + (1 - beta1) * g
-//   v = beta2 * v + (1 - beta2) * g * g
-//   update = (m / bc1) / (sqrt(v / bc2) + eps) (+ weight_decay * p in mode 1)
-//   p = p - lr * update
+// The element math is csrc/common/adam_math.h (shared with the CPU kernels and written as the
+// reference's _adam_math), in float32.
+#include "../common/adam_math.h"
 #include "multi_tensor_apply.cuh"
 #include "multi_tensor_ops.h"
 
@@ -13,29 +10,7 @@ namespace amp_fused_ops {
 namespace cuda {
 namespace {
 
-struct AdamScalars {
-  float beta1;
-  float beta2;
-  float eps;
-  float weight_decay;
-  bool decoupled;  // mode 1 (AdamW)
-};
-
-// One Adam step on float32 values; g, p, m, v updated in place (p: the new parameter).
-__device__ __forceinline__ void adam_update(const AdamScalars& s, float lr, float bc1, float bc2,
-                                            float g, float& p, float& m, float& v) {
-  if (!s.decoupled) {
-    g = g + s.weight_decay * p;
-  }
-  m = s.beta1 * m + (1.0f - s.beta1) * g;
-  v = s.beta2 * v + (1.0f - s.beta2) * g * g;
-  const float denom = sqrtf(v / bc2) + s.eps;
-  float update = (m / bc1) / denom;
-  if (s.decoupled) {
-    update = update + s.weight_decay * p;
-  }
-  p = p - lr * update;
-}
+using math::AdamScalars;
 
 // [grads, params, exp_avgs, exp_avg_sqs]; the noop flag is neither read nor written.
 struct AdamOp {
@@ -43,13 +18,11 @@ struct AdamOp {
   static constexpr int kReduce = 0;
   static constexpr bool kReduceMax = false;
   AdamScalars s;
-  float lr;
-  float bc1;
-  float bc2;
+  bool decoupled;
 
   __device__ bool prepare(int, const int*) { return true; }
   __device__ void operator()(float (&x)[4], float (&)[2], bool&) const {
-    adam_update(s, lr, bc1, bc2, x[0], x[1], x[2], x[3]);
+    math::adam_math(decoupled, s, x[0], x[1], x[2], x[3]);
   }
 };
 
@@ -77,51 +50,47 @@ struct AdamMasterOp {
   static constexpr unsigned kStores = 0b11110;
   static constexpr int kReduce = 0;
   static constexpr bool kReduceMax = false;
-  AdamScalars s;
+  AdamScalars s;  // lr, bc1, bc2 filled in prepare()
+  bool decoupled;
   bool bias_correction;
   const float* lr_ptr;
   const float* step_ptr;
   const float* inv_scale_ptr;
-  float lr;
-  float bc1;
-  float bc2;
   float inv_scale;
 
   __device__ bool prepare(int, const int* noop) {
     if (*noop != 0) {
       return false;
     }
-    lr = *lr_ptr;
+    s.lr = *lr_ptr;
     inv_scale = *inv_scale_ptr;
     const float step = *step_ptr;
-    bc1 = bias_correction ? 1.0f - powf(s.beta1, step) : 1.0f;
-    bc2 = bias_correction ? 1.0f - powf(s.beta2, step) : 1.0f;
+    s.bc1 = bias_correction ? 1.0f - powf(s.beta1, step) : 1.0f;
+    s.bc2 = bias_correction ? 1.0f - powf(s.beta2, step) : 1.0f;
     return true;
   }
   __device__ void operator()(float (&x)[5], float (&)[2], bool&) const {
-    adam_update(s, lr, bc1, bc2, x[0] * inv_scale, x[4], x[2], x[3]);
+    math::adam_math(decoupled, s, x[0] * inv_scale, x[4], x[2], x[3]);
     x[1] = x[4];
   }
 };
 
 void check_adam_choices(const char* op, int64_t mode, int64_t bias_correction) {
-  TORCH_CHECK(mode == 0 || mode == 1, op,
-              ": mode must be 0 (Adam, L2 weight decay) or 1 (AdamW, decoupled weight decay), "
-              "got ", mode);
-  TORCH_CHECK(bias_correction == 0 || bias_correction == 1, op,
-              ": bias_correction must be 0 or 1, got ", bias_correction);
+  TORCH_CHECK_VALUE(mode == 0 || mode == 1, op,
+                    ": mode must be 0 (Adam, L2 weight decay) or 1 (AdamW, decoupled weight "
+                    "decay), got ", mode);
+  TORCH_CHECK_VALUE(bias_correction == 0 || bias_correction == 1, op,
+                    ": bias_correction must be 0 or 1, got ", bias_correction);
 }
 
-// The moments (lists `first` and `first + 1`) must share one dtype: float32 or the params'.
-void check_state_dtype(const char* op, const TensorListsArg& lists, size_t first,
-                       at::ScalarType param_type) {
-  const at::ScalarType state = lists[first][0].scalar_type();
-  TORCH_CHECK(lists[first + 1][0].scalar_type() == state, op, ": list ", first, " has dtype ",
-              state, " but list ", first + 1, " has dtype ", lists[first + 1][0].scalar_type(),
-              "; both optimizer moments must have the same dtype");
-  TORCH_CHECK(state == at::kFloat || state == param_type, op, ": optimizer state (list ", first,
-              ") has dtype ", state, " but the params have dtype ", param_type,
-              "; keep the state in float32 (recommended) or in the params' dtype");
+// The moments (and the masters) must be float32, as Apex's AdamFunctor reads them.
+void check_fp32_state(const char* op, const TensorListsArg& lists, size_t first, size_t last) {
+  const char* names[] = {"grads", "params", "exp_avgs", "exp_avg_sqs", "master_params"};
+  for (size_t l = first; l <= last; ++l) {
+    TORCH_CHECK_VALUE(lists[l][0].scalar_type() == at::kFloat, op, ": list ", l, " (", names[l],
+                      ") has dtype ", lists[l][0].scalar_type(),
+                      "; optimizer state must be float32");
+  }
 }
 
 }  // namespace
@@ -132,29 +101,27 @@ void multi_tensor_adam(int64_t chunk_size, const at::Tensor& noop_flag,
                        double weight_decay) {
   constexpr const char* op = "multi_tensor_adam";
   check_adam_choices(op, mode, bias_correction);
+  TORCH_CHECK_VALUE(step >= 1 || bias_correction == 0, op,
+                    ": step must be >= 1 when bias_correction is on, got ", step);
   if (check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 4) == 0) {
     return;
   }
-  const at::ScalarType param_type = tensor_lists[1][0].scalar_type();
-  check_state_dtype(op, tensor_lists, 2, param_type);
+  check_fp32_state(op, tensor_lists, 2, 3);
+  check_no_overlap(op, tensor_lists, {0, 1, 2, 3});
   AdamOp adam{};
-  adam.s = {static_cast<float>(beta1), static_cast<float>(beta2), static_cast<float>(eps),
-            static_cast<float>(weight_decay), mode == 1};
-  adam.lr = static_cast<float>(lr);
+  adam.s = math::adam_scalars(beta1, beta2, eps, weight_decay);
+  adam.s.lr = static_cast<float>(lr);
   // Bias corrections in double on the host, as the reference computes them in Python.
   const double steps = static_cast<double>(step);
-  adam.bc1 = bias_correction == 1 ? static_cast<float>(1.0 - std::pow(beta1, steps)) : 1.0f;
-  adam.bc2 = bias_correction == 1 ? static_cast<float>(1.0 - std::pow(beta2, steps)) : 1.0f;
-  const bool fp32_state = tensor_lists[2][0].scalar_type() == at::kFloat;
-  const std::array<at::ScalarType, 2> types{tensor_lists[0][0].scalar_type(), param_type};
+  adam.s.bc1 = bias_correction == 1 ? static_cast<float>(1.0 - std::pow(beta1, steps)) : 1.0f;
+  adam.s.bc2 = bias_correction == 1 ? static_cast<float>(1.0 - std::pow(beta2, steps)) : 1.0f;
+  adam.decoupled = mode == 1;
+  const std::array<at::ScalarType, 2> types{tensor_lists[0][0].scalar_type(),
+                                            tensor_lists[1][0].scalar_type()};
   dispatch_float_types(op, types, [&](auto type_list) {
     using G = TypeAt<0, decltype(type_list)>;
     using P = TypeAt<1, decltype(type_list)>;
-    if (fp32_state || std::is_same_v<P, float>) {
-      multi_tensor_apply<AdamOp, G, P, float, float>(chunk_size, noop_flag, tensor_lists, adam);
-    } else {
-      multi_tensor_apply<AdamOp, G, P, P, P>(chunk_size, noop_flag, tensor_lists, adam);
-    }
+    multi_tensor_apply<AdamOp, G, P, float, float>(chunk_size, noop_flag, tensor_lists, adam);
   });
 }
 
@@ -169,12 +136,9 @@ void multi_tensor_adam_capturable_master(int64_t chunk_size, const at::Tensor& n
   if (check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 5) == 0) {
     return;
   }
-  const char* names[] = {"grads", "params", "exp_avgs", "exp_avg_sqs", "master_params"};
-  for (size_t l = 2; l < 5; ++l) {
-    TORCH_CHECK(tensor_lists[l][0].scalar_type() == at::kFloat, op, ": list ", l, " (",
-                names[l], ") has dtype ", tensor_lists[l][0].scalar_type(),
-                "; moments and master params must be float32");
-  }
+  check_fp32_state(op, tensor_lists, 2, 4);
+  // A float32 param may be its own master (lists 1 and 4); nothing else may share memory.
+  check_no_overlap(op, tensor_lists, {0, 2, 3, 4});
   const c10::cuda::CUDAGuard guard(noop_flag.device());
   const at::Device device = noop_flag.device();
   // float32 copies on the device (no-ops when they already are): no host sync.
@@ -183,8 +147,8 @@ void multi_tensor_adam_capturable_master(int64_t chunk_size, const at::Tensor& n
   const at::Tensor inv_scale_d = device_scalar(op, "inv_scale", inv_scale, device);
 
   AdamMasterOp adam{};
-  adam.s = {static_cast<float>(beta1), static_cast<float>(beta2), static_cast<float>(eps),
-            static_cast<float>(weight_decay), mode == 1};
+  adam.s = math::adam_scalars(beta1, beta2, eps, weight_decay);  // lr, bc1, bc2: prepare()
+  adam.decoupled = mode == 1;
   adam.bias_correction = bias_correction == 1;
   adam.lr_ptr = lr_d.data_ptr<float>();
   adam.step_ptr = step_d.data_ptr<float>();

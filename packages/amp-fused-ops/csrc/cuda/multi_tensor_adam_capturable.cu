@@ -1,15 +1,12 @@
 // multi_tensor_adam_capturable: Adam on the params themselves with lr, step and inv_scale as
 // device tensors (CUDA-graph capturable, no host sync).
 //
-// Math in float32, the reference's (_reference_optim.py: _capturable_adam):
-//   g = grad * inv_scale (written back into grad)
-//   g += weight_decay * p (mode 0)
-//   m = beta1 * m + (1 - beta1) * g;  v = beta2 * v + (1 - beta2) * g * g
-//   update = (m / bc1) / (sqrt(v / bc2) + eps) (+ weight_decay * p in mode 1)
-//   p = p - lr * update
+// The gradient is g = grad * inv_scale (written back into grad); the element math is
+// csrc/common/adam_math.h, shared with the CPU kernels and the other Adam ops, in float32.
 // Two launches: the first raises the noop flag when some grad * inv_scale is inf/nan; the
 // second does nothing when the flag is set (by the caller or by the first), so a skipped step
 // writes nothing at all. Self-contained functors over multi_tensor_apply.cuh.
+#include "../common/adam_math.h"
 #include "multi_tensor_apply.cuh"
 #include "multi_tensor_ops.h"
 
@@ -44,51 +41,29 @@ struct CapturableAdamOp {
   static constexpr unsigned kStores = 0b1111;
   static constexpr int kReduce = 0;
   static constexpr bool kReduceMax = false;
-  float beta1;
-  float beta2;
-  float one_minus_beta1;  // 1 - beta1 in double on the host, then rounded (as the reference)
-  float one_minus_beta2;
-  float eps;
-  float weight_decay;
+  math::AdamScalars s;  // lr, bc1, bc2 filled in prepare()
   bool decoupled;
   bool bias_correction;
   const float* lr_ptr;
   const float* step_ptr;
   const float* inv_scale_ptr;
-  float lr;
-  float bc1;
-  float bc2;
   float inv_scale;
 
   __device__ bool prepare(int, const int* noop) {
     if (*noop != 0) {
       return false;
     }
-    lr = *lr_ptr;
+    s.lr = *lr_ptr;
     inv_scale = *inv_scale_ptr;
     const float step = *step_ptr;
-    bc1 = bias_correction ? 1.0f - powf(beta1, step) : 1.0f;
-    bc2 = bias_correction ? 1.0f - powf(beta2, step) : 1.0f;
+    s.bc1 = bias_correction ? 1.0f - powf(s.beta1, step) : 1.0f;
+    s.bc2 = bias_correction ? 1.0f - powf(s.beta2, step) : 1.0f;
     return true;
   }
   __device__ bool stores(int list) const { return list != 0 || inv_scale != 1.0f; }
   __device__ void operator()(float (&x)[4], float (&)[2], bool&) const {
-    const float unscaled = x[0] * inv_scale;
-    const float p = x[1];
-    float g = unscaled;
-    if (!decoupled && weight_decay != 0.0f) {
-      g = g + weight_decay * p;
-    }
-    const float m = beta1 * x[2] + one_minus_beta1 * g;
-    const float v = beta2 * x[3] + one_minus_beta2 * g * g;
-    float update = (m / bc1) / (sqrtf(v / bc2) + eps);
-    if (decoupled && weight_decay != 0.0f) {
-      update = update + weight_decay * p;
-    }
-    x[0] = unscaled;
-    x[1] = p - lr * update;
-    x[2] = m;
-    x[3] = v;
+    x[0] = x[0] * inv_scale;
+    math::adam_math(decoupled, s, x[0], x[1], x[2], x[3]);
   }
 };
 
@@ -100,20 +75,21 @@ void multi_tensor_adam_capturable(int64_t chunk_size, const at::Tensor& noop_fla
                                   int64_t mode, int64_t bias_correction, double weight_decay,
                                   const at::Tensor& inv_scale) {
   constexpr const char* op = "multi_tensor_adam_capturable";
-  TORCH_CHECK(mode == 0 || mode == 1, op,
-              ": mode must be 0 (Adam, L2 weight decay) or 1 (AdamW, decoupled weight decay), "
-              "got ", mode);
-  TORCH_CHECK(bias_correction == 0 || bias_correction == 1, op,
-              ": bias_correction must be 0 or 1, got ", bias_correction);
+  TORCH_CHECK_VALUE(mode == 0 || mode == 1, op,
+                    ": mode must be 0 (Adam, L2 weight decay) or 1 (AdamW, decoupled weight "
+                    "decay), got ", mode);
+  TORCH_CHECK_VALUE(bias_correction == 0 || bias_correction == 1, op,
+                    ": bias_correction must be 0 or 1, got ", bias_correction);
   if (check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 4) == 0) {
     return;
   }
   const char* names[] = {"grads", "params", "exp_avgs", "exp_avg_sqs"};
   for (size_t l = 2; l < 4; ++l) {
-    TORCH_CHECK(tensor_lists[l][0].scalar_type() == at::kFloat, op, ": list ", l, " (",
-                names[l], ") has dtype ", tensor_lists[l][0].scalar_type(),
-                "; the moments must be float32");
+    TORCH_CHECK_VALUE(tensor_lists[l][0].scalar_type() == at::kFloat, op, ": list ", l, " (",
+                      names[l], ") has dtype ", tensor_lists[l][0].scalar_type(),
+                      "; optimizer state must be float32");
   }
+  check_no_overlap(op, tensor_lists, {0, 1, 2, 3});
   const c10::cuda::CUDAGuard guard(noop_flag.device());
   const at::Device device = noop_flag.device();
   // float32 copies on the device (no-ops when they already are): no host sync.
@@ -122,12 +98,7 @@ void multi_tensor_adam_capturable(int64_t chunk_size, const at::Tensor& noop_fla
   const at::Tensor inv_scale_d = device_scalar(op, "inv_scale", inv_scale, device);
 
   CapturableAdamOp adam{};
-  adam.beta1 = static_cast<float>(beta1);
-  adam.beta2 = static_cast<float>(beta2);
-  adam.one_minus_beta1 = static_cast<float>(1.0 - beta1);
-  adam.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-  adam.eps = static_cast<float>(eps);
-  adam.weight_decay = static_cast<float>(weight_decay);
+  adam.s = math::adam_scalars(beta1, beta2, eps, weight_decay);
   adam.decoupled = mode == 1;
   adam.bias_correction = bias_correction == 1;
   adam.lr_ptr = lr_d.data_ptr<float>();

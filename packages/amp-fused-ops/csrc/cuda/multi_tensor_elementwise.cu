@@ -2,6 +2,7 @@
 //
 // One functor per op over the shared launcher (multi_tensor_apply.cuh); the launcher is
 // instantiated for every dtype combination the op accepts.
+#include "../common/optim_math.h"
 #include "multi_tensor_apply.cuh"
 #include "multi_tensor_ops.h"
 
@@ -19,7 +20,7 @@ struct ScaleOp {
   __device__ bool prepare(int, const int*) { return true; }
   __device__ void operator()(float (&x)[2], float (&)[2], bool& nonfinite) const {
     nonfinite = nonfinite || !is_finite(x[0]);
-    x[1] = x[0] * scale;
+    x[1] = math::scale_math(x[0], scale);
   }
 };
 
@@ -36,7 +37,7 @@ struct AxpbyOp {
   __device__ bool prepare(int, const int*) { return true; }
   __device__ void operator()(float (&x)[3], float (&)[2], bool& nonfinite) const {
     nonfinite = nonfinite || (check_x && !is_finite(x[0])) || (check_y && !is_finite(x[1]));
-    x[2] = a * x[0] + b * x[1];
+    x[2] = math::axpby_math(a, x[0], b, x[1]);
   }
 };
 
@@ -113,8 +114,8 @@ void multi_tensor_axpby(int64_t chunk_size, const at::Tensor& noop_flag,
                         const TensorListsArg& tensor_lists, double a, double b,
                         int64_t arg_to_check) {
   constexpr const char* op = "multi_tensor_axpby";
-  TORCH_CHECK(arg_to_check >= -1 && arg_to_check <= 1, op,
-              ": arg_to_check must be -1 (both), 0 (x) or 1 (y), got ", arg_to_check);
+  TORCH_CHECK_VALUE(arg_to_check >= -1 && arg_to_check <= 1, op,
+                    ": arg_to_check must be -1 (both), 0 (x) or 1 (y), got ", arg_to_check);
   if (check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 3) == 0) {
     return;
   }

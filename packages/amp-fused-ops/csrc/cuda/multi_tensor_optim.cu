@@ -1,9 +1,11 @@
 // multi_tensor_sgd, multi_tensor_adagrad, multi_tensor_lamb, multi_tensor_novograd.
 //
-// Math in float32, exactly the reference's (_reference_optim.py, _reference_layerwise.py).
+// Math in float32, the reference's (_reference_optim.py, _reference_layerwise.py): the element
+// math is csrc/common/optim_math.h, shared with the CPU kernels.
 // LAMB and NovoGrad need per-tensor norms: a reducing pass writes per-chunk partials, the
 // launcher's segment_reduce turns them into per-tensor values on the device, and the update
 // pass reads its tensor's value in prepare(). Nothing synchronizes the host.
+#include "../common/optim_math.h"
 #include "multi_tensor_apply.cuh"
 #include "multi_tensor_ops.h"
 
@@ -30,20 +32,9 @@ struct SgdOp {
   __device__ bool stores(int list) const { return list != 2 || momentum != 0.0f; }
   template <int Depth>
   __device__ void operator()(float (&x)[Depth], float (&)[2], bool&) const {
-    const float p = x[1];
-    float g = x[0] * scale;
-    if (weight_decay != 0.0f && !wd_after_momentum) {
-      g = g + weight_decay * p;
-    }
-    if (momentum != 0.0f) {
-      const float buf = first_run ? g : momentum * x[2] + (1.0f - dampening) * g;
-      x[2] = buf;
-      g = nesterov ? g + momentum * buf : buf;
-    }
-    if (weight_decay != 0.0f && wd_after_momentum) {
-      g = g + weight_decay * p;
-    }
-    x[1] = p + (-lr) * g;
+    const math::SgdScalars s{weight_decay, momentum, dampening, lr, scale};
+    math::sgd_math(s, momentum != 0.0f, nesterov, first_run, wd_after_momentum, x[0], x[1],
+                   x[2]);
     if constexpr (Depth == 4) {
       x[3] = x[1];
     }
@@ -62,18 +53,7 @@ struct AdagradOp {
 
   __device__ bool prepare(int, const int*) { return true; }
   __device__ void operator()(float (&x)[3], float (&)[2], bool&) const {
-    const float p = x[1];
-    float g = x[0];
-    if (!decoupled) {
-      g = g + weight_decay * p;
-    }
-    const float h = x[2] + g * g;
-    float update = g / (sqrtf(h) + epsilon);
-    if (decoupled) {
-      update = update + weight_decay * p;
-    }
-    x[1] = p + (-lr) * update;
-    x[2] = h;
+    math::adagrad_math({lr, epsilon, weight_decay}, decoupled, x[0], x[1], x[2]);
   }
 };
 
@@ -101,19 +81,9 @@ struct LambStage1Op {
     return true;
   }
   __device__ void operator()(float (&x)[5], float (&acc)[2], bool&) const {
+    const math::LambScalars s{beta1, beta2, beta3, bc1, bc2, epsilon, weight_decay};
     const float p = x[1];
-    float g = x[0] / clip;
-    if (!decoupled && weight_decay != 0.0f) {
-      g = g + weight_decay * p;
-    }
-    const float m = beta1 * x[2] + beta3 * g;
-    const float v = beta2 * x[3] + (1.0f - beta2) * g * g;
-    float update = (m / bc1) / (sqrtf(v / bc2) + epsilon);
-    if (decoupled && weight_decay != 0.0f) {
-      update = update + weight_decay * p;
-    }
-    x[2] = m;
-    x[3] = v;
+    const float update = math::lamb_update_math(s, decoupled, x[0] / clip, p, x[2], x[3]);
     x[4] = update;
     acc[0] += p * p;
     acc[1] += update * update;
@@ -196,31 +166,14 @@ struct NovogradOp {
     return true;
   }
   __device__ void operator()(float (&x)[3], float (&)[2], bool&) const {
-    const float p = x[1];
-    float m;
-    float update;
-    if (!decoupled) {
-      float g = x[0] / denom;
-      if (weight_decay != 0.0f) {
-        g = g + weight_decay * p;
-      }
-      m = beta1 * x[2] + beta3 * g;
-      update = m / bc1;
-    } else {
-      m = beta1 * x[2] + beta3 * x[0];
-      update = m / bc1 / denom;
-      if (weight_decay != 0.0f) {
-        update = update + weight_decay * p;
-      }
-    }
-    x[1] = p + (-lr) * update;
-    x[2] = m;
+    const math::NovoGradScalars s{beta1, beta3, bc1, lr, weight_decay};
+    math::novograd_math(s, decoupled, denom, x[0], x[1], x[2]);
   }
 };
 
 void check_choice(const char* op, const char* name, int64_t value, int64_t a, int64_t b) {
-  TORCH_CHECK(value == a || value == b, op, ": ", name, " must be ", a, " or ", b, ", got ",
-              value);
+  TORCH_CHECK_VALUE(value == a || value == b, op, ": ", name, " must be ", a, " or ", b, ", got ",
+                    value);
 }
 
 // The state list(s) [first, last] must share one dtype: float32 or the params'.
@@ -228,13 +181,13 @@ void check_state(const char* op, const TensorListsArg& lists, size_t first, size
   const at::ScalarType param_type = lists[1][0].scalar_type();
   const at::ScalarType state = lists[first][0].scalar_type();
   for (size_t l = first; l <= last; ++l) {
-    TORCH_CHECK(lists[l][0].scalar_type() == state, op, ": list ", l, " has dtype ",
-                lists[l][0].scalar_type(), " but list ", first, " has dtype ", state,
-                "; the optimizer state lists must share one dtype");
+    TORCH_CHECK_VALUE(lists[l][0].scalar_type() == state, op, ": list ", l, " has dtype ",
+                      lists[l][0].scalar_type(), " but list ", first, " has dtype ", state,
+                      "; the optimizer state lists must share one dtype");
   }
-  TORCH_CHECK(state == at::kFloat || state == param_type, op, ": optimizer state (list ", first,
-              ") has dtype ", state, " but the params have dtype ", param_type,
-              "; keep the state in float32 (recommended) or in the params' dtype");
+  TORCH_CHECK_VALUE(state == at::kFloat || state == param_type, op, ": optimizer state (list ",
+                    first, ") has dtype ", state, " but the params have dtype ", param_type,
+                    "; keep the state in float32 (recommended) or in the params' dtype");
 }
 
 // Calls fn(TypeList<G, P, S>{}) with S float or P, as the state list's dtype says.
@@ -263,9 +216,9 @@ void multi_tensor_sgd(int64_t chunk_size, const at::Tensor& noop_flag,
                       bool wd_after_momentum, double scale) {
   constexpr const char* op = "multi_tensor_sgd";
   const size_t depth = tensor_lists.size();
-  TORCH_CHECK(depth == 3 || depth == 4, op,
-              ": expected 3 tensor lists [grads, params, momentum_bufs] or 4 [grads, params, "
-              "momentum_bufs, model_copies], got ", depth);
+  TORCH_CHECK_VALUE(depth == 3 || depth == 4, op,
+                    ": expected 3 tensor lists [grads, params, momentum_bufs] or 4 [grads, params, "
+                    "momentum_bufs, model_copies], got ", depth);
   if (check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, depth) == 0) {
     return;
   }
@@ -398,17 +351,17 @@ void multi_tensor_novograd(int64_t chunk_size, const at::Tensor& noop_flag,
     return;
   }
   check_state(op, tensor_lists, 2, 2);
-  TORCH_CHECK(grad_norms.defined() && grad_norms.scalar_type() == at::kFloat &&
+  TORCH_CHECK_VALUE(grad_norms.defined() && grad_norms.scalar_type() == at::kFloat &&
                   grad_norms.numel() == static_cast<int64_t>(n),
-              op, ": grad_norms must be a float32 tensor of ", n,
-              " elements (one per tensor), got dtype ",
-              grad_norms.defined() ? grad_norms.scalar_type() : at::kFloat, " with ",
-              grad_norms.defined() ? grad_norms.numel() : 0, " elements");
+                    op, ": grad_norms must be a float32 tensor of ", n,
+                    " elements (one per tensor), got dtype ",
+                    grad_norms.defined() ? grad_norms.scalar_type() : at::kFloat, " with ",
+                    grad_norms.defined() ? grad_norms.numel() : 0, " elements");
   TORCH_CHECK(grad_norms.device() == noop_flag.device(), op, ": grad_norms is on ",
               grad_norms.device(), " but the tensors are on ", noop_flag.device(),
               "; create it on the tensors' device");
-  TORCH_CHECK(grad_norms.is_contiguous(), op,
-              ": grad_norms must be contiguous; call .contiguous() on it first");
+  TORCH_CHECK_VALUE(grad_norms.is_contiguous(), op,
+                    ": grad_norms must be contiguous; call .contiguous() on it first");
   const c10::cuda::CUDAGuard guard(noop_flag.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const auto options = noop_flag.options().dtype(at::kFloat);

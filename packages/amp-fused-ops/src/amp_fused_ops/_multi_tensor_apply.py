@@ -18,6 +18,8 @@ from typing import Any, ClassVar, TypeVar
 
 from torch import Tensor
 
+from amp_fused_ops._reference_common import MAX_CHUNK_SIZE
+
 __all__ = ["MultiTensorApply", "multi_tensor_applier"]
 
 _R = TypeVar("_R")
@@ -31,7 +33,7 @@ class MultiTensorApply:
             on it; it only tunes the compiled kernels.
 
     Raises:
-        ValueError: ``chunk_size`` is not a positive int.
+        ValueError: ``chunk_size`` is not an int in [1, 2**30] (the range every kernel takes).
 
     Example:
         >>> applier = MultiTensorApply(2048 * 32)
@@ -47,9 +49,13 @@ class MultiTensorApply:
     warned: ClassVar[bool] = False
 
     def __init__(self, chunk_size: int) -> None:
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        if (
+            isinstance(chunk_size, bool)
+            or not isinstance(chunk_size, int)
+            or not 1 <= chunk_size <= MAX_CHUNK_SIZE
+        ):
             raise ValueError(
-                f"MultiTensorApply: chunk_size must be a positive int, got {chunk_size!r}"
+                f"MultiTensorApply: chunk_size must be an int in [1, 2**30], got {chunk_size!r}"
             )
         self.chunk_size = chunk_size
 

@@ -7,6 +7,7 @@ conventions every reference op follows.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -17,6 +18,8 @@ TensorLists = Sequence[Sequence[Tensor]]
 _Tensors = list[Tensor] | tuple[Tensor, ...]
 
 # Storage dtypes every op accepts; math always runs in float32.
+# Largest chunk_size every path accepts (the CUDA launcher indexes chunks with int).
+MAX_CHUNK_SIZE = 1 << 30
 _FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
 _FP32_ONLY: tuple[torch.dtype, ...] = (torch.float32,)
 
@@ -58,8 +61,12 @@ def _check(
             or a dtype is not accepted.
         RuntimeError: Tensors (or the noop flag) sit on different devices.
     """
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ValueError(f"{op}: chunk_size must be a positive int, got {chunk_size!r}")
+    if (
+        isinstance(chunk_size, bool)
+        or not isinstance(chunk_size, int)
+        or not 1 <= chunk_size <= MAX_CHUNK_SIZE
+    ):
+        raise ValueError(f"{op}: chunk_size must be an int in [1, 2**30], got {chunk_size!r}")
     if not isinstance(tensor_lists, (list, tuple)):
         raise TypeError(
             f"{op}: tensor_lists must be a list of lists of tensors, got "
@@ -127,6 +134,29 @@ def _check(
             "create it on the tensors' device"
         )
     return device
+
+
+def _check_no_overlap(op: str, tensor_lists: TensorLists, which: Sequence[int]) -> None:
+    """Raise ValueError when two of the lists ``which`` share memory at one position.
+
+    The compiled kernels read and write the lists as independent arrays (``__restrict__``).
+    """
+    for j in range(len(tensor_lists[0])):
+        spans = []
+        for i in which:
+            t = tensor_lists[i][j]
+            if t.numel() == 0 or t.device.type == "meta":
+                continue
+            start = t.data_ptr()
+            spans.append((start, start + t.numel() * t.element_size(), i))
+        spans.sort()
+        for (_, end_a, a), (start_b, _, b) in itertools.pairwise(spans):
+            if start_b < end_a:
+                first, second = sorted((a, b))
+                raise ValueError(
+                    f"{op}: tensor {j} of list {first} and tensor {j} of list {second} share "
+                    "memory; every list needs tensors of its own"
+                )
 
 
 def _check_choice(op: str, name: str, value: int, choices: Sequence[int]) -> None:

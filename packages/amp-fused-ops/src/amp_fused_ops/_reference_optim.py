@@ -15,6 +15,7 @@ from amp_fused_ops._reference_common import (
     _any_nonfinite,
     _check,
     _check_choice,
+    _check_no_overlap,
     _fp32,
     _raise_flag,
     _scalar,
@@ -91,7 +92,8 @@ def multi_tensor_adam(
 ) -> None:
     """One Adam / AdamW step, in place, for every (grad, param, exp_avg, exp_avg_sq).
 
-    Math in float32 (Apex's ``AdamFunctor``)::
+    Math in float32, Apex's ``AdamFunctor`` (``csrc/common/adam_math.h`` is the same formula
+    for the compiled kernels)::
 
         g = grad (+ weight_decay * p in mode 0)
         m = beta1 * m + (1 - beta1) * g
@@ -102,12 +104,20 @@ def multi_tensor_adam(
     with ``bc1 = 1 - beta1**step`` and ``bc2 = 1 - beta2**step`` when ``bias_correction`` is
     1, else 1.
 
+    Where this differs from ``torch.optim``: in mode 1 the decoupled decay enters the update
+    (``p -= lr * (update + weight_decay * p)``), as in Apex, where ``torch.optim.AdamW``
+    first multiplies ``p *= 1 - lr * weight_decay`` and then subtracts ``lr * update`` (the
+    results differ in rounding, and an infinite parameter becomes nan here). Where this
+    differs from Apex: a ``weight_decay`` of 0 adds no term at all, so an infinite parameter
+    stays infinite (Apex's kernel added ``0 * p``, a nan).
+
     Args:
         chunk_size: Elements per chunk (validated, otherwise unused).
         noop_flag: One-element int32 tensor; neither read nor written (inf/nan propagate, as
             in Apex).
-        tensor_lists: ``[grads, params, exp_avgs, exp_avg_sqs]``; params and both moments are
-            updated in place and keep their dtypes (float32 state recommended).
+        tensor_lists: ``[grads, params, exp_avgs, exp_avg_sqs]``: grads and params float32,
+            float16 or bfloat16 (each list one dtype); the moments float32, as Apex's kernel
+            reads them. Params and moments are updated in place.
         lr: Learning rate.
         beta1: First-moment decay.
         beta2: Second-moment decay.
@@ -118,15 +128,20 @@ def multi_tensor_adam(
         weight_decay: Weight decay.
 
     Raises:
-        ValueError: Malformed lists, sizes, dtypes, noop flag, mode or bias_correction.
+        ValueError: Malformed lists, sizes, dtypes, noop flag, mode or bias_correction; a
+            step below 1 with bias correction; lists that share memory at one position.
         RuntimeError: Tensors on different devices.
     """
     op = "multi_tensor_adam"
     _check_choice(op, "mode", mode, (ADAM_MODE_L2, ADAM_MODE_ADAMW))
     _check_choice(op, "bias_correction", bias_correction, (0, 1))
+    if bias_correction == 1 and step < 1:
+        raise ValueError(f"{op}: step must be >= 1 when bias_correction is on, got {step}")
     names = [("grads", "params", "exp_avgs", "exp_avg_sqs")]
-    if _check(op, chunk_size, noop_flag, tensor_lists, names) is None:
+    dtypes = [_FLOAT_DTYPES, _FLOAT_DTYPES, _FP32_ONLY, _FP32_ONLY]
+    if _check(op, chunk_size, noop_flag, tensor_lists, names, dtypes) is None:
         return
+    _check_no_overlap(op, tensor_lists, (0, 1, 2, 3))
     grads, params, exp_avgs, exp_avg_sqs = tensor_lists
     bc1 = 1.0 - beta1**step if bias_correction == 1 else 1.0
     bc2 = 1.0 - beta2**step if bias_correction == 1 else 1.0
@@ -305,6 +320,8 @@ def _capturable_adam(
     device = _check(op, chunk_size, noop_flag, tensor_lists, names, dtypes)
     if device is None:
         return
+    # A float32 param may be its own master (lists 1 and 4); nothing else may share memory.
+    _check_no_overlap(op, tensor_lists, (0, 2, 3, 4) if master else (0, 1, 2, 3))
     grads, params, exp_avgs, exp_avg_sqs = tensor_lists[:4]
     lr_t = _scalar(lr, device)
     step_t = _scalar(step, device)

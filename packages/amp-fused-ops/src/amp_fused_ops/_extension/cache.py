@@ -18,6 +18,9 @@ from .settings import ARCH_ENV, CACHE_ENV, PACKAGE_DIR, check_kind
 # Files of csrc/<kind> that make the extension (hashed) and that are compiled.
 SOURCE_SUFFIXES = {"cpu": (".cpp", ".h"), "cuda": (".cu", ".cpp", ".h", ".cuh")}
 COMPILED_SUFFIXES = {"cpu": (".cpp",), "cuda": (".cu", ".cpp")}
+# The element math both extensions include (csrc/common/*.h): hashed into both cache keys.
+SHARED_DIR = "common"
+SHARED_SUFFIXES = (".h",)
 
 
 def cache_root() -> Path:
@@ -92,12 +95,23 @@ def source_dir() -> Path | None:
 
 
 def sources(kind: str) -> list[Path]:
-    """Every file of ``csrc/<kind>`` that goes into the extension (sources and headers)."""
+    """Every file that goes into extension ``kind``: ``csrc/<kind>`` and the shared headers.
+
+    The headers of ``csrc/common`` (the element math of the CPU loops and the CUDA functors)
+    come first; an edit of one of them changes the cache key of both extensions.
+    """
     root = source_dir()
     if root is None or not (root / kind).is_dir():
         return []
     suffixes = SOURCE_SUFFIXES[kind]
-    return sorted(path for path in (root / kind).iterdir() if path.suffix in suffixes)
+    own = sorted(path for path in (root / kind).iterdir() if path.suffix in suffixes)
+    shared_dir = root / SHARED_DIR
+    shared = (
+        sorted(path for path in shared_dir.iterdir() if path.suffix in SHARED_SUFFIXES)
+        if shared_dir.is_dir()
+        else []
+    )
+    return shared + own
 
 
 def compiled_sources(kind: str) -> list[Path]:
@@ -108,8 +122,11 @@ def compiled_sources(kind: str) -> list[Path]:
 def source_hash(kind: str) -> str:
     """SHA-256 of the sources of ``kind`` and the flags and tools it is compiled with."""
     digest = hashlib.sha256()
+    root = source_dir()
     for path in sources(kind):
-        digest.update(path.name.encode())
+        # The path under csrc/, so that a header moved between folders changes the key too.
+        name = path.relative_to(root).as_posix() if root is not None else path.name
+        digest.update(name.encode())
         digest.update(path.read_bytes())
     used = (*flags.extra_cflags(), toolkit.compiler_command()[0])
     if kind == "cuda":

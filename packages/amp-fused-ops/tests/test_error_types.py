@@ -1,0 +1,110 @@
+"""One error type per mistake, whatever the path: reference, C++ CPU kernel, CUDA kernel.
+
+Each mistake of the table goes through the pure-PyTorch reference and the compiled CPU
+extension (and, under ``nox -s cuda_emulation``, the CUDA kernels compiled for the CPU): all
+raise the same exception class, with the same words in the message. A wrong value (a dtype
+included, as the reference has always done) is a ValueError, a tensor on the wrong device a
+RuntimeError (as torch's own ops).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from _cpu_extension_helpers import load_from, session_cache
+from _kernel_target import EMULATED, extension
+from amp_fused_ops import _reference
+
+
+def _flag() -> Tensor:
+    return torch.zeros(1, dtype=torch.int32)
+
+
+def _l(n: int = 8, dtype: torch.dtype = torch.float32) -> list[Tensor]:
+    return [torch.randn(n).to(dtype)]
+
+
+def _adam(lists: list[list[Tensor]], step: int = 1, mode: int = 1,
+          chunk: int = 64) -> Callable[[Any], None]:  # fmt: skip
+    return lambda impl: impl.multi_tensor_adam(chunk, _flag(), lists, 1e-3, 0.9, 0.999, 1e-8,
+                                               step, mode, 1, 0.0)  # fmt: skip
+
+
+def _shared() -> list[list[Tensor]]:
+    p = torch.randn(8)
+    return [_l(), [p], [p], _l()]  # params and exp_avgs are one tensor
+
+
+MISTAKES: dict[str, tuple[Callable[[Any], None], type[Exception], str]] = {
+    "chunk_size 0": (lambda impl: impl.multi_tensor_scale(0, _flag(), [_l(), _l()], 1.0),
+                     ValueError, "chunk_size must be"),
+    "chunk_size over 2**30": (
+        lambda impl: impl.multi_tensor_scale(2**30 + 1, _flag(), [_l(), _l()], 1.0),
+        ValueError, "chunk_size must be"),
+    "noop flag of the wrong dtype": (
+        lambda impl: impl.multi_tensor_scale(64, torch.zeros(1), [_l(), _l()], 1.0),
+        ValueError, "noop_flag must be"),
+    "wrong number of lists": (lambda impl: impl.multi_tensor_scale(64, _flag(), [_l()], 1.0),
+                              ValueError, "expected 2 tensor lists"),
+    "lists of different lengths": (
+        lambda impl: impl.multi_tensor_scale(64, _flag(), [_l(), _l() * 2], 1.0),
+        ValueError, "has 1"),
+    "sizes differ at one position": (
+        lambda impl: impl.multi_tensor_scale(64, _flag(), [_l(8), _l(9)], 1.0),
+        ValueError, "elements"),
+    "float64 tensors": (
+        lambda impl: impl.multi_tensor_scale(64, _flag(), [_l(8, torch.float64), _l()], 1.0),
+        ValueError, "float64|Double"),
+    "axpby arg_to_check 2": (
+        lambda impl: impl.multi_tensor_axpby(64, _flag(), [_l(), _l(), _l()], 1.0, 1.0, 2),
+        ValueError, "arg_to_check must be"),
+    "adam mode 2": (_adam([_l(), _l(), _l(), _l()], mode=2), ValueError, "mode must be"),
+    "adam step 0 with bias correction": (_adam([_l(), _l(), _l(), _l()], step=0), ValueError,
+                                         "step must be >= 1"),
+    "adam lists that share memory": (_adam(_shared()), ValueError, "share memory"),
+    "adam float16 moments": (
+        _adam([_l(), _l(), _l(8, torch.float16), _l(8, torch.float16)]), ValueError, "float32"),
+    "adam bfloat16 moments with bfloat16 params": (
+        _adam([_l(8, torch.bfloat16) for _ in range(4)]),
+        ValueError, "float32"),
+    "capturable adam lists that share memory": (
+        lambda impl: impl.multi_tensor_adam_capturable(
+            64, _flag(), _shared(), torch.ones(1), 0.9, 0.999, 1e-8, torch.ones(1), 1, 1, 0.0,
+            torch.ones(1)),
+        ValueError, "share memory"),
+    "capturable master adam: moments share memory": (
+        lambda impl: impl.multi_tensor_adam_capturable_master(
+            64, _flag(), [_l(), _l(), *_shared()[1:3], _l()], torch.ones(1), 0.9, 0.999, 1e-8,
+            torch.ones(1), 1, 1, 0.0, torch.ones(1)),
+        ValueError, "share memory"),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cpu_ext(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return load_from(session_cache(tmp_path_factory).cache)
+
+
+@pytest.mark.parametrize("mistake", list(MISTAKES))
+def test_reference_and_cpu_kernel_raise_the_same_error(cpu_ext: Any, mistake: str) -> None:
+    call, error, match = MISTAKES[mistake]
+    for impl in (_reference, cpu_ext):
+        with pytest.raises(error, match=match) as info:
+            call(impl)
+        assert type(info.value) is error, (impl, type(info.value))
+
+
+@pytest.mark.gpu
+@pytest.mark.cuda_emulation
+@pytest.mark.skipif(not EMULATED, reason="runs the emulated kernels (nox -s cuda_emulation)")
+@pytest.mark.parametrize("mistake", list(MISTAKES))
+def test_cuda_kernel_raises_the_same_error(mistake: str) -> None:
+    call, error, match = MISTAKES[mistake]
+    with pytest.raises(error, match=match) as info:
+        call(extension())
+    assert type(info.value) is error, type(info.value)
