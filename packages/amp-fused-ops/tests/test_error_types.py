@@ -108,3 +108,62 @@ def test_cuda_kernel_raises_the_same_error(mistake: str) -> None:
     with pytest.raises(error, match=match) as info:
         call(extension())
     assert type(info.value) is error, type(info.value)
+
+
+# --- One table of scalar preconditions, checked before dispatch ----------------------------
+
+SCALAR_MISTAKES: dict[str, Callable[[Any], None]] = {
+    "chunk_size 0": lambda ns: ns.multi_tensor_scale(0, _flag(), [_l(), _l()], 1.0),
+    "axpby arg_to_check 2": lambda ns: ns.multi_tensor_axpby(
+        64, _flag(), [_l(), _l(), _l()], 1.0, 1.0, 2
+    ),
+    "adam mode 2": _adam([_l(), _l(), _l(), _l()], mode=2),
+    "adam step 0": _adam([_l(), _l(), _l(), _l()], step=0),
+    "adam bias_correction given by keyword": lambda ns: ns.multi_tensor_adam(
+        64, _flag(), [_l(), _l(), _l(), _l()], 1e-3, 0.9, 0.999, 1e-8, 1, 1, bias_correction=3,
+        weight_decay=0.0,
+    ),
+    "adagrad mode -1": lambda ns: ns.multi_tensor_adagrad(
+        64, _flag(), [_l(), _l(), _l()], 1e-2, 1e-10, -1, 0.0
+    ),
+    "lamb grad_averaging 2": lambda ns: ns.multi_tensor_lamb(
+        64, _flag(), [_l(), _l(), _l(), _l()], 1e-3, 0.9, 0.999, 1e-6, 1, 1, 0.0, 2, 1,
+        torch.ones(1), 1.0, False,
+    ),
+    "novograd norm_type 1": lambda ns: ns.multi_tensor_novograd(
+        64, _flag(), [_l(), _l(), _l()], torch.zeros(1), 1e-3, 0.9, 0.999, 1e-8, 1, 1, 0.0, 1,
+        0, 1,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("mistake", list(SCALAR_MISTAKES))
+def test_amp_C_gives_the_reference_message_on_the_kernel_path(
+    cpu_ext: Any, monkeypatch: pytest.MonkeyPatch, mistake: str
+) -> None:
+    """Through amp_C the compiled kernel never sees the mistake: one message on every path."""
+    from amp_fused_ops import _amp_C
+
+    call = SCALAR_MISTAKES[mistake]
+    with pytest.raises(ValueError) as reference:
+        call(_reference)
+    monkeypatch.setattr(_amp_C, "_kernel_for", lambda name, tensor: getattr(cpu_ext, name))
+    with pytest.raises(ValueError) as dispatched:
+        call(_amp_C.amp_C)
+    assert str(dispatched.value) == str(reference.value)
+    # The kernel itself raises the same type (its own words).
+    with pytest.raises(ValueError):
+        call(cpu_ext)
+
+
+def test_the_table_names_the_arguments_of_every_op() -> None:
+    import inspect
+
+    from amp_fused_ops import _preconditions
+
+    for op in _reference.__all__:
+        if op == "update_scale_hysteresis":
+            continue
+        parameters = list(inspect.signature(getattr(_reference, op)).parameters)
+        assert parameters[:3] == ["chunk_size", "noop_flag", "tensor_lists"], op
+        assert tuple(parameters[3:]) == _preconditions.PRECONDITIONS[op].arguments, op

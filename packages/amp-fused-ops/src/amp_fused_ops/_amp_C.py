@@ -6,9 +6,14 @@ device. When the extension is loaded and has an attribute of the op's name, that
 with exactly the arguments given; otherwise (no loader, no extension, op not compiled, another
 device type, empty lists) the pure-PyTorch reference in :mod:`amp_fused_ops._reference` runs.
 
-The compiled kernels check their own preconditions; the messages of the reference are the
-documented ones. ``update_scale_hysteresis`` takes no tensor lists: it dispatches on the device
-of ``current_scale``.
+The preconditions on ``chunk_size`` and the scalar arguments (``mode``, ``bias_correction``,
+``step`` ...) are one table, :data:`amp_fused_ops._preconditions.PRECONDITIONS`, checked here
+once before the kernel or the reference is picked: the same mistake gives the same
+``ValueError`` and message on every path. The per-tensor preconditions (sizes, dtypes, layouts,
+devices) are checked by each path, with the same exception types.
+
+``update_scale_hysteresis`` takes no tensor lists: it dispatches on the device of
+``current_scale``.
 
 Every path bumps the autograd version counter of each tensor an op writes in place (the
 reference through ATen's in-place ops, the compiled extensions in their bindings), so autograd
@@ -33,7 +38,7 @@ from typing import Any, TypeVar, cast
 
 from torch import Tensor
 
-from amp_fused_ops import _reference
+from amp_fused_ops import _preconditions, _reference
 
 __all__ = ["amp_C"]
 
@@ -93,6 +98,7 @@ def _dispatching(reference: _F) -> _F:
         *args: Any,
         **kwargs: Any,
     ) -> Any:
+        _preconditions.check(name, chunk_size, args, kwargs)
         kernel = _kernel(name, tensor_lists)
         impl = reference if kernel is None else kernel
         return impl(chunk_size, noop_flag, tensor_lists, *args, **kwargs)

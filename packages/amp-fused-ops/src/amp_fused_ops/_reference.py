@@ -63,11 +63,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from amp_fused_ops._preconditions import check_arguments
 from amp_fused_ops._reference_common import (
     TensorLists,
     _any_nonfinite,
     _check,
-    _check_choice,
     _fp32,
     _raise_flag,
     _scalar,
@@ -174,7 +174,7 @@ def multi_tensor_axpby(
         RuntimeError: Tensors on different devices.
     """
     op = "multi_tensor_axpby"
-    _check_choice(op, "arg_to_check", arg_to_check, (-1, 0, 1))
+    check_arguments(op, {"arg_to_check": arg_to_check})
     device = _check(op, chunk_size, noop_flag, tensor_lists, [("xs", "ys", "outs")])
     if device is None:
         return

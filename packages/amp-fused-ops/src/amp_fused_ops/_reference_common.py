@@ -13,13 +13,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from amp_fused_ops._preconditions import check_chunk_size
+
 TensorLists = Sequence[Sequence[Tensor]]
 # What torch._foreach_* accept and return.
 _Tensors = list[Tensor] | tuple[Tensor, ...]
 
 # Storage dtypes every op accepts; math always runs in float32.
-# Largest chunk_size every path accepts (the CUDA launcher indexes chunks with int).
-MAX_CHUNK_SIZE = 1 << 30
 _FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
 _FP32_ONLY: tuple[torch.dtype, ...] = (torch.float32,)
 
@@ -61,12 +61,7 @@ def _check(
             or a dtype is not accepted.
         RuntimeError: Tensors (or the noop flag) sit on different devices.
     """
-    if (
-        isinstance(chunk_size, bool)
-        or not isinstance(chunk_size, int)
-        or not 1 <= chunk_size <= MAX_CHUNK_SIZE
-    ):
-        raise ValueError(f"{op}: chunk_size must be an int in [1, 2**30], got {chunk_size!r}")
+    check_chunk_size(op, chunk_size)
     if not isinstance(tensor_lists, (list, tuple)):
         raise TypeError(
             f"{op}: tensor_lists must be a list of lists of tensors, got "
@@ -157,16 +152,6 @@ def _check_no_overlap(op: str, tensor_lists: TensorLists, which: Sequence[int]) 
                     f"{op}: tensor {j} of list {first} and tensor {j} of list {second} share "
                     "memory; every list needs tensors of its own"
                 )
-
-
-def _check_choice(op: str, name: str, value: int, choices: Sequence[int]) -> None:
-    if value not in choices:
-        raise ValueError(f"{op}: {name} must be one of {list(choices)}, got {value!r}")
-
-
-# ---------------------------------------------------------------------------------------------
-# Helpers (all device-side, no host sync)
-# ---------------------------------------------------------------------------------------------
 
 
 def _fp32(tensors: Sequence[Tensor], like: Sequence[Tensor] | None = None) -> _Tensors:

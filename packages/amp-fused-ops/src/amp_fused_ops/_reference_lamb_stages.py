@@ -19,12 +19,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from amp_fused_ops._preconditions import check_arguments
 from amp_fused_ops._reference_common import (
     _FLOAT_DTYPES,
     _FP32_ONLY,
     TensorLists,
     _check,
-    _check_choice,
     _fp32,
     _raise_flag,
     _scalar,
@@ -263,9 +263,9 @@ def multi_tensor_lamb_mp(
         RuntimeError: Tensors on different devices.
     """
     op = "multi_tensor_lamb_mp"
-    _check_choice(op, "bias_correction", bias_correction, (0, 1))
-    _check_choice(op, "grad_averaging", grad_averaging, (0, 1))
-    _check_choice(op, "mode", mode, (MOMENT_MODE_L2, MOMENT_MODE_DECOUPLED))
+    check_arguments(
+        op, {"bias_correction": bias_correction, "grad_averaging": grad_averaging, "mode": mode}
+    )
     names = [
         ("grads", "params", "exp_avgs", "exp_avg_sqs"),
         ("grads", "master_params", "exp_avgs", "exp_avg_sqs", "model_params"),

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from amp_fused_ops._preconditions import check_arguments
 from amp_fused_ops._reference_common import (
     TensorLists,
     _check,
-    _check_choice,
     _fp32,
     _raise_flag,
     _scalar,
@@ -104,9 +104,9 @@ def multi_tensor_lamb(
         RuntimeError: Tensors on different devices.
     """
     op = "multi_tensor_lamb"
-    _check_choice(op, "bias_correction", bias_correction, (0, 1))
-    _check_choice(op, "grad_averaging", grad_averaging, (0, 1))
-    _check_choice(op, "mode", mode, (MOMENT_MODE_L2, MOMENT_MODE_DECOUPLED))
+    check_arguments(
+        op, {"bias_correction": bias_correction, "grad_averaging": grad_averaging, "mode": mode}
+    )
     names = [("grads", "params", "exp_avgs", "exp_avg_sqs")]
     device = _check(op, chunk_size, noop_flag, tensor_lists, names)
     if device is None:
@@ -216,10 +216,15 @@ def multi_tensor_novograd(
         RuntimeError: Tensors (or ``grad_norms``) on different devices.
     """
     op = "multi_tensor_novograd"
-    _check_choice(op, "bias_correction", bias_correction, (0, 1))
-    _check_choice(op, "grad_averaging", grad_averaging, (0, 1))
-    _check_choice(op, "mode", mode, (MOMENT_MODE_L2, MOMENT_MODE_DECOUPLED))
-    _check_choice(op, "norm_type", norm_type, (NORM_TYPE_INF, NORM_TYPE_L2))
+    check_arguments(
+        op,
+        {
+            "bias_correction": bias_correction,
+            "grad_averaging": grad_averaging,
+            "mode": mode,
+            "norm_type": norm_type,
+        },
+    )
     if not isinstance(grad_norms, Tensor):
         raise TypeError(f"{op}: grad_norms must be a tensor, got {type(grad_norms).__name__}")
     device = _check(op, chunk_size, noop_flag, tensor_lists, [("grads", "params", "exp_avgs")])

@@ -8,13 +8,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from amp_fused_ops._preconditions import check_arguments
 from amp_fused_ops._reference_common import (
     _FLOAT_DTYPES,
     _FP32_ONLY,
     TensorLists,
     _any_nonfinite,
     _check,
-    _check_choice,
     _check_no_overlap,
     _fp32,
     _raise_flag,
@@ -133,10 +133,7 @@ def multi_tensor_adam(
         RuntimeError: Tensors on different devices.
     """
     op = "multi_tensor_adam"
-    _check_choice(op, "mode", mode, (ADAM_MODE_L2, ADAM_MODE_ADAMW))
-    _check_choice(op, "bias_correction", bias_correction, (0, 1))
-    if bias_correction == 1 and step < 1:
-        raise ValueError(f"{op}: step must be >= 1 when bias_correction is on, got {step}")
+    check_arguments(op, {"mode": mode, "bias_correction": bias_correction, "step": step})
     names = [("grads", "params", "exp_avgs", "exp_avg_sqs")]
     dtypes = [_FLOAT_DTYPES, _FLOAT_DTYPES, _FP32_ONLY, _FP32_ONLY]
     if _check(op, chunk_size, noop_flag, tensor_lists, names, dtypes) is None:
@@ -310,8 +307,7 @@ def _capturable_adam(
     """Both capturable Adam ops: with a fifth list of float32 masters (``..._master``: the
     masters are stepped, the params written from them, the grads left alone), or without
     (the params are stepped and the unscaled grads written back)."""
-    _check_choice(op, "mode", mode, (ADAM_MODE_L2, ADAM_MODE_ADAMW))
-    _check_choice(op, "bias_correction", bias_correction, (0, 1))
+    check_arguments(op, {"mode": mode, "bias_correction": bias_correction})
     master = op.endswith("_master")
     names: list[tuple[str, ...]] = [("grads", "params", "exp_avgs", "exp_avg_sqs")]
     dtypes = [_FLOAT_DTYPES, _FLOAT_DTYPES, _FP32_ONLY, _FP32_ONLY]
@@ -468,7 +464,7 @@ def multi_tensor_adagrad(
         RuntimeError: Tensors on different devices.
     """
     op = "multi_tensor_adagrad"
-    _check_choice(op, "mode", mode, (ADAGRAD_MODE_L2, ADAGRAD_MODE_DECOUPLED))
+    check_arguments(op, {"mode": mode})
     names = [("grads", "params", "state_sums")]
     if _check(op, chunk_size, noop_flag, tensor_lists, names) is None:
         return
