@@ -51,6 +51,20 @@ class OpPreconditions:
 _FLAG = (0, 1)
 _ADAM_ARGS = ("lr", "beta1", "beta2", "eps", "step", "mode", "bias_correction", "weight_decay")
 _ADAM_CHOICES = (("mode", _FLAG), ("bias_correction", _FLAG))
+_LAMB_ARGS = (
+    "lr",
+    "beta1",
+    "beta2",
+    "epsilon",
+    "step",
+    "bias_correction",
+    "weight_decay",
+    "grad_averaging",
+    "mode",
+    "global_grad_norm",
+    "max_grad_norm",
+    "use_nvlamb",
+)
 _LAMB_CHOICES = (("bias_correction", _FLAG), ("grad_averaging", _FLAG), ("mode", _FLAG))
 
 # Every op of Apex's amp_C (csrc/amp_C_frontend.cpp) that takes a chunk_size.
@@ -116,41 +130,9 @@ PRECONDITIONS: Mapping[str, OpPreconditions] = {
         ),
         choices=(*_LAMB_CHOICES, ("norm_type", (0, 2))),
     ),
-    "multi_tensor_lamb": OpPreconditions(
-        (
-            "lr",
-            "beta1",
-            "beta2",
-            "epsilon",
-            "step",
-            "bias_correction",
-            "weight_decay",
-            "grad_averaging",
-            "mode",
-            "global_grad_norm",
-            "max_grad_norm",
-            "use_nvlamb",
-        ),
-        choices=_LAMB_CHOICES,
-    ),
+    "multi_tensor_lamb": OpPreconditions(_LAMB_ARGS, choices=_LAMB_CHOICES),
     "multi_tensor_lamb_mp": OpPreconditions(
-        (
-            "lr",
-            "beta1",
-            "beta2",
-            "epsilon",
-            "step",
-            "bias_correction",
-            "weight_decay",
-            "grad_averaging",
-            "mode",
-            "global_grad_norm",
-            "max_grad_norm",
-            "use_nvlamb",
-            "found_inf",
-            "inv_scale",
-        ),
-        choices=_LAMB_CHOICES,
+        (*_LAMB_ARGS, "found_inf", "inv_scale"), choices=_LAMB_CHOICES
     ),
 }
 
