@@ -41,8 +41,8 @@ class GradUnscaler(Protocol):
 
     def unscale_with_stash_(
         self,
-        params: Sequence[Tensor],
-        stash: Sequence[Tensor | None],
+        params: list[Tensor],
+        stash: list[Tensor | None],
         found_inf: Tensor,
         *,
         check: bool,
@@ -150,6 +150,10 @@ class MasterWeights:
         self._stash = [p.grad for p in self.direct_params]
         for p in self.direct_params:
             p.grad = None
+
+    def drop_set_aside_grads(self) -> None:
+        """Forget the gradients set aside (the step's gradients were zeroed)."""
+        self._stash = []
 
     def has_set_aside_grads(self) -> bool:
         """Whether a gradient is set aside (waiting to be added back when unscaling)."""

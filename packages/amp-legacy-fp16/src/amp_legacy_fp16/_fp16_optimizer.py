@@ -11,11 +11,12 @@ sync); an overflow makes the next :meth:`FP16_Optimizer.step` a no-op that lower
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
 from collections.abc import Callable
 from typing import Any, NoReturn
 
 import torch
+
+from amp_core import MasterWeights
 
 from ._deprecation import warn_deprecated
 from ._loss_scaler import (
@@ -39,19 +40,6 @@ _STATE_KEYS = (
     "optimizer_state_dict",
     "fp32_from_fp16",
 )
-
-
-def _copy_grouped(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """``dst[i].copy_(src[i])`` for all i, one foreach launch per device."""
-    by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = defaultdict(
-        lambda: ([], [])
-    )
-    for d, s in zip(dst, src, strict=True):
-        by_device[d.device][0].append(d)
-        by_device[d.device][1].append(s)
-    with torch.no_grad():
-        for d_list, s_list in by_device.values():
-            torch._foreach_copy_(d_list, s_list)
 
 
 class FP16_Optimizer:
@@ -106,6 +94,8 @@ class FP16_Optimizer:
             )
         self.verbose = verbose
         self.optimizer = init_optimizer
+        # The masters, the fp32 params stepped directly, and the step (amp-core's rules).
+        self._weights = MasterWeights()
         self.fp16_groups: list[list[torch.Tensor]] = []
         self.fp32_from_fp16_groups: list[list[torch.Tensor]] = []
         self.fp32_from_fp32_groups: list[list[torch.Tensor]] = []
@@ -128,9 +118,9 @@ class FP16_Optimizer:
             self.loss_scaler = make_static(static_loss_scale)
         self.overflow = False
         self.first_closure_call_this_step = True
-        # fp32 params' grads from before the current (scaled) backward, already unscaled: set
-        # aside so that update_master_grads unscales only the new ones (Apex unscaled twice).
-        self._fp32_stash: list[torch.Tensor | None] = []
+        # A backward ran since the last update_master_grads: the fp32 params' grads from before
+        # it are set aside in _weights, so that only the new ones are unscaled (Apex unscaled
+        # the older ones twice).
         self._fp32_grads_scaled = False
 
     def _ingest_group(self, index: int, group: dict[str, Any]) -> None:
@@ -150,13 +140,8 @@ class FP16_Optimizer:
                         param.dtype,
                         tuple(param.shape),
                     )
-                master = param.detach().clone().float().requires_grad_(True)
-                group["params"][i] = master
-                if param in state:  # move existing state onto the master, in fp32
-                    state[master] = {
-                        k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
-                        for k, v in state.pop(param).items()
-                    }
+                # In the group in place of the param; its state moves along, in fp32.
+                master = self._weights.adopt_param(group, i, state)
                 fp16_params.append(param)
                 fp32_from_fp16.append(master)
             elif param.dtype == torch.float32:
@@ -167,6 +152,7 @@ class FP16_Optimizer:
                         tuple(param.shape),
                     )
                 fp32_params.append(param)
+                self._weights.direct_params.append(param)
             else:
                 raise TypeError(
                     f"Wrapped parameters must be torch.float16, torch.bfloat16 or "
@@ -238,7 +224,7 @@ class FP16_Optimizer:
             else:
                 p.grad.detach_()
                 p.grad.zero_()
-        self._fp32_stash = []
+        self._weights.drop_set_aside_grads()
         self._fp32_grads_scaled = False
 
     def backward(
@@ -254,10 +240,7 @@ class FP16_Optimizer:
             retain_graph: Passed to ``backward``.
         """
         if not self._fp32_grads_scaled:
-            self._fp32_stash = []
-            for p in self.all_fp32_from_fp32_params:
-                self._fp32_stash.append(p.grad)
-                p.grad = None
+            self._weights.set_aside_grads()
             self._fp32_grads_scaled = True
         scaled = loss.float() * self.loss_scaler.scale_tensor(loss.device)
         scaled.backward(retain_graph=retain_graph)
@@ -271,31 +254,19 @@ class FP16_Optimizer:
 
         .. note:: Reads the overflow flag on the host (dynamic scale only).
         """
-        grads: list[torch.Tensor] = []
-        for model, master in zip(self.all_fp16_params, self.all_fp32_from_fp16_params, strict=True):
-            if model.grad is None:
-                master.grad = None
-                continue
-            if master.grad is None:
-                master.grad = model.grad.detach().float()
-            else:
-                master.grad.detach_()
-                master.grad.copy_(model.grad)
-            grads.append(master.grad)
         fresh_fp32 = self._fp32_grads_scaled
+        grads = [p.grad for p in self.all_fp16_params if p.grad is not None]
         fp32_grads = [p.grad for p in self.all_fp32_from_fp32_params if p.grad is not None]
         check = self.dynamic_loss_scale
         probe = grads or (fp32_grads if fresh_fp32 else [])
         device = probe[0].device if probe else torch.device("cpu")
         found_inf = torch.zeros((), dtype=torch.float32, device=device)
-        if grads:
-            self.loss_scaler.unscale_(grads, found_inf, check=check)
+        # The masters' grads are replaced (the half grads accumulate between steps instead).
+        self._weights.unscale_into_masters(
+            self.loss_scaler, found_inf, check=check, accumulate=False
+        )
         if fresh_fp32:
-            stash = self._fp32_stash or [None] * len(self.all_fp32_from_fp32_params)
-            self.loss_scaler.unscale_with_stash_(
-                self.all_fp32_from_fp32_params, stash, found_inf, check=check
-            )
-            self._fp32_stash = []
+            self._weights.unscale_direct_grads(self.loss_scaler, found_inf, check=check)
             self._fp32_grads_scaled = False
         self.overflow = bool(found_inf.item()) if check and probe else False
 
@@ -336,8 +307,7 @@ class FP16_Optimizer:
     # -- step ----------------------------------------------------------------------------------
 
     def _master_params_to_model_params(self) -> None:
-        if self.all_fp16_params:
-            _copy_grouped(self.all_fp16_params, self.all_fp32_from_fp16_params)
+        self._weights.copy_to_model()
 
     def _update_scale(self, overflow: bool) -> None:
         self.loss_scaler.update_scale(overflow)
@@ -358,21 +328,23 @@ class FP16_Optimizer:
         """
         scale = self.loss_scale
         self._update_scale(self.overflow)
+        skip = self.overflow and closure is None
         if self.overflow:
             logger.warning(
                 "OVERFLOW! Skipping step. Attempted loss scale: %s, reducing to %s",
                 scale,
                 self.loss_scale,
             )
-            if closure is None:
-                return None
-            # The overflow came from a backward outside the closure. Apex returned here and,
+            # With a closure, the overflow came from a backward outside it. Apex skipped and,
             # as no closure ran to clear the flag, skipped every later step too; the closure
             # re-evaluates the loss at the lowered scale instead.
-            self.overflow = False
-        result = self.optimizer.step() if closure is None else self._step_with_closure(closure)
-        self._master_params_to_model_params()
-        return result
+            if closure is not None:
+                self.overflow = False
+
+        def run() -> Any:
+            return self.optimizer.step() if closure is None else self._step_with_closure(closure)
+
+        return self._weights.step(run, overflow=skip)
 
     def _step_with_closure(self, closure: Callable[[], Any]) -> Any:
         def wrapped_closure() -> Any:
