@@ -7,16 +7,20 @@ a group added later needs the same treatment as the first ones); :meth:`remove` 
 
 Each optimizer is at one :class:`Stage` of its step, changed only by :meth:`_enter`:
 
-=============  =====================================================  ========================
+=============  =====================================================  ==========================
 stage          meaning                                                left by
-=============  =====================================================  ========================
+=============  =====================================================  ==========================
 READY          no gradient of a scaled backward is in flight          a backward
 ACCUMULATING   ``scale_loss(delay_unscale=True)`` left grads scaled   a backward; zero_grad
-DEFERRED       (fused path) grads wait scaled for the fused step      step; materialize
+DEFERRED       (fused path) grads wait scaled for the fused step      a backward; step; zero_grad;
+                                                                      ``amp.master_params``
 UNSCALED       grads unscaled into place, overflow flags noted        step; zero_grad (fused)
-STEPPED        (fused path) the step read grads that stay scaled      a backward; zero_grad
+STEPPED        (fused path) the step read grads that stay scaled      a backward; step; zero_grad;
+                                                                      ``amp.master_params``
 CLOSED         :meth:`remove` undid amp's wrapping                    (final)
-=============  =====================================================  ========================
+=============  =====================================================  ==========================
+
+``step()`` at ACCUMULATING and ``amp.scale_loss`` at CLOSED are refused with the fix.
 
 How masters are kept and the step is taken is a :class:`~amp_core._step_paths.StepPath`: the
 ordinary one, or the fused master-weight one for an optimizer that implements
