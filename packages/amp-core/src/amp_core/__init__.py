@@ -9,6 +9,7 @@ from . import amp
 
 # the building blocks, for users who need them directly
 from ._casting import O1Casting
+from ._master_weights import GradUnscaler, MasterWeights, fused_master_step, read_overflow
 from ._opt_levels import OptLevel, Properties
 from ._policy import POLICY, Cast
 from ._scaler import LossScaler
@@ -24,4 +25,9 @@ __all__ = [
     "POLICY",
     "Properties",
     "__version__",
+    # master weights and the step, shared by every mixed-precision optimizer
+    "GradUnscaler",
+    "MasterWeights",
+    "fused_master_step",
+    "read_overflow",
 ]
