@@ -124,15 +124,19 @@ def max_abs_diff(actual: list[Tensor], expected: list[Tensor]) -> float:
 
 
 def assert_paths_agree(
-    model: nn.Module, optimizer: torch.optim.Optimizer, ref_model: nn.Module, ref: Any
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    ref_model: nn.Module,
+    ref: Any,
+    master_atol: float = MASTER_ATOL,
 ) -> None:
     """The fused run against the ordinary one, within the tolerances of the module docstring."""
     fused_masters, ref_masters = masters(optimizer), masters(ref)
     assert [m.dtype for m in fused_masters] == [torch.float32] * len(fused_masters)
-    assert max_abs_diff(fused_masters, ref_masters) <= MASTER_ATOL
+    assert max_abs_diff(fused_masters, ref_masters) <= master_atol
     for p, r in zip(model.parameters(), ref_model.parameters(), strict=True):
         assert p.dtype == r.dtype
-        torch.testing.assert_close(p, r, rtol=torch.finfo(p.dtype).eps, atol=MASTER_ATOL)
+        torch.testing.assert_close(p, r, rtol=torch.finfo(p.dtype).eps, atol=master_atol)
     # The moments hold the unscaled gradients (Adam's update alone would hide a constant factor
     # such as a forgotten loss scale); half params one ulp apart change a gradient by about
     # one half eps, relative to the gradient's scale.
@@ -170,7 +174,8 @@ def test_o2_fused_adam_tracks_the_ordinary_o2_path(half: torch.dtype, loss_scale
     # The masters start from the model's float32 values, not from the half-rounded ones.
     assert max_abs_diff(masters(opt), model_params(make_model())) == 0.0
 
-    for step in range(8):
+    steps = 8
+    for step in range(steps):
         train_step(model, opt, make_batch(step))
         train_step(ref_model, ref, make_batch(step))
         # The one-pass write: every half param is its master rounded to nearest.
@@ -179,7 +184,12 @@ def test_o2_fused_adam_tracks_the_ordinary_o2_path(half: torch.dtype, loss_scale
 
     assert amp.skipped_steps(opt) == amp.skipped_steps(ref) == 0
     assert max_abs_diff(masters(opt), model_params(make_model())) > 1e-2  # it did train
-    assert_paths_agree(model, opt, ref_model, ref)
+    # Apex's Adam (the fused path) and torch.optim.AdamW round differently; once a master
+    # crosses a half rounding boundary on one path only, the half params one ulp apart change
+    # later gradients, and each step can add about 2 * eps(half) * lr (as in the accumulation
+    # test below). The pure-PyTorch reference path of amp_C shows 1.8e-5 here for float16.
+    accum_atol = MASTER_ATOL + steps * 2 * torch.finfo(half).eps * ADAM["lr"]
+    assert_paths_agree(model, opt, ref_model, ref, master_atol=accum_atol)
 
 
 # --- 2. an inf skips the step ---------------------------------------------------------------------
