@@ -215,9 +215,15 @@ def test_unscale_l2norm(ext: Any, dtype: torch.dtype, inv_scale_kind: str) -> No
 
 def _adam_state(dtype: torch.dtype, state_dtype: torch.dtype, seed: int) -> list[list[Tensor]]:
     params = _tensors(dtype, seed)
-    exp_avgs = [(0.01 * torch.randn_like(p, dtype=torch.float32)).to(state_dtype) for p in params]
+    # From a generator of their own: every implementation compared starts from the same moments.
+    g = torch.Generator(device=DEVICE).manual_seed(seed + 1)
+    exp_avgs = [
+        (0.01 * torch.randn(p.shape, generator=g, device=DEVICE)).to(state_dtype) for p in params
+    ]
     exp_avg_sqs = [
-        (1e-4 * torch.rand_like(p, dtype=torch.float32) + m.float().square()).to(state_dtype)
+        (1e-4 * torch.rand(p.shape, generator=g, device=DEVICE) + m.float().square()).to(
+            state_dtype
+        )
         for p, m in zip(params, exp_avgs, strict=True)
     ]
     return [params, exp_avgs, exp_avg_sqs]
