@@ -12,6 +12,7 @@ from ._casting import O1Casting
 from ._opt_levels import OptLevel, Properties
 from ._policy import POLICY, Cast
 from ._scaler import LossScaler
+from ._scaler_config import SCALER_PRESETS, ScalerConfig, check_count, check_scale
 from ._version import __version__
 
 __all__ = [
@@ -23,5 +24,10 @@ __all__ = [
     "OptLevel",
     "POLICY",
     "Properties",
+    # loss-scaler settings as data
+    "SCALER_PRESETS",
+    "ScalerConfig",
+    "check_count",
+    "check_scale",
     "__version__",
 ]

@@ -293,14 +293,7 @@ def initialize(
             state.masters.update(pairs)
     fp32_sources.clear()
 
-    session.scalers = [
-        LossScaler(
-            props.loss_scale,
-            min_loss_scale=props.min_loss_scale,
-            max_loss_scale=props.max_loss_scale,
-        )
-        for _ in range(num_losses)
-    ]
+    session.scalers = [LossScaler.from_config(props.scaler_config()) for _ in range(num_losses)]
     if props.patch_torch_functions:
         session.casting = O1Casting(device_types, props.half_dtype, verbose=verbosity > 0)
     if props.opt_level is OptLevel.O1 and not props.patch_torch_functions and verbosity > 0:

@@ -11,7 +11,7 @@ uninterrupted one, and checkpoints move freely between opt levels and plain fp32
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -212,6 +212,3 @@ class ModelAmpState:
 def model_state(model: nn.Module) -> ModelAmpState | None:
     state = getattr(model, "_amp_state", None)
     return state if isinstance(state, ModelAmpState) else None
-
-
-OutputCaster = Callable[[Any], Any]
