@@ -8,7 +8,9 @@ Example:
 from . import amp
 
 # the building blocks, for users who need them directly
-from ._casting import O1Casting
+from ._casting import O1Casting, o1_casting, o1_casting_active
+from ._fused_master import FusedMasterWeightOptimizer, supports_fused_master_weights
+from ._model import model_master_weights
 from ._opt_levels import OptLevel, Properties
 from ._policy import POLICY, Cast
 from ._scaler import LossScaler
@@ -29,5 +31,11 @@ __all__ = [
     "ScalerConfig",
     "check_count",
     "check_scale",
+    # for packages built on amp-core (wrappers, optimizers, kernels)
+    "FusedMasterWeightOptimizer",
+    "model_master_weights",
+    "o1_casting",
+    "o1_casting_active",
+    "supports_fused_master_weights",
     "__version__",
 ]

@@ -196,8 +196,20 @@ class OptimizerAmpState:
         """Restore ``step``, ``zero_grad`` and ``add_param_group`` (master weights stay in the
         param groups, or, on the fused path, the optimizer goes back to stepping its params
         without amp's masters)."""
-        for name in ("step", "zero_grad", "add_param_group"):
-            self.optimizer.__dict__.pop(name, None)
+        patched: dict[str, Any] = {"step": _amp_step, "zero_grad": _amp_zero_grad}
+        patched["add_param_group"] = _amp_add_param_group
+        originals: dict[str, Any] = {"step": self._original_step}
+        originals["zero_grad"] = self._original_zero_grad
+        originals["add_param_group"] = self._original_add_param_group
+        own = self.optimizer.__dict__
+        for name, func in patched.items():
+            if getattr(own.get(name), "__func__", None) is not func:
+                continue  # not wrapped, or wrapped again since (_amp_step then delegates)
+            original = originals[name]
+            if getattr(original, "__func__", None) is getattr(type(self.optimizer), name, None):
+                del own[name]  # the class's method again
+            else:
+                own[name] = original  # an instance attribute set before amp.initialize
         if self.fused:
             self._pending = None
             self.optimizer.amp_disable_fused_master_weights()  # type: ignore[attr-defined]
@@ -327,7 +339,7 @@ class OptimizerAmpState:
         if closure is not None:
             raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
         self._host_skips += 1
-        if self.session.props_verbosity > 0:
+        if self.session.verbosity > 0:
             for loss_id, flag in self._overflow_checks:
                 if flag.item():
                     scaler = self.session.scalers[loss_id]
@@ -474,16 +486,26 @@ class OptimizerAmpState:
             p.grad = None
 
 
+# After amp.close(), a wrapper someone else still holds (an LR scheduler's) calls the class's.
 def _amp_step(optimizer: Any, closure: Callable[[], Any] | None = None) -> Any:
-    return optimizer._amp_state._step(closure)
+    state = optimizer_state(optimizer)
+    if state is None:
+        return type(optimizer).step(optimizer, *(() if closure is None else (closure,)))
+    return state._step(closure)
 
 
 def _amp_zero_grad(optimizer: Any, set_to_none: bool = True) -> None:
-    optimizer._amp_state._zero_grad(set_to_none)
+    state = optimizer_state(optimizer)
+    if state is None:
+        return type(optimizer).zero_grad(optimizer, set_to_none=set_to_none)
+    state._zero_grad(set_to_none)
 
 
 def _amp_add_param_group(optimizer: Any, param_group: dict[str, Any]) -> None:
-    optimizer._amp_state.add_param_group(param_group)
+    state = optimizer_state(optimizer)
+    if state is None:
+        return type(optimizer).add_param_group(optimizer, param_group)
+    state.add_param_group(param_group)
 
 
 def optimizer_state(optimizer: Any) -> OptimizerAmpState | None:
