@@ -206,3 +206,16 @@ def test_what_o1_does_to_other_threads_is_what_the_docs_say():
     assert baseline["autocast"]["value"][0] is torch.bfloat16  # torch's own CPU policy
     # After close, torch's own policy again.
     assert after == baseline
+
+
+def test_close_reaches_a_model_whose_call_has_no_optimizer_left():
+    # An inference model (no optimizer): its call is no longer live once another follows, but
+    # its forward still casts inputs and outputs until amp.close().
+    first = amp.initialize(tiny_mlp(0), opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+    amp.initialize(tiny_mlp(1), opt_level="O3", half_dtype=torch.bfloat16, verbosity=0)
+    gc.collect()
+    assert _hooks(first) > 0
+    amp.close()
+    assert _hooks(first) == 0 and "_amp_state" not in first.__dict__
+    x = torch.randn(2, 4, dtype=torch.bfloat16)
+    assert first(x).dtype == torch.bfloat16  # no output cast to fp32 any more

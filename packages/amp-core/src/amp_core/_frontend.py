@@ -296,7 +296,11 @@ def initialize(
     fp32_sources.clear()
 
     session.scalers = [LossScaler.from_config(props.scaler_config()) for _ in range(num_losses)]
-    session.track(model_states, optimizer_states)
+    models_and_optimizers: list[tuple[ModelAmpState | OptimizerAmpState, Any]] = [
+        *zip(model_states, model_list, strict=True),
+        *zip(optimizer_states, optimizer_list, strict=True),
+    ]
+    registry.track(models_and_optimizers)
     if props.patch_torch_functions:
         session.casting = O1Casting(
             device_types,

@@ -20,10 +20,11 @@ Lifecycle:
   registry holds the current session strongly and the earlier ones weakly; an earlier session
   is *live* while an optimizer it prepared is, and ``amp.state_dict()`` covers every live
   session in call order (:meth:`AmpRegistry.live_sessions`).
-* ``amp.close()`` (:meth:`AmpRegistry.close`) undoes every patch of every live session: the O1
-  casting, the ``step`` / ``zero_grad`` / ``add_param_group`` wrappers of its optimizers, the
-  hooks of its models, and their ``_amp_state`` records. Afterwards no session is current, and
-  the same model and optimizer may be passed to ``amp.initialize`` again.
+* ``amp.close()`` (:meth:`AmpRegistry.close`) undoes every patch of every ``initialize`` call
+  whose objects are alive: the O1 casting, the ``step`` / ``zero_grad`` / ``add_param_group``
+  wrappers of the optimizers, the hooks of the models, and their ``_amp_state`` records (the
+  registry holds them by weak references). Afterwards no session is current, and the same
+  model and optimizer may be passed to ``amp.initialize`` again.
 * Function registrations last for the process. A registered module is held by a weak reference
   (a strong one for objects that cannot be weakly referenced), so that registering a function
   never keeps a module alive; a registration whose module is gone is dropped.
@@ -108,28 +109,14 @@ class _Registrations:
         return live
 
 
-def _drop_record(obj: Any, record: object) -> None:
-    """Delete ``obj._amp_state`` when it is ``record`` (not a later call's)."""
-    if obj.__dict__.get("_amp_state") is record:
-        del obj.__dict__["_amp_state"]
-
-
 @dataclass(eq=False)
 class AmpSession:
-    """The outcome of one ``amp.initialize`` call: its properties, loss scalers, O1 casting,
-    and (weakly) the models and optimizers it patched."""
+    """The outcome of one ``amp.initialize`` call: its properties, loss scalers, O1 casting."""
 
     props: Properties
     scalers: list[LossScaler] = field(default_factory=list)
     casting: O1Casting | None = None
     verbosity: int = 1
-    _models: list[weakref.ref[ModelAmpState]] = field(default_factory=list)
-    _optimizers: list[weakref.ref[OptimizerAmpState]] = field(default_factory=list)
-
-    def track(self, models: list[ModelAmpState], optimizers: list[OptimizerAmpState]) -> None:
-        """Record the amp states this call put on models and optimizers, for :meth:`close`."""
-        self._models.extend(weakref.ref(m) for m in models)
-        self._optimizers.extend(weakref.ref(o) for o in optimizers)
 
     def casting_off(self) -> None:
         """Told by the session's O1 casting that it was switched off."""
@@ -141,23 +128,6 @@ class AmpSession:
             self.casting.deactivate()
             self.casting = None
 
-    def close(self) -> None:
-        """Undo every patch of this session; its objects go back to their plain behaviour
-        (an O2 model keeps its cast weights, and its optimizer the fp32 masters)."""
-        self.switch_off_casting()
-        for opt_ref in self._optimizers:
-            opt_state = opt_ref()
-            if opt_state is not None:
-                opt_state.remove()
-                _drop_record(opt_state.optimizer, opt_state)
-        for model_ref in self._models:
-            model_state = model_ref()
-            if model_state is not None:
-                model_state.remove()
-                _drop_record(model_state.model, model_state)
-        self._models = []
-        self._optimizers = []
-
 
 class AmpRegistry:
     """amp-core's process-wide state (see the module docstring for its lifecycle)."""
@@ -167,6 +137,14 @@ class AmpRegistry:
         self.casting: O1Casting | None = None
         self.registrations = _Registrations(self)
         self._sessions: list[weakref.ref[AmpSession]] = []
+        # (record, object) of every amp state put on a model or an optimizer, held weakly
+        self._records: list[tuple[weakref.ref[Any], weakref.ref[Any]]] = []
+
+    def track(self, records: list[tuple[ModelAmpState | OptimizerAmpState, Any]]) -> None:
+        """Record the amp states ``initialize`` put on objects (``obj._amp_state``), for
+        :meth:`close`; objects that are gone are forgotten."""
+        self._records = [(r, o) for r, o in self._records if r() is not None]
+        self._records.extend((weakref.ref(r), weakref.ref(o)) for r, o in records)
 
     def switch_off_casting(self) -> None:
         """Switch off the O1 casting that is on, whoever switched it on."""
@@ -186,10 +164,17 @@ class AmpRegistry:
             self._sessions.append(weakref.ref(session))
 
     def close(self) -> None:
-        """Undo every patch of every live session and of the O1 casting; no session remains."""
-        for session in self.live_sessions():
-            session.close()
-        self.switch_off_casting()
+        """Undo every patch: the O1 casting, and the amp states of every model and optimizer
+        still alive (their wrappers and hooks, then ``_amp_state``); no session remains."""
+        self.switch_off_casting()  # tells its owner (a session, a legacy handle)
+        for record_ref, obj_ref in self._records:
+            record, obj = record_ref(), obj_ref()
+            if record is None or obj is None:
+                continue
+            record.remove()
+            if obj.__dict__.get("_amp_state") is record:  # not a later call's
+                del obj.__dict__["_amp_state"]
+        self._records = []
         self.current = None
         self._sessions = []
 
