@@ -10,6 +10,7 @@ from . import amp
 # the building blocks, for users who need them directly
 from ._casting import O1Casting, o1_casting, o1_casting_active
 from ._fused_master import FusedMasterWeightOptimizer, supports_fused_master_weights
+from ._master_weights import GradUnscaler, MasterWeights, fused_master_step, read_overflow
 from ._model import model_master_weights
 from ._opt_levels import OptLevel, Properties
 from ._policy import POLICY, Cast
@@ -38,4 +39,9 @@ __all__ = [
     "o1_casting_active",
     "supports_fused_master_weights",
     "__version__",
+    # master weights and the step, shared by every mixed-precision optimizer
+    "GradUnscaler",
+    "MasterWeights",
+    "fused_master_step",
+    "read_overflow",
 ]

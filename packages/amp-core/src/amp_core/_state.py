@@ -47,7 +47,15 @@ if TYPE_CHECKING:
     from ._optimizer import OptimizerAmpState
     from ._scaler import LossScaler
 
-__all__ = ["AmpRegistry", "AmpSession", "Registration", "UserCast", "registry"]
+__all__ = [
+    "AmpRegistry",
+    "AmpSession",
+    "Registration",
+    "UserCast",
+    "class_method",
+    "registry",
+    "restore_method",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +75,29 @@ class Registration:
     module: Any
     name: str
     cast: UserCast
+
+
+def restore_method(obj: Any, name: str, wrapper: object, original: Any) -> None:
+    """Undo ``obj.name = MethodType(wrapper, obj)``: back to the class's method, or to the
+    instance attribute ``original`` that was there before. Left alone when something else
+    replaced the wrapper since (it then still reaches ``wrapper``, which must cope)."""
+    own = obj.__dict__
+    if getattr(own.get(name), "__func__", None) is not wrapper:
+        return
+    if getattr(original, "__func__", None) is getattr(type(obj), name, None):
+        del own[name]
+    else:
+        own[name] = original
+
+
+def class_method(obj: Any, name: str) -> Callable[..., Any]:
+    """``obj.name`` as the class defines it, bound to ``obj`` (whatever the instance holds).
+
+    amp's optimizer wrappers call it once ``amp.close()`` removed their state: a wrapper held
+    elsewhere (an LR scheduler's) still reaches them and must step as the class does.
+    """
+    method: Callable[..., Any] = getattr(type(obj), name).__get__(obj, type(obj))
+    return method
 
 
 def _reference(obj: Any) -> Callable[[], Any]:

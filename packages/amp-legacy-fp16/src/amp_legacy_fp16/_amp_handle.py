@@ -23,7 +23,7 @@ import torch.nn.functional
 
 import amp_core
 from amp_core import LossScaler as _CoreScaler
-from amp_core import O1Casting, ScalerConfig
+from amp_core import MasterWeights, O1Casting, ScalerConfig
 
 from ._deprecation import warn_deprecated
 
@@ -50,9 +50,8 @@ class _ScaledBackward:
 
     def __init__(self, params: list[torch.Tensor]) -> None:
         self.params = params
-        self.stash = [p.grad for p in params]
-        for p in params:
-            p.grad = None
+        self.weights = MasterWeights(direct_params=params)  # no masters: O1 steps the params
+        self.weights.set_aside_grads()
 
     def finish(self, scaler: _CoreScaler) -> bool:
         """Unscale the new grads, restore the old ones; return whether the new overflowed.
@@ -62,7 +61,7 @@ class _ScaledBackward:
         grads = [p.grad for p in self.params if p.grad is not None]
         device = grads[0].device if grads else torch.device("cpu")
         found_inf = torch.zeros((), dtype=torch.float32, device=device)
-        scaler.unscale_with_stash_(self.params, self.stash, found_inf, check=scaler.dynamic)
+        self.weights.unscale_direct_grads(scaler, found_inf, check=scaler.dynamic)
         scaler.update_(found_inf)
         return scaler.dynamic and bool(found_inf.item())
 
@@ -129,11 +128,12 @@ class OptimWrapper:
                 "step() without one, or use FP16_Optimizer, which supports closures."
             )
         self._loss_idx = 0
-        if any(self._skip_next):
+        overflow = any(self._skip_next)
+        if overflow:
             logger.warning("Gradient overflow, skipping update")
             self._skip_next = [False] * self._num_loss
-            return None
-        return self._optimizer.step()
+        # No masters (O1 steps the model's params): the step, or its skip, alone.
+        return MasterWeights().step(self._optimizer.step, overflow=overflow)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The wrapped optimizer's ``zero_grad``."""

@@ -23,7 +23,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from amp_core import LossScaler, ScalerConfig, check_count, check_scale
+from amp_core import (
+    LossScaler,
+    ScalerConfig,
+    check_count,
+    check_scale,
+    fused_master_step,
+    read_overflow,
+)
 from amp_fused_ops import flatten, unflatten
 
 from ._fused_adam import FusedAdam
@@ -238,18 +245,15 @@ class FP16_Optimizer:
             stepped = True
         if not stepped:
             return loss
-        scale = self._scaler.scale_tensor(self._device)
-        found_inf = torch.zeros((), dtype=torch.float32, device=self._device)
         try:
-            # Unscales, checks, steps the masters and writes the flat half buffers; skips on
-            # the device (and raises found_inf) when a gradient is not finite.
-            self.optimizer.amp_fused_master_step(scale.double().reciprocal().float(), found_inf)
+            # Unscales, checks, steps the masters and writes the flat half buffers, or skips on
+            # the device (and raises found_inf) when a gradient is not finite; updates the scale.
+            found_inf, _ = fused_master_step(self.optimizer, self._scaler, self._device)
         finally:
             for flat in self.fp16_groups_flat:
                 flat.grad = None
-        self._scaler.update_(found_inf)
-        overflow, new_scale = torch.stack([found_inf, scale]).tolist()  # the one host sync
-        self._after_step(bool(overflow), new_scale)
+        overflow, (new_scale,) = read_overflow(found_inf, [self._scaler])  # the one host sync
+        self._after_step(overflow, new_scale)
         return loss
 
     def _after_step(self, overflow: bool, new_scale: float) -> None:
