@@ -637,3 +637,30 @@ def test_o2_fused_delayed_backward_after_a_deferred_one(half: torch.dtype) -> No
         for a, e in zip(moments(opt, key), moments(ref, key), strict=True):
             scale = e.abs().max().item()
             torch.testing.assert_close(a, e, rtol=4 * eps, atol=4 * eps * scale)
+
+
+def test_close_gives_a_fused_o2_adam_back_its_own_step() -> None:
+    """amp.close() undoes the fused master-weight path: FusedAdam steps the model's own
+    half params again, with no wrapper left on the instance."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = FusedAdam(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+    x = torch.randn(2, 4)
+    with amp.scale_loss(model(x).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    amp.close()
+    assert not {"step", "zero_grad", "add_param_group", "_amp_state"} & set(opt.__dict__)
+    assert opt.param_groups[0]["params"] == [model.weight, model.bias]
+    before = model.weight.detach().clone()
+    opt.zero_grad()
+    model(x.bfloat16()).float().sum().backward()
+    opt.step()
+    # Adam's first step moves every weight by about lr (sign of the gradient).
+    torch.testing.assert_close(
+        (model.weight.detach() - before).abs().float(),
+        torch.full_like(before, 0.1, dtype=torch.float32),
+        rtol=0.0,
+        atol=1.6e-2,
+    )

@@ -47,6 +47,7 @@ from torch import nn
 from ._fused_master import supports_fused_master_weights
 from ._master_weights import MasterWeights, read_overflow
 from ._scaler import LossScaler, coalesce_half_sparse_grads
+from ._state import class_method, restore_method
 from ._step_paths import Deferred, FusedPath, OrdinaryPath, StepOutcome, StepPath
 
 if TYPE_CHECKING:
@@ -368,23 +369,30 @@ class OptimizerAmpState:
         """Restore ``step``, ``zero_grad`` and ``add_param_group`` (master weights stay in the
         param groups, or, on the fused path, the optimizer goes back to stepping its params
         without amp's masters). The optimizer is then CLOSED to amp."""
-        for name in ("step", "zero_grad", "add_param_group"):
-            self.optimizer.__dict__.pop(name, None)
+        originals = (self._original_step, self._original_zero_grad, self._original_add_param_group)
+        for (name, wrapper), original in zip(_WRAPPERS.items(), originals, strict=True):
+            restore_method(self.optimizer, name, wrapper, original)
         self._checks = []
         self._enter(Stage.CLOSED)
         self.path.remove()
 
 
 def _amp_step(optimizer: Any, closure: Callable[[], Any] | None = None) -> Any:
-    return optimizer._amp_state._step(closure)
+    state = optimizer_state(optimizer)
+    return state._step(closure) if state else class_method(optimizer, "step")(closure)
 
 
 def _amp_zero_grad(optimizer: Any, set_to_none: bool = True) -> None:
-    optimizer._amp_state._zero_grad(set_to_none)
+    state = optimizer_state(optimizer)
+    state._zero_grad(set_to_none) if state else class_method(optimizer, "zero_grad")(set_to_none)
 
 
 def _amp_add_param_group(optimizer: Any, param_group: dict[str, Any]) -> None:
-    optimizer._amp_state.add_param_group(param_group)
+    state = optimizer_state(optimizer)
+    (state.add_param_group if state else class_method(optimizer, "add_param_group"))(param_group)
+
+
+_WRAPPERS = dict(step=_amp_step, zero_grad=_amp_zero_grad, add_param_group=_amp_add_param_group)
 
 
 def optimizer_state(optimizer: Any) -> OptimizerAmpState | None:
