@@ -84,7 +84,10 @@ _NO_KERNEL = {
     "is_same_size",
     "resolve_conj",
     "resolve_neg",
+    "unbind",
     "_local_scalar_dense",  # a device-to-host copy of one value (a sync), not a kernel
+    "_record_function_enter_new",  # the profiler's markers around optimizer.step()
+    "_record_function_exit",
 }
 _WRITE_ONLY = {"copy_", "fill_", "zero_", "_foreach_copy_", "_foreach_zero_"}
 
@@ -129,7 +132,7 @@ class AtenTraffic(TorchDispatchMode):
             written += _tensors(out)
         # The fused optimizers' grads are declared mutable (for their grad_scale) but only
         # read when no grad_scale is given.
-        if name.startswith("_fused_adam") and kwargs.get("grad_scale") is None:
+        if name.startswith("_fused_") and kwargs.get("grad_scale") is None:
             written = [t for t in written if all(t is not g for g in _tensors(args[1]))]
         self.launches += 1
         self.bytes += _nbytes(read) + _nbytes(written)

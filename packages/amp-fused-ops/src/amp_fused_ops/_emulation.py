@@ -169,13 +169,23 @@ def load(build: str = "counting", *, verbose: bool = False) -> ModuleType:
 
 
 def asan_environment() -> dict[str, str]:
-    """Environment variables for a Python process that loads the ``"asan"`` build."""
+    """Environment variables for a Python process that loads the ``"asan"`` build.
+
+    Raises:
+        RuntimeError: the compiler has no AddressSanitizer runtime (``libasan.so``).
+    """
     library = subprocess.run(
         [os.environ.get("CXX", "c++"), "-print-file-name=libasan.so"],
         capture_output=True,
         text=True,
         check=True,
     ).stdout.strip()
+    if not os.path.isabs(library) or not os.path.exists(library):
+        raise RuntimeError(
+            f"the asan build needs the compiler's AddressSanitizer runtime, but "
+            f"`c++ -print-file-name=libasan.so` gives {library!r}: install it (libasan of "
+            "the compiler's version, e.g. the Debian / Ubuntu package libasan8 for gcc 12)"
+        )
     return {
         "LD_PRELOAD": str(Path(library).resolve()),
         # Python and torch keep memory until exit by design; the leak check would only see them.
