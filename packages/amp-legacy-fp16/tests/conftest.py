@@ -15,8 +15,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from amp_core._state import registry
-from amp_legacy_fp16._amp_handle import _HANDLES
+from amp_core import amp as core_amp
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -27,9 +26,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _switch_off() -> None:
-    if _HANDLES.current is not None:
-        _HANDLES.current._deactivate()
-    registry.replace(None)
+    core_amp.close()  # also switches off an amp.init handle's casting
 
 
 @pytest.fixture(autouse=True)

@@ -162,3 +162,22 @@ def test_init_after_amp_initialize_o1_takes_over_casting():
 
 def test_registrations_are_amp_cores():
     assert amp.register_float_function is core_amp.register_float_function
+
+
+@pytest.mark.parametrize("switch_off", ["amp.initialize", "amp.close", "amp.init"])
+def test_switching_the_handle_off_from_amp_core_drops_its_pending_skip(switch_off):
+    handle = amp.init(half_dtype=torch.bfloat16)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batch(0)
+    with handle.scale_loss(F.mse_loss(model(x), y) * float("inf"), opt) as scaled:
+        scaled.backward()
+    assert "step" in opt.__dict__  # the next step is to be skipped
+    if switch_off == "amp.initialize":
+        core_amp.initialize(_model(), opt_level="O1", half_dtype=torch.bfloat16, verbosity=0)
+    elif switch_off == "amp.close":
+        core_amp.close()
+    else:
+        amp.init(half_dtype=torch.bfloat16)
+    assert not handle.is_active()
+    assert "step" not in opt.__dict__  # nothing of the old handle is left on the optimizer

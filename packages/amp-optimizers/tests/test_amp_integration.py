@@ -588,3 +588,69 @@ def test_every_optimizer_trains_at_every_opt_level(
     # Dtypes unchanged by training.
     expected_model = {"O1": {torch.float32}, "O2": {half, torch.float32}, "O3": {half}}
     assert {p.dtype for p in model.parameters()} == expected_model[opt_level]
+
+
+# --- 4c. the stage of the fused step --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("half", HALF_DTYPES)
+def test_o2_fused_step_after_delayed_unscale_names_the_fix(half: torch.dtype) -> None:
+    model, opt = o2(half, fused=True, loss_scale="dynamic")
+    with amp.scale_loss(loss_fn(model, make_batch(0)), opt, delay_unscale=True) as s:
+        s.backward()
+    with pytest.raises(RuntimeError, match=r"delay_unscale=True.*delay_unscale=False"):
+        opt.step()
+    opt.zero_grad()  # the fix the error names
+    with amp.scale_loss(loss_fn(model, make_batch(0)), opt) as s:
+        s.backward()
+    with pytest.raises(RuntimeError, match=r"optimizer\.step\(\) without a closure"):
+        opt.step(lambda: None)
+    opt.step()
+    assert amp.skipped_steps(opt) == 0
+
+
+@pytest.mark.parametrize("half", HALF_DTYPES)
+def test_o2_fused_delayed_backward_after_a_deferred_one(half: torch.dtype) -> None:
+    # A backward whose grads wait scaled for the fused step, then a delayed one and a last one:
+    # the waiting grads are unscaled before the delayed backward adds to them, so the step sees
+    # the sum of the three micro-batches, as on the ordinary path.
+    model, opt = o2(half, fused=True, loss_scale=64.0)
+    ref_model, ref = o2(half, fused=False, loss_scale=64.0)
+    for m, o in ((model, opt), (ref_model, ref)):
+        for i, delay in enumerate((False, True, False)):
+            with amp.scale_loss(loss_fn(m, make_batch(i)), o, delay_unscale=delay) as s:
+                s.backward()
+        o.step()
+    assert amp.skipped_steps(opt) == amp.skipped_steps(ref) == 0
+    eps = torch.finfo(half).eps
+    for key in ("exp_avg", "exp_avg_sq"):
+        for a, e in zip(moments(opt, key), moments(ref, key), strict=True):
+            scale = e.abs().max().item()
+            torch.testing.assert_close(a, e, rtol=4 * eps, atol=4 * eps * scale)
+
+
+def test_close_gives_a_fused_o2_adam_back_its_own_step() -> None:
+    """amp.close() undoes the fused master-weight path: FusedAdam steps the model's own
+    half params again, with no wrapper left on the instance."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = FusedAdam(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+    x = torch.randn(2, 4)
+    with amp.scale_loss(model(x).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    amp.close()
+    assert not {"step", "zero_grad", "add_param_group", "_amp_state"} & set(opt.__dict__)
+    assert opt.param_groups[0]["params"] == [model.weight, model.bias]
+    before = model.weight.detach().clone()
+    opt.zero_grad()
+    model(x.bfloat16()).float().sum().backward()
+    opt.step()
+    # Adam's first step moves every weight by about lr (sign of the gradient).
+    torch.testing.assert_close(
+        (model.weight.detach() - before).abs().float(),
+        torch.full_like(before, 0.1, dtype=torch.float32),
+        rtol=0.0,
+        atol=1.6e-2,
+    )

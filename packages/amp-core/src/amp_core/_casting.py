@@ -10,12 +10,10 @@ the user's function registrations, and clears the weight-cast cache after every 
 from __future__ import annotations
 
 import contextlib
-import enum
 import functools
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -23,15 +21,17 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
 from ._policy import FP32_TENSOR_METHODS, PolicyKernels, cast_args, widest_dtype
+from ._state import Registration, UserCast, registry
 
 __all__ = [
     "O1Casting",
+    "Registration",
     "UserCast",
     "active_casting",
     "disable_casts",
     "make_cast_wrapper",
-    "registrations",
-    "switch_off_casting",
+    "o1_casting",
+    "o1_casting_active",
 ]
 
 logger = logging.getLogger(__name__)
@@ -42,61 +42,21 @@ _FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-class UserCast(enum.Enum):
-    HALF = "half"
-    FLOAT = "float"
-    PROMOTE = "promote"
+def o1_casting() -> O1Casting | None:
+    """The O1 casting switched on in this process (at most one), whoever switched it on and
+    whichever thread it is on; ``None`` when none is."""
+    return registry.casting
 
 
-@dataclass(frozen=True)
-class Registration:
-    module: Any
-    name: str
-    cast: UserCast
-
-
-class _Registrations:
-    """The user's ``register_*_function`` calls, applied while O1 casting is active."""
-
-    def __init__(self) -> None:
-        self.entries: list[Registration] = []
-
-    def add(self, module: Any, name: str, cast: UserCast) -> None:
-        if not hasattr(module, name):
-            raise ValueError(f"No function named {name} in module {module}.")
-        if not callable(getattr(module, name)):
-            raise TypeError(f"{module}.{name} is not callable, so it cannot be registered.")
-        entry = Registration(module, name, cast)
-        self.entries.append(entry)
-        casting = _ACTIVE.casting
-        if casting is not None:
-            casting.apply_registration(entry)
-
-
-registrations = _Registrations()
-
-
-class _Active:
-    """Which O1 casting is switched on (at most one at a time, process-wide)."""
-
-    def __init__(self) -> None:
-        self.casting: O1Casting | None = None
-
-
-_ACTIVE = _Active()
-
-
-def switch_off_casting() -> None:
-    """Deactivate whichever O1 casting is on, whoever switched it on."""
-    casting = _ACTIVE.casting
-    if casting is not None:
-        logger.info("Switching off the O1 casting that was active before amp.initialize.")
-        casting.deactivate()
+def o1_casting_active() -> bool:
+    """Whether O1 casting is on for the calling thread and not suspended (by
+    ``amp.disable_casts`` or inside a registered function)."""
+    return active_casting() is not None
 
 
 def active_casting() -> O1Casting | None:
     """The O1 casting that is on for the current thread and not suspended, if any."""
-    casting = _ACTIVE.casting
+    casting = registry.casting
     if casting is None or not casting.is_active():
         return None
     return casting
@@ -152,17 +112,39 @@ def _make_fp32_method(method: F) -> F:
 class O1Casting:
     """Apex's O1 policy, switched on for one thread until :meth:`deactivate`.
 
+    At most one is on in the process at a time; it is recorded in amp-core's registry (see
+    :func:`o1_casting`), so that the next ``amp.initialize`` can switch it off.
+
     Args:
         device_types: The autocast device types to switch on ("cpu", "cuda").
         half_dtype: The low-precision dtype of the run.
         verbose: Log (at DEBUG) what was switched on.
+        owner: Who switched it on (an ``amp.initialize`` session, a legacy ``amp.init``
+            handle...), for :func:`o1_casting` callers to tell.
+        on_deactivate: Called once when the casting is switched off, by whoever does it, so
+            that the owner can undo its own patches too.
+
+    Raises:
+        RuntimeError: when an O1 casting is on already (switch it off first:
+            :meth:`deactivate`, or ``amp.close()``).
     """
 
     def __init__(
-        self, device_types: list[str], half_dtype: torch.dtype, *, verbose: bool = True
+        self,
+        device_types: list[str],
+        half_dtype: torch.dtype,
+        *,
+        verbose: bool = True,
+        owner: object = None,
+        on_deactivate: Callable[[], None] | None = None,
     ) -> None:
-        if _ACTIVE.casting is not None:
-            raise RuntimeError("O1 casting is already active; deactivate it first.")
+        if registry.casting is not None:
+            raise RuntimeError(
+                "O1 casting is already active; deactivate it first (amp.close() switches off "
+                "everything amp switched on)."
+            )
+        self.owner = owner
+        self._on_deactivate = on_deactivate
         self.device_types = device_types
         self.half_dtype = half_dtype
         self.thread_id = threading.get_ident()
@@ -183,14 +165,14 @@ class O1Casting:
         torch.autocast_increment_nesting()
         self._kernels: PolicyKernels | None = None
         self._step_hook: RemovableHandle | None = None
-        _ACTIVE.casting = self
+        registry.casting = self
         try:
             self._kernels = PolicyKernels(device_types)
             self._step_hook = register_optimizer_step_post_hook(self._after_step)
             for name in FP32_TENSOR_METHODS:
                 entry = Registration(torch.Tensor, name, UserCast.FLOAT)
                 self._install(entry, _make_fp32_method(getattr(torch.Tensor, name)))
-            for entry in registrations.entries:
+            for entry in registry.registrations.entries():
                 self.apply_registration(entry)
         except BaseException:
             self.deactivate()
@@ -205,7 +187,7 @@ class O1Casting:
 
     def is_active(self) -> bool:
         return (
-            _ACTIVE.casting is self
+            registry.casting is self
             and self._suspended == 0
             and threading.get_ident() == self.thread_id
         )
@@ -217,6 +199,18 @@ class O1Casting:
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.clear_cache()
+
+    def register_function(self, module: Any, name: str, cast: str) -> None:
+        """Wrap ``module.name`` as ``amp.register_<cast>_function`` would, for as long as this
+        casting is on (:meth:`deactivate` restores it); nothing is added to the registrations
+        that later castings apply.
+
+        Args:
+            module: The module (or class) holding the function.
+            name: The attribute name.
+            cast: ``"half"``, ``"float"`` or ``"promote"``.
+        """
+        self.apply_registration(Registration(module, name, UserCast(cast)))
 
     def apply_registration(self, entry: Registration) -> None:
         self._install(entry, make_cast_wrapper(getattr(entry.module, entry.name), entry.cast))
@@ -243,7 +237,7 @@ class O1Casting:
 
     def deactivate(self) -> None:
         """Undo everything: autocast state, policy kernels, user wraps, the step hook."""
-        if _ACTIVE.casting is not self:
+        if registry.casting is not self:
             return
         for entry, original, wrapper, own in reversed(self._wraps):
             if getattr(entry.module, entry.name, None) is wrapper:
@@ -274,7 +268,10 @@ class O1Casting:
                 "O1 casting was switched off from another thread than the one that switched it "
                 "on; autocast stays enabled on that thread."
             )
-        _ACTIVE.casting = None
+        registry.casting = None
+        if self._on_deactivate is not None:
+            callback, self._on_deactivate = self._on_deactivate, None
+            callback()
 
 
 @contextlib.contextmanager

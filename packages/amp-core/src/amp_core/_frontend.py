@@ -86,7 +86,7 @@ def _check_inputs(models: list[nn.Module], optimizers: list[torch.optim.Optimize
             raise RuntimeError(
                 f"This {type(optimizer).__name__} was already passed to amp.initialize. "
                 "An optimizer can be initialized once; to start over, build a new optimizer "
-                "(and model) and pass those."
+                "(and model) and pass those, or call amp.close() first."
             )
         if id(optimizer) in seen:
             raise RuntimeError(
@@ -283,26 +283,32 @@ def initialize(
         model._amp_state = state
         model_states.append(state)
 
+    optimizer_states = []
     for optimizer in optimizer_list:
         opt_state = OptimizerAmpState(
             optimizer, session, props.master_weights, fp32_sources, model_states
         )
+        optimizer_states.append(opt_state)
         optimizer._amp_state = opt_state  # type: ignore[attr-defined]
         pairs = dict(zip(opt_state.model_params, opt_state.masters, strict=True))
         for state in model_states:
             state.masters.update(pairs)
     fp32_sources.clear()
 
-    session.scalers = [
-        LossScaler(
-            props.loss_scale,
-            min_loss_scale=props.min_loss_scale,
-            max_loss_scale=props.max_loss_scale,
-        )
-        for _ in range(num_losses)
+    session.scalers = [LossScaler.from_config(props.scaler_config()) for _ in range(num_losses)]
+    models_and_optimizers: list[tuple[ModelAmpState | OptimizerAmpState, Any]] = [
+        *zip(model_states, model_list, strict=True),
+        *zip(optimizer_states, optimizer_list, strict=True),
     ]
+    registry.track(models_and_optimizers)
     if props.patch_torch_functions:
-        session.casting = O1Casting(device_types, props.half_dtype, verbose=verbosity > 0)
+        session.casting = O1Casting(
+            device_types,
+            props.half_dtype,
+            verbose=verbosity > 0,
+            owner=session,
+            on_deactivate=session.casting_off,
+        )
     if props.opt_level is OptLevel.O1 and not props.patch_torch_functions and verbosity > 0:
         logger.info("O1 with patch_torch_functions=False: no casting is done.")
     return result()

@@ -34,6 +34,7 @@ def _optimizer_states(optimizers: Any) -> list[OptimizerAmpState]:
                 f"amp.scale_loss got a {type(optimizer).__name__} that amp.initialize did not "
                 "return. Pass the optimizer(s) returned by amp.initialize."
             )
+        state.require_open("amp.scale_loss")
         states.append(state)
     return states
 
@@ -101,41 +102,44 @@ def scale_loss(
     if not owner.props.master_weights and scaler.is_unit_static:
         # Nothing to scale or copy (O0, O3): Apex's fast path, with the overflow check alone.
         yield loss.float()
-        if check and not delay_unscale:
+        if not delay_unscale:
             found_inf = torch.zeros((), dtype=torch.float32, device=loss.device)
             for state in states:
-                state.check_grads(scaler, found_inf)
-            for state in states:
-                state.note_overflow_check(loss_id, found_inf)
+                state.end_unit_backward(scaler, found_inf, check=check)
+            if check:
+                for state in states:
+                    state.note_overflow_check(loss_id, found_inf)
         if casting is not None:
             casting.clear_cache()
         return
 
-    if not delay_unscale:
-        for state in states:
-            if not state.grads_scaled:
-                state.prepare_backward()
+    for state in states:
+        state.begin_backward(delay_unscale=delay_unscale)
     scale = scaler.scale_tensor(loss.device)
     yield loss.float() * scale
 
-    if delay_unscale:
-        for state in states:
-            state.grads_scaled = True
-    else:
-        found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
-        # A fused master-weight optimizer alone may take the scaled grads as they are: its
-        # step unscales, checks and updates the scale (see _fused_master).
-        defer_loss_id = loss_id if len(states) == 1 and not delay_overflow_check else None
-        deferred = False
-        for state in states:
-            deferred = state.post_backward(scaler, found_inf, check, defer_loss_id) or deferred
-            state.grads_scaled = False
-        if not deferred:
-            if not delay_overflow_check:
-                scaler.update_(found_inf)
-            if check:
-                for state in states:
-                    state.note_overflow_check(loss_id, found_inf)
+    found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+    # A fused master-weight optimizer alone may take the scaled grads as they are: its
+    # step unscales, checks and updates the scale (see _fused_master).
+    defer_loss_id = loss_id if len(states) == 1 and not delay_overflow_check else None
+    deferred = False
+    for state in states:
+        deferred = (
+            state.end_backward(
+                scaler,
+                found_inf,
+                check=check,
+                delay_unscale=delay_unscale,
+                defer_loss_id=defer_loss_id,
+            )
+            or deferred
+        )
+    if not (delay_unscale or deferred):
+        if not delay_overflow_check:
+            scaler.update_(found_inf)
+        if check:
+            for state in states:
+                state.note_overflow_check(loss_id, found_inf)
     if casting is not None:
         casting.clear_cache()  # the weights are about to change
 

@@ -11,7 +11,7 @@ uninterrupted one, and checkpoints move freely between opt levels and plain fp32
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["ModelAmpState", "cast_floating", "plan_cast"]
+__all__ = ["ModelAmpState", "cast_floating", "model_master_weights", "plan_cast"]
 
 
 def cast_floating(value: Any, dtype: torch.dtype) -> Any:
@@ -115,6 +115,11 @@ class ModelAmpState:
         self._handles: list[RemovableHandle] = []
         self._model = model
 
+    @property
+    def model(self) -> nn.Module:
+        """The model this record belongs to."""
+        return self._model
+
     def apply(self) -> None:
         """Cast the planned tensors and install the hooks."""
         model, dtype = self._model, self.cast_model_type
@@ -155,6 +160,7 @@ class ModelAmpState:
         return self.cast_model_type is not None or self.output_dtype is not None
 
     def remove(self) -> None:
+        """Remove every hook :meth:`apply` installed (the cast weights stay as they are)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -214,4 +220,17 @@ def model_state(model: nn.Module) -> ModelAmpState | None:
     return state if isinstance(state, ModelAmpState) else None
 
 
-OutputCaster = Callable[[Any], Any]
+def model_master_weights(model: nn.Module) -> dict[nn.Parameter, torch.Tensor]:
+    """The fp32 master weights amp keeps for ``model``'s half params, by param.
+
+    Under O2 the optimizer steps fp32 copies of the model's half params and writes them back
+    after each step; this gives those copies (for a wrapper that must keep them in sync, such as
+    a data-parallel broadcast). Empty for a model ``amp.initialize`` did not return, or whose
+    optimizer keeps no masters (O0, O1, O3).
+
+    Example:
+        >>> masters = model_master_weights(model)
+        >>> [masters[p] for p in model.parameters() if p in masters]
+    """
+    state = model_state(model)
+    return {} if state is None else dict(state.masters)

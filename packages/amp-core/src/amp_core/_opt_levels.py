@@ -8,10 +8,12 @@ sense for that level raise with Apex's explanation.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Literal, Union
 
 import torch
+
+from ._scaler_config import ScalerConfig
 
 __all__ = ["DYNAMIC", "LossScaleSpec", "OptLevel", "Properties", "resolve_properties"]
 
@@ -85,9 +87,44 @@ class Properties:
     min_loss_scale: float | None = None
     max_loss_scale: float = 2.0**24
 
+    def __post_init__(self) -> None:
+        # Checked here, so that no Properties with an impossible value can exist.
+        if not isinstance(self.enabled, bool):
+            raise TypeError(f"enabled must be a bool, got {type(self.enabled).__name__}.")
+        if not isinstance(self.opt_level, OptLevel):
+            raise TypeError(f"opt_level must be an OptLevel, got {self.opt_level!r}.")
+        _check_half_dtype("half_dtype", self.half_dtype)
+        if self.cast_model_type not in (None, torch.float32):
+            _check_half_dtype("cast_model_type", self.cast_model_type)
+        for name in ("patch_torch_functions", "master_weights"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}.")
+        if self.keep_batchnorm_fp32 is not None and not isinstance(self.keep_batchnorm_fp32, bool):
+            raise TypeError(
+                f"keep_batchnorm_fp32 must be a bool or None, got {self.keep_batchnorm_fp32!r}."
+            )
+        object.__setattr__(self, "loss_scale", _parse_loss_scale(self.loss_scale))
+        outputs = self.cast_model_outputs
+        if outputs is not None and not (
+            isinstance(outputs, torch.dtype) and outputs.is_floating_point
+        ):
+            raise TypeError(f"cast_model_outputs must be a floating torch.dtype, got {outputs!r}.")
+        config = self.scaler_config()  # checks min_loss_scale and max_loss_scale
+        object.__setattr__(self, "min_loss_scale", config.min_loss_scale)
+        object.__setattr__(self, "max_loss_scale", config.max_loss_scale)
+
     @property
     def dynamic(self) -> bool:
         return self.loss_scale == DYNAMIC
+
+    def scaler_config(self) -> ScalerConfig:
+        """The settings of this call's loss scalers: Apex amp's preset with these bounds."""
+        return ScalerConfig.preset(
+            "amp",
+            loss_scale=self.loss_scale,
+            min_loss_scale=self.min_loss_scale,
+            max_loss_scale=self.max_loss_scale,
+        )
 
     def describe(self) -> dict[str, Any]:
         """The options in Apex's printed order, for logging."""
@@ -251,25 +288,7 @@ def resolve_properties(
     # of two costs bf16 no precision.
     loss_scale = values["loss_scale"]
 
-    if cast_model_outputs is not None and not (
-        isinstance(cast_model_outputs, torch.dtype) and cast_model_outputs.is_floating_point
-    ):
-        raise TypeError(
-            f"cast_model_outputs must be a floating torch.dtype, got {cast_model_outputs!r}."
-        )
-    if min_loss_scale is not None and not min_loss_scale >= torch.finfo(torch.float32).tiny:
-        raise ValueError(
-            f"min_loss_scale must be at least 2**-126 (float32's smallest normal number, so "
-            f"that 1/scale is finite), got {min_loss_scale!r}; None gives the default floor "
-            "2**-24."
-        )
-    if not max_loss_scale > 0:
-        raise ValueError(f"max_loss_scale must be positive, got {max_loss_scale!r}.")
-    if min_loss_scale is not None and min_loss_scale > max_loss_scale:
-        raise ValueError(
-            f"min_loss_scale={min_loss_scale} is larger than max_loss_scale={max_loss_scale}."
-        )
-
+    # Properties checks the rest (cast_model_outputs, min_loss_scale, max_loss_scale).
     return Properties(
         enabled=enabled,
         opt_level=level,
@@ -281,9 +300,5 @@ def resolve_properties(
         loss_scale=loss_scale,
         cast_model_outputs=cast_model_outputs,
         min_loss_scale=min_loss_scale,
-        max_loss_scale=float(max_loss_scale),
+        max_loss_scale=max_loss_scale,
     )
-
-
-def with_enabled(props: Properties, enabled: bool) -> Properties:
-    return replace(props, enabled=enabled)

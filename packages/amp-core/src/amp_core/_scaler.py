@@ -14,16 +14,18 @@ from __future__ import annotations
 
 import logging
 import math
-import numbers
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from ._scaler_config import DEFAULT_MIN_LOSS_SCALE, ScalerConfig, check_count, check_scale
+
 __all__ = [
     "DEFAULT_MIN_LOSS_SCALE",
     "LossScaler",
+    "ScalerConfig",
     "check_count",
     "check_scale",
     "coalesce_half_sparse_grads",
@@ -31,48 +33,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MIN_LOSS_SCALE = 2.0**-24
-"""The floor of a dynamic scale when no ``min_loss_scale`` is given: the reciprocal of the
-default ``max_loss_scale``. Its reciprocal (``2**24``) is exact and finite in float32."""
-
 # The largest power of two in float32: a ceiling of "no ceiling" (inf) keeps the scale finite.
 _MAX_SCALE = 2.0**127
 _STATE_KEYS = ("loss_scale", "unskipped")
-
-
-def check_scale(value: Any, where: str) -> float:
-    """``value`` as a loss scale: a real number, finite and > 0.
-
-    Raises:
-        TypeError: for a value that is not a real number (a bool, a string, a tensor...).
-        ValueError: for 0, a negative number, inf or nan.
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"{where} must be a number, positive and finite, got {type(value).__name__} {value!r}."
-        )
-    scale = float(value)
-    if not (math.isfinite(scale) and 0.0 < scale <= torch.finfo(torch.float32).max):
-        raise ValueError(
-            f"{where} must be positive and finite, got {value!r}: a loss scale of 0, a "
-            "negative one, inf or nan would write inf or nan into the weights. Fix or drop the "
-            "value (a new run starts from the default scale)."
-        )
-    return scale
-
-
-def check_count(value: Any, where: str, *, minimum: int = 0) -> int:
-    """``value`` as a step counter: an int (not a bool) ``>= minimum``.
-
-    Raises:
-        TypeError: for a value that is not an int.
-        ValueError: for an int below ``minimum``.
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{where} must be an int, got {type(value).__name__} {value!r}.")
-    if value < minimum:
-        raise ValueError(f"{where} must be an int >= {minimum}, got {value!r}.")
-    return int(value)
 
 
 def _mark_nonfinite(tensors: list[torch.Tensor], found_inf: torch.Tensor) -> None:
@@ -138,7 +101,8 @@ class LossScaler:
             largest power of two).
 
     Raises:
-        ValueError: for a static scale that is not a positive finite number.
+        TypeError, ValueError: for a value :class:`ScalerConfig` refuses (a static scale that is
+            not positive and finite, ``scale_factor <= 1``...); :meth:`from_config` takes one.
     """
 
     def __init__(
@@ -150,15 +114,39 @@ class LossScaler:
         min_loss_scale: float | None = None,
         max_loss_scale: float = 2.0**24,
     ) -> None:
-        self.dynamic = loss_scale == "dynamic"
-        self.scale_factor = float(scale_factor)
-        self.scale_window = int(scale_window)
-        self.min_loss_scale = min_loss_scale
-        self.max_loss_scale = float(max_loss_scale)
+        self._setup(
+            ScalerConfig(
+                loss_scale,  # type: ignore[arg-type]
+                init_scale,
+                scale_factor,
+                scale_window,
+                min_loss_scale,
+                max_loss_scale,
+            )
+        )
+
+    @classmethod
+    def from_config(cls, config: ScalerConfig) -> LossScaler:
+        """A scaler with the settings of ``config`` (e.g. ``ScalerConfig.preset("amp")``)."""
+        if not isinstance(config, ScalerConfig):
+            raise TypeError(
+                f"LossScaler.from_config takes a ScalerConfig, got {type(config).__name__}."
+            )
+        scaler = cls.__new__(cls)
+        scaler._setup(config)
+        return scaler
+
+    def _setup(self, config: ScalerConfig) -> None:
+        self.config = config
+        self.dynamic = config.dynamic
+        self.scale_factor = config.scale_factor
+        self.scale_window = config.scale_window
+        self.min_loss_scale = config.min_loss_scale
+        self.max_loss_scale = config.max_loss_scale
         if self.dynamic:
-            self._initial_scale = min(max(float(init_scale), self.floor), self.ceiling)
+            self._initial_scale = min(max(config.init_scale, self.floor), self.ceiling)
         else:
-            self._initial_scale = check_scale(loss_scale, "A static loss_scale")
+            self._initial_scale = float(config.loss_scale)
         # A lower bound of the device scale, known on the host without a sync: exact after a
         # load or a read-back, divided by the factor at every update. Below one, unscaling can
         # overflow and the unscaled gradients are checked too.

@@ -7,7 +7,7 @@ Groups:
     * O1 casting: :func:`register_half_function`, :func:`register_float_function`,
       :func:`register_promote_function`, :func:`half_function`, :func:`float_function`,
       :func:`promote_function`, :func:`disable_casts`
-    * toolkit additions: :func:`skipped_steps`
+    * toolkit additions: :func:`skipped_steps`, :func:`close`
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ._casting import UserCast, disable_casts, make_cast_wrapper, registrations
+from ._casting import UserCast, disable_casts, make_cast_wrapper
 from ._frontend import initialize
 from ._handle import load_state_dict, master_params, scale_loss, skipped_steps, state_dict
+from ._state import registry
 
 __all__ = [
     # setup
@@ -38,6 +39,7 @@ __all__ = [
     "disable_casts",
     # additions
     "skipped_steps",
+    "close",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -49,7 +51,9 @@ def register_half_function(module: Any, function_name: str) -> None:
     While O1 casting is on, the attribute is replaced by a wrapper that casts the floating
     tensor arguments to the half dtype and runs the function with the O1 policy suspended
     inside it. Only that attribute is wrapped; the wrap is undone when casting is switched off
-    (by the next ``amp.initialize``). Register before or after ``amp.initialize``.
+    (by the next ``amp.initialize``, or :func:`close`). Register before or after
+    ``amp.initialize``. The registration lasts for the process; the module is held by a weak
+    reference (where it allows one), so registering never keeps it alive.
 
     Raises:
         ValueError: if ``module`` has no attribute ``function_name``.
@@ -57,7 +61,7 @@ def register_half_function(module: Any, function_name: str) -> None:
     Example:
         >>> amp.register_half_function(my_cuda_ext, "fused_matmul")
     """
-    registrations.add(module, function_name, UserCast.HALF)
+    registry.registrations.add(module, function_name, UserCast.HALF)
 
 
 def register_float_function(module: Any, function_name: str) -> None:
@@ -67,13 +71,13 @@ def register_float_function(module: Any, function_name: str) -> None:
     Example:
         >>> amp.register_float_function(torch, "sigmoid")
     """
-    registrations.add(module, function_name, UserCast.FLOAT)
+    registry.registrations.add(module, function_name, UserCast.FLOAT)
 
 
 def register_promote_function(module: Any, function_name: str) -> None:
     """Run ``module.function_name`` on inputs cast to their widest floating dtype under O1
     (see :func:`register_half_function`)."""
-    registrations.add(module, function_name, UserCast.PROMOTE)
+    registry.registrations.add(module, function_name, UserCast.PROMOTE)
 
 
 def half_function(fn: F) -> F:
@@ -89,3 +93,27 @@ def float_function(fn: F) -> F:
 def promote_function(fn: F) -> F:
     """Decorator: under O1, ``fn`` runs on inputs cast to their widest floating dtype."""
     return make_cast_wrapper(fn, UserCast.PROMOTE)
+
+
+def close() -> None:
+    """Undo everything ``amp.initialize`` did to the process and to the objects it returned.
+
+    A toolkit addition (Apex had none). Switches O1 casting off (autocast state, the policy
+    kernels, the ``Tensor.cpu`` and user-function wraps, the optimizer step hook), restores the
+    ``step``, ``zero_grad`` and ``add_param_group`` of every optimizer of every live
+    ``initialize`` call, removes the hooks of their models (input and output casting, cast-cache
+    guards, state-dict hooks) and their ``_amp_state`` records. What was cast stays cast: an O2
+    or O3 model keeps its half weights, and an O2 optimizer's param groups keep the fp32 masters,
+    which are no longer copied into the model: build a new model and optimizer to go on
+    training in fp32, or pass these to ``amp.initialize`` again.
+
+    Afterwards ``amp.scale_loss`` and ``amp.state_dict`` raise as before the first
+    ``initialize``; function registrations (``register_*_function``) are kept. Calling it
+    twice is harmless.
+
+    Example:
+        >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O1")
+        >>> ...
+        >>> amp.close()  # plain PyTorch again
+    """
+    registry.close()

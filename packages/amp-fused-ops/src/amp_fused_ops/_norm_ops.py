@@ -334,8 +334,9 @@ def _to_autocast_dtype(t: Tensor | None, dtype: torch.dtype, device_type: str) -
 
 def _amp_o1_active() -> bool:
     """Whether amp O1 casting is on for this thread (amp-core, when it is imported at all)."""
-    casting = sys.modules.get("amp_core._casting")
-    return casting is not None and casting.active_casting() is not None
+    core = sys.modules.get("amp_core")  # never imported from here: only when the user did
+    check = getattr(core, "o1_casting_active", None)
+    return check is not None and bool(check())
 
 
 def _autocast_kernel(device_type: str, key: str) -> Any:

@@ -2,11 +2,12 @@
 
 The casting is amp-core's :class:`amp_core.O1Casting` (the same policy tables and kernels as
 ``amp.initialize(opt_level="O1")``), and the loss scalers are amp-core's
-:class:`amp_core.LossScaler` with Apex amp's defaults. The handle owns both;
-:meth:`AmpHandle._deactivate` undoes everything it switched on.
+:class:`amp_core.LossScaler` with Apex amp's defaults (the ``"amp"`` scaler preset). The
+handle owns both; :meth:`AmpHandle._deactivate` undoes everything it switched on.
 
-At most one handle is active at a time (:data:`_HANDLES` records it, so that the next
-``amp.init`` can switch the previous one off, as Apex's re-patching did).
+At most one O1 casting is on at a time: amp-core's registry records the handle's casting (with
+the handle as its ``owner``), so that the next ``amp.init`` or ``amp_core.amp.initialize``
+switches it off, and with it the handle's pending step skips, as Apex's re-patching did.
 """
 
 from __future__ import annotations
@@ -20,10 +21,9 @@ from typing import Any
 import torch
 import torch.nn.functional
 
+import amp_core
 from amp_core import LossScaler as _CoreScaler
-from amp_core import O1Casting
-from amp_core._casting import Registration, UserCast
-from amp_core._state import registry
+from amp_core import MasterWeights, O1Casting, ScalerConfig
 
 from ._deprecation import warn_deprecated
 
@@ -32,14 +32,9 @@ __all__ = ["AmpHandle", "NoOpHandle", "OptimWrapper", "init"]
 logger = logging.getLogger(__name__)
 
 
-class _HandleRecord:
-    """The handle whose casting is on (at most one), so a new ``amp.init`` can replace it."""
-
-    def __init__(self) -> None:
-        self.current: AmpHandle | None = None
-
-
-_HANDLES = _HandleRecord()
+def _amp_scaler(loss_scale: float | str) -> _CoreScaler:
+    """A scaler with Apex amp's defaults (its pre-1.0 handle used amp's scaler)."""
+    return _CoreScaler.from_config(ScalerConfig.preset("amp", loss_scale=loss_scale))
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -55,9 +50,8 @@ class _ScaledBackward:
 
     def __init__(self, params: list[torch.Tensor]) -> None:
         self.params = params
-        self.stash = [p.grad for p in params]
-        for p in params:
-            p.grad = None
+        self.weights = MasterWeights(direct_params=params)  # no masters: O1 steps the params
+        self.weights.set_aside_grads()
 
     def finish(self, scaler: _CoreScaler) -> bool:
         """Unscale the new grads, restore the old ones; return whether the new overflowed.
@@ -67,7 +61,7 @@ class _ScaledBackward:
         grads = [p.grad for p in self.params if p.grad is not None]
         device = grads[0].device if grads else torch.device("cpu")
         found_inf = torch.zeros((), dtype=torch.float32, device=device)
-        scaler.unscale_with_stash_(self.params, self.stash, found_inf, check=scaler.dynamic)
+        self.weights.unscale_direct_grads(scaler, found_inf, check=scaler.dynamic)
         scaler.update_(found_inf)
         return scaler.dynamic and bool(found_inf.item())
 
@@ -95,7 +89,7 @@ class OptimWrapper:
         self._num_loss = num_loss
         self._loss_idx = 0
         self._skip_next = [False] * num_loss
-        self._loss_scaler = [_CoreScaler(amp_handle.loss_scale_arg) for _ in range(num_loss)]
+        self._loss_scaler = [_amp_scaler(amp_handle.loss_scale_arg) for _ in range(num_loss)]
 
     @contextlib.contextmanager
     def scale_loss(self, loss: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -134,11 +128,12 @@ class OptimWrapper:
                 "step() without one, or use FP16_Optimizer, which supports closures."
             )
         self._loss_idx = 0
-        if any(self._skip_next):
+        overflow = any(self._skip_next)
+        if overflow:
             logger.warning("Gradient overflow, skipping update")
             self._skip_next = [False] * self._num_loss
-            return None
-        return self._optimizer.step()
+        # No masters (O1 steps the model's params): the step, or its skip, alone.
+        return MasterWeights().step(self._optimizer.step, overflow=overflow)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The wrapped optimizer's ``zero_grad``."""
@@ -188,19 +183,19 @@ class AmpHandle:
         self.loss_scale_arg = loss_scale
         self._enable_caching = enable_caching
         self._verbose = verbose
-        self._default_scaler: _CoreScaler | None = _CoreScaler(loss_scale)
+        self._default_scaler: _CoreScaler | None = _amp_scaler(loss_scale)
         self._skip_step_of: list[torch.optim.Optimizer] = []
         device_types = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
-        self._casting: O1Casting | None = O1Casting(device_types, half_dtype, verbose=verbose)
+        self._casting: O1Casting | None = O1Casting(
+            device_types, half_dtype, verbose=verbose, owner=self, on_deactivate=self._casting_off
+        )
         if not enable_caching:
             # O1Casting restores the caller's setting when it is switched off.
             torch.set_autocast_cache_enabled(False)
         if allow_banned:
             # Run binary_cross_entropy in fp32 with casting suspended inside, so the banned
             # kernel is never reached; recorded on this casting and undone with it.
-            self._casting.apply_registration(
-                Registration(torch.nn.functional, "binary_cross_entropy", UserCast.FLOAT)
-            )
+            self._casting.register_function(torch.nn.functional, "binary_cross_entropy", "float")
 
     @property
     def verbose(self) -> bool:
@@ -278,16 +273,20 @@ class AmpHandle:
 
     def _deactivate(self) -> None:
         """Undo everything this handle switched on (casting, wraps, pending step skips)."""
+        if self._casting is not None:
+            self._casting.deactivate()  # calls _casting_off
+        else:
+            self._casting_off()
+
+    def _casting_off(self) -> None:
+        """The handle's casting was switched off (by the handle, or by the next ``amp.init`` or
+        ``amp.initialize``): drop the pending step skips too."""
         for optimizer in self._skip_step_of:
             step = optimizer.__dict__.get("step")
             if step is not None and getattr(step, "__func__", None) is not None:
                 optimizer.__dict__.pop("step", None)
         self._skip_step_of = []
-        if self._casting is not None:
-            self._casting.deactivate()
-            self._casting = None
-        if _HANDLES.current is self:
-            _HANDLES.current = None
+        self._casting = None
 
 
 class NoOpHandle:
@@ -360,18 +359,17 @@ def init(
         >>> optimizer.step()
     """
     warn_deprecated("amp.init", 'amp_core.amp.initialize(model, optimizer, opt_level="O1")')
-    if _HANDLES.current is not None:
-        _HANDLES.current._deactivate()
+    casting = amp_core.o1_casting()
+    if casting is not None and isinstance(casting.owner, AmpHandle):
+        casting.deactivate()  # the previous handle's
     if not enabled:
         return NoOpHandle()
-    current = registry.current
-    if current is not None and current.casting is not None:
+    casting = amp_core.o1_casting()
+    if casting is not None:
         logger.warning("amp.init switches off the O1 casting of the earlier amp.initialize call.")
-        current.close()
+        casting.deactivate()
     if half_dtype is None:
         half_dtype = torch.float16 if torch.cuda.is_available() else torch.bfloat16
     if half_dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"half_dtype must be torch.float16 or torch.bfloat16, got {half_dtype}.")
-    handle = AmpHandle(loss_scale, enable_caching, verbose, allow_banned, half_dtype=half_dtype)
-    _HANDLES.current = handle
-    return handle
+    return AmpHandle(loss_scale, enable_caching, verbose, allow_banned, half_dtype=half_dtype)

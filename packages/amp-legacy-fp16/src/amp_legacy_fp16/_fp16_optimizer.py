@@ -11,50 +11,25 @@ sync); an overflow makes the next :meth:`FP16_Optimizer.step` a no-op that lower
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
 from collections.abc import Callable
 from typing import Any, NoReturn
 
 import torch
 
+from amp_core import MasterWeights
+
 from ._deprecation import warn_deprecated
-from ._loss_scaler import (
-    DynamicLossScaler,
-    LossScaler,
-    make_dynamic,
-    make_static,
-    scaler_from_state_dict,
-)
+from ._fp16_checkpoint import CheckpointMixin
+from ._loss_scaler import DynamicLossScaler, LossScaler, make_dynamic, make_static
 
 __all__ = ["FP16_Optimizer"]
 
 logger = logging.getLogger(__name__)
 
 _HALF = (torch.float16, torch.bfloat16)
-_STATE_KEYS = (
-    "loss_scaler",
-    "dynamic_loss_scale",
-    "overflow",
-    "first_closure_call_this_step",
-    "optimizer_state_dict",
-    "fp32_from_fp16",
-)
 
 
-def _copy_grouped(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """``dst[i].copy_(src[i])`` for all i, one foreach launch per device."""
-    by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = defaultdict(
-        lambda: ([], [])
-    )
-    for d, s in zip(dst, src, strict=True):
-        by_device[d.device][0].append(d)
-        by_device[d.device][1].append(s)
-    with torch.no_grad():
-        for d_list, s_list in by_device.values():
-            torch._foreach_copy_(d_list, s_list)
-
-
-class FP16_Optimizer:
+class FP16_Optimizer(CheckpointMixin):
     """Apex's ``apex.fp16_utils.FP16_Optimizer`` for fp16 or bf16 params, on CPU and CUDA.
 
     Build the model in half precision (``model.half()``, :func:`convert_network`), build any
@@ -106,6 +81,8 @@ class FP16_Optimizer:
             )
         self.verbose = verbose
         self.optimizer = init_optimizer
+        # The masters, the fp32 params stepped directly, and the step (amp-core's rules).
+        self._weights = MasterWeights()
         self.fp16_groups: list[list[torch.Tensor]] = []
         self.fp32_from_fp16_groups: list[list[torch.Tensor]] = []
         self.fp32_from_fp32_groups: list[list[torch.Tensor]] = []
@@ -128,9 +105,9 @@ class FP16_Optimizer:
             self.loss_scaler = make_static(static_loss_scale)
         self.overflow = False
         self.first_closure_call_this_step = True
-        # fp32 params' grads from before the current (scaled) backward, already unscaled: set
-        # aside so that update_master_grads unscales only the new ones (Apex unscaled twice).
-        self._fp32_stash: list[torch.Tensor | None] = []
+        # A backward ran since the last update_master_grads: the fp32 params' grads from before
+        # it are set aside in _weights, so that only the new ones are unscaled (Apex unscaled
+        # the older ones twice).
         self._fp32_grads_scaled = False
 
     def _ingest_group(self, index: int, group: dict[str, Any]) -> None:
@@ -150,13 +127,8 @@ class FP16_Optimizer:
                         param.dtype,
                         tuple(param.shape),
                     )
-                master = param.detach().clone().float().requires_grad_(True)
-                group["params"][i] = master
-                if param in state:  # move existing state onto the master, in fp32
-                    state[master] = {
-                        k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
-                        for k, v in state.pop(param).items()
-                    }
+                # In the group in place of the param; its state moves along, in fp32.
+                master = self._weights.adopt_param(group, i, state)
                 fp16_params.append(param)
                 fp32_from_fp16.append(master)
             elif param.dtype == torch.float32:
@@ -167,6 +139,7 @@ class FP16_Optimizer:
                         tuple(param.shape),
                     )
                 fp32_params.append(param)
+                self._weights.direct_params.append(param)
             else:
                 raise TypeError(
                     f"Wrapped parameters must be torch.float16, torch.bfloat16 or "
@@ -238,7 +211,7 @@ class FP16_Optimizer:
             else:
                 p.grad.detach_()
                 p.grad.zero_()
-        self._fp32_stash = []
+        self._weights.drop_set_aside_grads()
         self._fp32_grads_scaled = False
 
     def backward(
@@ -254,10 +227,7 @@ class FP16_Optimizer:
             retain_graph: Passed to ``backward``.
         """
         if not self._fp32_grads_scaled:
-            self._fp32_stash = []
-            for p in self.all_fp32_from_fp32_params:
-                self._fp32_stash.append(p.grad)
-                p.grad = None
+            self._weights.set_aside_grads()
             self._fp32_grads_scaled = True
         scaled = loss.float() * self.loss_scaler.scale_tensor(loss.device)
         scaled.backward(retain_graph=retain_graph)
@@ -271,31 +241,19 @@ class FP16_Optimizer:
 
         .. note:: Reads the overflow flag on the host (dynamic scale only).
         """
-        grads: list[torch.Tensor] = []
-        for model, master in zip(self.all_fp16_params, self.all_fp32_from_fp16_params, strict=True):
-            if model.grad is None:
-                master.grad = None
-                continue
-            if master.grad is None:
-                master.grad = model.grad.detach().float()
-            else:
-                master.grad.detach_()
-                master.grad.copy_(model.grad)
-            grads.append(master.grad)
         fresh_fp32 = self._fp32_grads_scaled
+        grads = [p.grad for p in self.all_fp16_params if p.grad is not None]
         fp32_grads = [p.grad for p in self.all_fp32_from_fp32_params if p.grad is not None]
         check = self.dynamic_loss_scale
         probe = grads or (fp32_grads if fresh_fp32 else [])
         device = probe[0].device if probe else torch.device("cpu")
         found_inf = torch.zeros((), dtype=torch.float32, device=device)
-        if grads:
-            self.loss_scaler.unscale_(grads, found_inf, check=check)
+        # The masters' grads are replaced (the half grads accumulate between steps instead).
+        self._weights.unscale_into_masters(
+            self.loss_scaler, found_inf, check=check, accumulate=False
+        )
         if fresh_fp32:
-            stash = self._fp32_stash or [None] * len(self.all_fp32_from_fp32_params)
-            self.loss_scaler.unscale_with_stash_(
-                self.all_fp32_from_fp32_params, stash, found_inf, check=check
-            )
-            self._fp32_stash = []
+            self._weights.unscale_direct_grads(self.loss_scaler, found_inf, check=check)
             self._fp32_grads_scaled = False
         self.overflow = bool(found_inf.item()) if check and probe else False
 
@@ -336,8 +294,7 @@ class FP16_Optimizer:
     # -- step ----------------------------------------------------------------------------------
 
     def _master_params_to_model_params(self) -> None:
-        if self.all_fp16_params:
-            _copy_grouped(self.all_fp16_params, self.all_fp32_from_fp16_params)
+        self._weights.copy_to_model()
 
     def _update_scale(self, overflow: bool) -> None:
         self.loss_scaler.update_scale(overflow)
@@ -358,21 +315,23 @@ class FP16_Optimizer:
         """
         scale = self.loss_scale
         self._update_scale(self.overflow)
+        skip = self.overflow and closure is None
         if self.overflow:
             logger.warning(
                 "OVERFLOW! Skipping step. Attempted loss scale: %s, reducing to %s",
                 scale,
                 self.loss_scale,
             )
-            if closure is None:
-                return None
-            # The overflow came from a backward outside the closure. Apex returned here and,
+            # With a closure, the overflow came from a backward outside it. Apex skipped and,
             # as no closure ran to clear the flag, skipped every later step too; the closure
             # re-evaluates the loss at the lowered scale instead.
-            self.overflow = False
-        result = self.optimizer.step() if closure is None else self._step_with_closure(closure)
-        self._master_params_to_model_params()
-        return result
+            if closure is not None:
+                self.overflow = False
+
+        def run() -> Any:
+            return self.optimizer.step() if closure is None else self._step_with_closure(closure)
+
+        return self._weights.step(run, overflow=skip)
 
     def _step_with_closure(self, closure: Callable[[], Any]) -> Any:
         def wrapped_closure() -> Any:
@@ -399,94 +358,6 @@ class FP16_Optimizer:
         finally:
             self.first_closure_call_this_step = True
 
-    # -- checkpoints ---------------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume: the scaler, flags, the wrapped optimizer's state and the
-        fp32 masters.
-
-        Save the model's ``state_dict()`` beside it. The values are references (as torch's
-        ``Optimizer.state_dict``): serialize or copy them before training on.
-
-        Returns:
-            A dict of plain data and tensors (loadable with ``torch.load(weights_only=True)``).
-        """
-        return {
-            "loss_scaler": self.loss_scaler.state_dict(),
-            "dynamic_loss_scale": self.dynamic_loss_scale,
-            "overflow": self.overflow,
-            "first_closure_call_this_step": self.first_closure_call_this_step,
-            "optimizer_state_dict": self.optimizer.state_dict(),
-            "fp32_from_fp16": [[m.detach() for m in group] for group in self.fp32_from_fp16_groups],
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` into this (newly built) optimizer.
-
-        The masters are restored exactly (not re-derived from the half params), and the half
-        params are refreshed from them, so training resumes bitwise. Every field is checked
-        before anything is loaded: on an error this optimizer is left as it was.
-
-        Raises:
-            KeyError: when a key of :meth:`state_dict` is missing.
-            TypeError: when a field has the wrong type (a flag that is not a bool, a scale that
-                is not a number, masters that are not float32 tensors...).
-            ValueError: for an unknown key, an impossible value (a loss scale of 0, negative,
-                inf or nan; a negative counter; non-finite masters), a loss scaler that
-                disagrees with ``dynamic_loss_scale``, or masters that do not match this
-                optimizer's params.
-        """
-        if not isinstance(state_dict, dict):
-            raise TypeError(
-                f"FP16_Optimizer.load_state_dict expects the dict returned by "
-                f"FP16_Optimizer.state_dict(), got {type(state_dict).__name__}."
-            )
-        missing = [k for k in _STATE_KEYS if k not in state_dict]
-        if missing:
-            raise KeyError(
-                f"FP16_Optimizer.load_state_dict: missing key(s) {missing}; pass the dict "
-                "returned by FP16_Optimizer.state_dict()."
-            )
-        unknown = [k for k in state_dict if k not in _STATE_KEYS]
-        if unknown:
-            raise ValueError(
-                f"FP16_Optimizer.load_state_dict: unknown key(s) {unknown}; pass the dict "
-                "returned by FP16_Optimizer.state_dict()."
-            )
-        flags = {}
-        for key in ("dynamic_loss_scale", "overflow", "first_closure_call_this_step"):
-            if not isinstance(state_dict[key], bool):
-                raise TypeError(
-                    f'FP16_Optimizer.load_state_dict: state_dict["{key}"] must be a bool, got '
-                    f"{state_dict[key]!r}."
-                )
-            flags[key] = state_dict[key]
-        scaler = scaler_from_state_dict(state_dict["loss_scaler"], 'state_dict["loss_scaler"]')
-        if scaler.dynamic != flags["dynamic_loss_scale"]:
-            raise ValueError(
-                f'FP16_Optimizer.load_state_dict: state_dict["dynamic_loss_scale"] is '
-                f"{flags['dynamic_loss_scale']} but the saved loss scaler is "
-                f"{'dynamic' if scaler.dynamic else 'static'}; the checkpoint is inconsistent."
-            )
-        inner = state_dict["optimizer_state_dict"]
-        if not isinstance(inner, dict) or not {"state", "param_groups"} <= set(inner):
-            raise TypeError(
-                'FP16_Optimizer.load_state_dict: state_dict["optimizer_state_dict"] must be the '
-                f"wrapped optimizer's state_dict(), got {type(inner).__name__}."
-            )
-        saved_masters = _check_masters(state_dict["fp32_from_fp16"], self.fp32_from_fp16_groups)
-        # Everything is valid. The wrapped optimizer checks its own state first (and raises
-        # before changing anything); then nothing can fail.
-        self.optimizer.load_state_dict(inner)
-        self.loss_scaler = scaler
-        self.dynamic_loss_scale = flags["dynamic_loss_scale"]
-        self.overflow = flags["overflow"]
-        self.first_closure_call_this_step = flags["first_closure_call_this_step"]
-        with torch.no_grad():
-            for current, saved in zip(self.all_fp32_from_fp16_params, saved_masters, strict=True):
-                current.copy_(saved)
-        self._master_params_to_model_params()
-
     def __repr__(self) -> str:
         kind = "dynamic" if self.dynamic_loss_scale else "static"
         return (
@@ -494,26 +365,3 @@ class FP16_Optimizer:
             f"{self.loss_scale}, {len(self.all_fp16_params)} half params, "
             f"{len(self.all_fp32_from_fp32_params)} fp32 params)"
         )
-
-
-def _check_masters(saved: Any, groups: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-    """The saved fp32 masters, flattened, after checking them against this optimizer's."""
-    where = 'FP16_Optimizer.load_state_dict: state_dict["fp32_from_fp16"]'
-    if not isinstance(saved, (list, tuple)) or not all(
-        isinstance(g, (list, tuple)) and all(isinstance(m, torch.Tensor) for m in g) for g in saved
-    ):
-        raise TypeError(f"{where} must be a list of lists of tensors, got {type(saved).__name__}.")
-    shapes = [[tuple(m.shape) for m in g] for g in groups]
-    saved_shapes = [[tuple(m.shape) for m in g] for g in saved]
-    if shapes != saved_shapes:
-        raise ValueError(
-            f"{where}: the saved fp32 masters have shapes {saved_shapes}, this optimizer's have "
-            f"{shapes}. Build the model and the optimizer exactly as for the run that saved the "
-            "checkpoint."
-        )
-    flat = [m for g in saved for m in g]
-    if any(m.dtype != torch.float32 for m in flat):
-        raise TypeError(f"{where}: the masters must be float32 tensors.")
-    if flat and not bool(torch.stack([m.detach().isfinite().all() for m in flat]).all()):
-        raise ValueError(f"{where}: a master holds an inf or a nan; the checkpoint is corrupt.")
-    return flat

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from amp_core import LossScaler as _CoreScaler
-from amp_core._scaler import check_count, check_scale
+from amp_core import ScalerConfig, check_count, check_scale
 
 from ._deprecation import warn_deprecated
 
@@ -126,7 +126,8 @@ class LossScaler(_ScalerBase):
 
     def _setup(self, scale: float) -> None:
         self.dynamic = False
-        self._core = _CoreScaler(check_scale(scale, f"LossScaler(scale={scale!r}): the scale"))
+        scale = check_scale(scale, f"LossScaler(scale={scale!r}): the scale")
+        self._core = _CoreScaler.from_config(ScalerConfig(loss_scale=scale))
 
     def has_overflow(self, params: Iterable[torch.Tensor]) -> bool:
         """Always ``False``: a static scaler does not check (Apex's behaviour)."""
@@ -169,26 +170,20 @@ class DynamicLossScaler(_ScalerBase):
         self._setup(init_scale, scale_factor, scale_window)
 
     def _setup(self, init_scale: float, scale_factor: float, scale_window: int) -> None:
-        check_scale(init_scale, "init_scale")
-        if not scale_factor > 1:
-            raise ValueError(
-                f"scale_factor must be greater than 1, got {scale_factor!r} (Apex uses 2.0)."
-            )
-        if int(scale_window) < 1:
-            raise ValueError(f"scale_window must be a positive int, got {scale_window!r}.")
+        # The fp16_utils preset: never below 1 (Apex: max(cur_scale / scale_factor, 1)) and
+        # no ceiling.
+        config = ScalerConfig.preset(
+            "fp16_utils",
+            init_scale=init_scale,
+            scale_factor=scale_factor,
+            scale_window=scale_window,
+        )
         self.dynamic = True
-        self.scale_factor = float(scale_factor)
-        self.scale_window = int(scale_window)
+        self.scale_factor = config.scale_factor
+        self.scale_window = config.scale_window
         self.cur_iter = 0
         self.last_overflow_iter = -1
-        self._core = _CoreScaler(
-            "dynamic",
-            init_scale=float(init_scale),
-            scale_factor=self.scale_factor,
-            scale_window=self.scale_window,
-            min_loss_scale=1.0,  # Apex: max(cur_scale / scale_factor, 1)
-            max_loss_scale=math.inf,  # Apex's legacy scaler has no ceiling
-        )
+        self._core = _CoreScaler.from_config(config)
 
     def has_overflow(self, params: Iterable[torch.Tensor]) -> bool:
         """Whether the gradient of any of ``params`` holds an inf or a nan.
@@ -248,9 +243,12 @@ def make_dynamic(args: dict[str, Any] | None) -> DynamicLossScaler:
             f"dynamic_loss_args has unknown key(s) {unknown}; DynamicLossScaler accepts only "
             f"{list(_DYNAMIC_ARGS)}. Example: dynamic_loss_args={{'init_scale': 2**16}}."
         )
+    preset = ScalerConfig.preset("fp16_utils")
     scaler = DynamicLossScaler.__new__(DynamicLossScaler)
     scaler._setup(
-        args.get("init_scale", 2**32), args.get("scale_factor", 2.0), args.get("scale_window", 1000)
+        args.get("init_scale", preset.init_scale),
+        args.get("scale_factor", preset.scale_factor),
+        args.get("scale_window", preset.scale_window),
     )
     return scaler
 

@@ -23,8 +23,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from amp_core import LossScaler
-from amp_core._scaler import check_count, check_scale
+from amp_core import (
+    LossScaler,
+    ScalerConfig,
+    check_count,
+    check_scale,
+    fused_master_step,
+    read_overflow,
+)
 from amp_fused_ops import flatten, unflatten
 
 from ._fused_adam import FusedAdam
@@ -34,13 +40,11 @@ __all__ = ["FP16_Optimizer"]
 logger = logging.getLogger(__name__)
 
 _HALF = (torch.float16, torch.bfloat16)
-# Apex's dynamic scaling for this class (apex/optimizers/fp16_optimizer.py): start at 2**16,
-# halve on overflow (never below 1), double after 1000 steps without one, no ceiling.
-_DYNAMIC_DEFAULTS: dict[str, Any] = {
-    "init_scale": 2.0**16,
-    "scale_factor": 2.0,
-    "scale_window": 1000,
-}
+# Apex's dynamic scaling for this class (apex/optimizers/fp16_optimizer.py) is amp-core's
+# "fused_fp16_optimizer" preset: start at 2**16, halve on overflow (never below 1), double after
+# 1000 steps without one, no ceiling.
+_PRESET = "fused_fp16_optimizer"
+_DYNAMIC_ARGS = ("init_scale", "scale_factor", "scale_window")
 _STATE_KEYS = ("dynamic_loss_scale", "cur_scale", "cur_iter", "optimizer_state_dict")
 _DYNAMIC_STATE_KEYS = ("last_overflow_iter", "scale_factor", "scale_window")
 
@@ -241,18 +245,15 @@ class FP16_Optimizer:
             stepped = True
         if not stepped:
             return loss
-        scale = self._scaler.scale_tensor(self._device)
-        found_inf = torch.zeros((), dtype=torch.float32, device=self._device)
         try:
-            # Unscales, checks, steps the masters and writes the flat half buffers; skips on
-            # the device (and raises found_inf) when a gradient is not finite.
-            self.optimizer.amp_fused_master_step(scale.double().reciprocal().float(), found_inf)
+            # Unscales, checks, steps the masters and writes the flat half buffers, or skips on
+            # the device (and raises found_inf) when a gradient is not finite; updates the scale.
+            found_inf, _ = fused_master_step(self.optimizer, self._scaler, self._device)
         finally:
             for flat in self.fp16_groups_flat:
                 flat.grad = None
-        self._scaler.update_(found_inf)
-        overflow, new_scale = torch.stack([found_inf, scale]).tolist()  # the one host sync
-        self._after_step(bool(overflow), new_scale)
+        overflow, (new_scale,) = read_overflow(found_inf, [self._scaler])  # the one host sync
+        self._after_step(overflow, new_scale)
         return loss
 
     def _after_step(self, overflow: bool, new_scale: float) -> None:
@@ -486,38 +487,36 @@ def _check_groups(param_groups: list[dict[str, Any]]) -> None:
 
 
 def _dynamic_args(dynamic_loss_args: dict[str, Any] | None) -> dict[str, Any]:
-    args = dict(_DYNAMIC_DEFAULTS)
     given = dict(dynamic_loss_args or {})
-    unknown = sorted(set(given) - set(args))
+    unknown = sorted(set(given) - set(_DYNAMIC_ARGS))
     if unknown:
         raise ValueError(
             f"FP16_Optimizer: dynamic_loss_args has unknown key(s) {unknown}; the keys are "
-            f"{sorted(args)}, e.g. dynamic_loss_args={{'scale_window': 500}}."
+            f"{sorted(_DYNAMIC_ARGS)}, e.g. dynamic_loss_args={{'scale_window': 500}}."
         )
-    args.update(given)
-    return args
+    preset = ScalerConfig.preset(_PRESET)
+    return {name: given.get(name, getattr(preset, name)) for name in _DYNAMIC_ARGS}
 
 
 def _dynamic_scaler(init_scale: Any, scale_factor: Any, scale_window: Any) -> LossScaler:
     if not isinstance(init_scale, (int, float)) or not math.isfinite(init_scale) or init_scale < 1:
         raise ValueError(f"FP16_Optimizer: init_scale must be a number >= 1, got {init_scale!r}")
-    if not isinstance(scale_factor, (int, float)) or not scale_factor > 1:
-        raise ValueError(f"FP16_Optimizer: scale_factor must be > 1, got {scale_factor!r}")
-    if isinstance(scale_window, bool) or not isinstance(scale_window, int) or scale_window < 1:
+    if isinstance(scale_window, bool) or not isinstance(scale_window, int):
         raise ValueError(f"FP16_Optimizer: scale_window must be an int >= 1, got {scale_window!r}")
-    return LossScaler(
-        "dynamic",
-        init_scale=float(init_scale),
-        scale_factor=float(scale_factor),
-        scale_window=scale_window,
-        min_loss_scale=1.0,  # Apex: max(cur_scale / scale_factor, 1)
-        max_loss_scale=math.inf,  # Apex: no ceiling
-    )
+    try:
+        config = ScalerConfig.preset(
+            _PRESET, init_scale=init_scale, scale_factor=scale_factor, scale_window=scale_window
+        )
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"FP16_Optimizer: {err}") from None
+    return LossScaler.from_config(config)
 
 
 def _static_scaler(scale: float) -> LossScaler:
-    if not isinstance(scale, (int, float)) or not math.isfinite(scale) or not scale > 0:
+    try:
+        value = check_scale(scale, "static_loss_scale")
+    except (TypeError, ValueError) as err:
         raise ValueError(
-            f"FP16_Optimizer: static_loss_scale must be a positive number, got {scale!r}"
-        )
-    return LossScaler(float(scale))
+            f"FP16_Optimizer: static_loss_scale must be a positive number, got {scale!r} ({err})"
+        ) from None
+    return LossScaler.from_config(ScalerConfig(loss_scale=value))

@@ -9,6 +9,7 @@ Apex's constructor and options. Apex's all-reduce semantics live in one communic
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
@@ -76,9 +77,11 @@ def _check_module(module: nn.Module) -> torch.device:
 
 def _amp_master_weights(module: nn.Module) -> list[Tensor]:
     """The fp32 master weights amp-core keeps for ``module``'s params (O2), in param order."""
-    masters = getattr(getattr(module, "_amp_state", None), "masters", None)
-    if not isinstance(masters, dict):
+    core = sys.modules.get("amp_core")  # amp-core is not a dependency: only when imported
+    find = getattr(core, "model_master_weights", None)
+    if find is None:
         return []
+    masters = find(module)
     return [masters[p] for p in module.parameters() if p in masters]
 
 
