@@ -353,8 +353,11 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Run every benchmarks/bench_*.py on CPU, and on CUDA too when it is available."""
-    _install_checkout(session)
+    """Run every benchmarks/bench_*.py on CPU, and on CUDA too when it is available.
+
+    bench_kernel_bytes.py compiles the emulated CUDA kernels (ninja) on its first run.
+    """
+    _install_checkout(session, "ninja")
     scripts = sorted((ROOT / "benchmarks").glob("bench_*.py"))
     if not scripts:
         session.error("no benchmark scripts (benchmarks/bench_*.py) found")
