@@ -353,8 +353,11 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Run every benchmarks/bench_*.py on CPU, and on CUDA too when it is available."""
-    _install_checkout(session)
+    """Run every benchmarks/bench_*.py on CPU, and on CUDA too when it is available.
+
+    bench_kernel_bytes.py compiles the emulated CUDA kernels (ninja) on its first run.
+    """
+    _install_checkout(session, "ninja")
     scripts = sorted((ROOT / "benchmarks").glob("bench_*.py"))
     if not scripts:
         session.error("no benchmark scripts (benchmarks/bench_*.py) found")
@@ -419,9 +422,12 @@ def cuda_build(session: nox.Session) -> None:
     session.run("python", "-c", _CUDA_IMPORT_CHECK, env=env)
 
 
+# The gpu-marked kernel tests that also run on the emulated kernels (marker cuda_emulation).
+# Files named here that a checkout does not have yet are reported and left out.
 EMULATION_TESTS = [
     "packages/amp-fused-ops/tests/test_emulation.py",
     "packages/amp-fused-ops/tests/test_cuda_kernels.py",
+    "packages/amp-fused-ops/tests/test_cuda_kernels_apex_ops.py",
     "packages/amp-fused-ops/tests/test_emulated_norm_syncbn_kernels.py",
     "packages/amp-fused-ops/tests/test_error_types.py",
     "packages/amp-fused-ops/tests/test_adam_semantics.py",
@@ -435,10 +441,17 @@ def cuda_emulation(session: nox.Session) -> None:
     The .cu sources of amp-fused-ops are compiled as C++ through csrc/emulation (threads as
     fibers, launch and barrier checks) twice: the counting build (misaligned vector accesses
     raise), then with AddressSanitizer + UBSan in a process that preloads libasan. No GPU and
-    no CUDA toolkit needed. ``-- <pytest args>`` narrows the tests.
+    no CUDA toolkit needed. The builds are cached in the session's folder (.nox/...). ``--
+    <pytest args>`` narrows the tests.
     """
     _install_checkout(session, "pytest", "ninja")
     session.env["MAX_JOBS"] = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
+    session.env["AMP_FUSED_OPS_CACHE"] = os.environ.get(
+        "AMP_FUSED_OPS_CACHE", str(Path(session.create_tmp()) / "amp_fused_ops_cache")
+    )
+    tests = [path for path in EMULATION_TESTS if (ROOT / path).is_file()]
+    for path in sorted(set(EMULATION_TESTS) - set(tests)):
+        session.log(f"{path} does not exist in this checkout: not run")
     asan = _torch_query(
         session,
         "__import__('json').dumps(__import__('amp_fused_ops._emulation', fromlist=['x'])"
@@ -449,8 +462,8 @@ def cuda_emulation(session: nox.Session) -> None:
         env = {"AMP_FUSED_OPS_EMULATION": build, **extra}
         session.run("python", "-c", _EMULATION_BUILD, build, env=env)
         session.run(
-            "python", "-m", "pytest", "-m", "cuda_emulation", "-q", *EMULATION_TESTS,
-            *session.posargs, env=env,
+            "python", "-m", "pytest", "-m", "cuda_emulation", "-q", "-p", "no:cacheprovider",
+            "--durations=5", *tests, *session.posargs, env=env,
         )  # fmt: skip
 
 

@@ -2,7 +2,9 @@
 
 Same conventions as ``test_cuda_kernels.py``: identical inputs through the kernel and the
 pure-PyTorch reference (the oracle), results within the rounding of the output dtype, the noop
-flag exactly equal; every written tensor's autograd version bumped.
+flag exactly equal; every written tensor's autograd version bumped. They also run on the
+emulated kernels (``nox -s cuda_emulation``, see ``_kernel_target.py``), where the CUDA graph is
+the emulator's recording of the launches, replayed.
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ import pytest
 import torch
 from torch import Tensor
 
-from amp_fused_ops import _loader, _reference
+from _kernel_target import DEVICE, EMULATED, Graph, extension
+from amp_fused_ops import _reference
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.cuda_emulation]
 
-SIZES = (1, 7, 555, 33333, 2048 * 32 + 1)
+SIZES = (1, 7, 555, 33333) if EMULATED else (1, 7, 555, 33333, 2048 * 32 + 1)
 CHUNKS = (333, 2048 * 32)
 TOL = {
     torch.float32: {"rtol": 1e-5, "atol": 1e-6},
@@ -30,26 +33,23 @@ INF, NAN = float("inf"), float("nan")
 
 @pytest.fixture(scope="module")
 def ext() -> Any:
-    module = _loader.get_extension("cuda")
-    if module is None:
-        pytest.fail(f"the CUDA extension is unavailable: {_loader.unavailable_reason('cuda')}")
-    return module
+    return extension()
 
 
 def _flag(value: int = 0) -> Tensor:
-    return torch.full((1,), value, dtype=torch.int32, device="cuda")
+    return torch.full((1,), value, dtype=torch.int32, device=DEVICE)
 
 
 def _tensors(
     dtype: torch.dtype, seed: int, scale: float = 1.0, positive: bool = False
 ) -> list[Tensor]:
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    out = [torch.randn(n, generator=g, device="cuda") * scale for n in SIZES]
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    out = [torch.randn(n, generator=g, device=DEVICE) * scale for n in SIZES]
     return [(t.abs() if positive else t).to(dtype) for t in out]
 
 
 def _t(value: float, dtype: torch.dtype = torch.float32) -> Tensor:
-    return torch.tensor([value], dtype=dtype, device="cuda")
+    return torch.tensor([value], dtype=dtype, device=DEVICE)
 
 
 def _run_both(
@@ -136,17 +136,23 @@ def test_adam_capturable_runs_in_a_cuda_graph(ext: Any) -> None:
 
     args = (_t(1e-3), 0.9, 0.999, 1e-8, _t(2), 0, 1, 0.01, _t(1.0 / 1024))
     got, want, flag = lists(), lists(), _flag()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        ext.multi_tensor_adam_capturable(2048 * 32, _flag(), lists(), *args)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    if not EMULATED:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm up outside the graph (lazy inits)
+            ext.multi_tensor_adam_capturable(2048 * 32, _flag(), lists(), *args)
+        torch.cuda.current_stream().wait_stream(stream)
+    before = [[t.clone() for t in ts] for ts in got]
+    graph = Graph()
+    with graph:
         ext.multi_tensor_adam_capturable(2048 * 32, flag, got, *args)
+    if EMULATED:  # nothing runs while the emulator records
+        for ts, bs in zip(got, before, strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(ts, bs, strict=True))
     graph.replay()
     _reference.multi_tensor_adam_capturable(2048 * 32, _flag(), want, *args)
-    torch.cuda.synchronize()
+    if not EMULATED:
+        torch.cuda.synchronize()
     _close_lists(got, want)
 
 
@@ -170,7 +176,7 @@ def test_lamb_stages(
     update_dtype: torch.dtype,
     global_norm: float,
 ) -> None:
-    decay = torch.linspace(0.0, 0.1, len(SIZES), device="cuda")
+    decay = torch.linspace(0.0, 0.1, len(SIZES), device=DEVICE)
 
     def make1() -> tuple[Tensor, list[list[Tensor]], tuple[Any, ...]]:
         lists = [
@@ -178,7 +184,7 @@ def test_lamb_stages(
             _tensors(param_dtype, 2),
             _tensors(state_dtype, 3, 0.1),
             _tensors(state_dtype, 4, 0.01, positive=True),
-            [torch.zeros(n, dtype=update_dtype, device="cuda") for n in SIZES],
+            [torch.zeros(n, dtype=update_dtype, device=DEVICE) for n in SIZES],
         ]
         return _flag(), lists, (decay, 3, 0.9, 0.999, 1e-6, _t(global_norm), 2.0)
 
@@ -217,8 +223,8 @@ def test_update_scale_hysteresis(ext: Any) -> None:
     def state() -> list[Tensor]:
         return [
             _t(2.0**16),
-            torch.zeros(1, dtype=torch.int32, device="cuda"),
-            torch.full((1,), 3, dtype=torch.int32, device="cuda"),
+            torch.zeros(1, dtype=torch.int32, device=DEVICE),
+            torch.full((1,), 3, dtype=torch.int32, device=DEVICE),
         ]
 
     got, want = state(), state()
@@ -233,7 +239,7 @@ def test_update_scale_hysteresis(ext: Any) -> None:
 
 
 def test_cuda_ops_bump_versions_of_what_they_write(ext: Any) -> None:
-    w = torch.rand(64, device="cuda", requires_grad=True)
+    w = torch.rand(64, device=DEVICE, requires_grad=True)
     loss = (w * w).sum()
     with torch.no_grad():
         ext.multi_tensor_scale(2048, _flag(), [[w], [w]], 2.0)

@@ -172,8 +172,8 @@ void fiber_main() {
   } catch (...) {
     if (!s.error) s.error = std::current_exception();
   }
-  f.counting = false;
   g_counting = false;
+  f.counting = false;
   f.state = State::kDone;
   switch_to_home(s, f, /*exiting=*/true);
 }
@@ -182,9 +182,11 @@ void fiber_main() {
 struct CountingPause {
   Fiber& fiber;
   bool saved;
-  explicit CountingPause(Fiber& f) : fiber(f), saved(f.counting) {
-    fiber.counting = false;
+  // g_counting goes off before the fiber's fields (heap memory) are touched.
+  explicit CountingPause(Fiber& f) : fiber(f), saved(pause_and_read(f)) { fiber.counting = false; }
+  static bool pause_and_read(Fiber& f) {
     g_counting = false;
+    return f.counting;
   }
   ~CountingPause() {
     fiber.counting = saved;
@@ -417,6 +419,8 @@ void launch(const LaunchConfig& config, std::function<void()> body, const char* 
 }
 
 void thread_counting(bool on) {
+  // Off first, on last: the emulator's own writes (to the fiber, on the heap) are not counted.
+  g_counting = false;
   Scheduler& s = scheduler();
   if (s.current != nullptr) s.current->counting = on;
   g_counting = on && s.current != nullptr;

@@ -123,9 +123,12 @@ template <typename K, typename... A>
 void operator%(K* kernel, PendingLaunch<A...>&& pending) {
   launch(*pending.config,
          [kernel, args = std::move(pending.args)]() {
-           std::tuple<A...> local = args;  // the kernel's parameters, on this thread's stack
+           // The kernel's parameters and address on this thread's stack: the closure lives on
+           // the heap, and reading it while counting would count as the kernel's traffic.
+           std::tuple<A...> local = args;
+           K* const function = kernel;
            thread_counting(true);
-           std::apply([&](auto&... a) { kernel(a...); }, local);
+           std::apply([function](auto&... a) { function(a...); }, local);
            thread_counting(false);
          },
          kernel_name<K>());

@@ -169,15 +169,36 @@ def load(build: str = "counting", *, verbose: bool = False) -> ModuleType:
 
 
 def asan_environment() -> dict[str, str]:
-    """Environment variables for a Python process that loads the ``"asan"`` build."""
-    library = subprocess.run(
-        [os.environ.get("CXX", "c++"), "-print-file-name=libasan.so"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
+    """Environment variables for a Python process that loads the ``"asan"`` build.
+
+    Raises:
+        RuntimeError: the compiler has no AddressSanitizer runtime (``libasan.so``).
+    """
+
+    def find(name: str) -> str:
+        return subprocess.run(
+            [os.environ.get("CXX", "c++"), f"-print-file-name={name}"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+
+    library = find("libasan.so")
+    if not os.path.isabs(library) or not os.path.exists(library):
+        raise RuntimeError(
+            f"the asan build needs the compiler's AddressSanitizer runtime, but "
+            f"`c++ -print-file-name=libasan.so` gives {library!r}: install it (libasan of "
+            "the compiler's version, e.g. the Debian / Ubuntu package libasan8 for gcc 12)"
+        )
+    # libstdc++ right after libasan: the Python binary does not link it, and libasan, loaded
+    # first, must find the real __cxa_throw when it starts (an exception thrown in the
+    # extension otherwise stops the process on an internal CHECK).
+    cxx_library = find("libstdc++.so.6")
+    preload = [str(Path(library).resolve())]
+    if os.path.isabs(cxx_library) and os.path.exists(cxx_library):
+        preload.append(str(Path(cxx_library).resolve()))
     return {
-        "LD_PRELOAD": str(Path(library).resolve()),
+        "LD_PRELOAD": " ".join(preload),
         # Python and torch keep memory until exit by design; the leak check would only see them.
         "ASAN_OPTIONS": "detect_leaks=0:halt_on_error=1:abort_on_error=0",
         "UBSAN_OPTIONS": "print_stacktrace=1",
