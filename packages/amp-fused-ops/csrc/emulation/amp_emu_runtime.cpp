@@ -15,8 +15,7 @@
 #include <stdexcept>
 #include <vector>
 
-// -fsanitize=kernel-address (the counting build) defines __SANITIZE_ADDRESS__ too.
-#if defined(__SANITIZE_ADDRESS__) && !defined(AMP_EMU_COUNTING)
+#if defined(__SANITIZE_ADDRESS__)
 extern "C" {
 void __sanitizer_start_switch_fiber(void** fake_stack_save, const void* bottom, size_t size);
 void __sanitizer_finish_switch_fiber(void* fake_stack_save, const void** bottom_old,
@@ -26,6 +25,9 @@ void __sanitizer_finish_switch_fiber(void* fake_stack_save, const void** bottom_
 #else
 #define AMP_EMU_ASAN 0
 #endif
+
+// Functions that the sanitizers of either build leave alone (the counting hooks' own work).
+#define AMP_EMU_UNCOUNTED __attribute__((no_sanitize_address, no_sanitize_thread))
 
 uint3 threadIdx{0, 0, 0};
 uint3 blockIdx{0, 0, 0};
@@ -581,20 +583,20 @@ void reset_graph(int64_t graph) {
   if (graph >= 0 && graph < static_cast<int64_t>(g_graphs.size())) g_graphs[graph].reset();
 }
 
-// Counting (the build with -fsanitize=kernel-address and call instrumentation): every access
+// Counting (the build with -fsanitize=thread, hooks below): every access
 // of a running kernel thread that is not to its stack, the launching thread's stack or this
 // module's statics (the __shared__ variables) is a global-memory access.
 namespace {
 uintptr_t g_module_lo = 0, g_module_hi = 0;
 
-__attribute__((no_sanitize_address)) inline bool global_access(uintptr_t a) {
+AMP_EMU_UNCOUNTED inline bool global_access(uintptr_t a) {
   if (a >= g_stack_lo && a < g_stack_hi) return false;
   if (a >= g_home_lo && a < g_home_hi) return false;
   if (a >= g_module_lo && a < g_module_hi) return false;
   return true;
 }
 
-__attribute__((no_sanitize_address)) void count(uintptr_t a, size_t n, bool store) {
+AMP_EMU_UNCOUNTED void count(uintptr_t a, size_t n, bool store) {
   if (!g_counting || !global_access(a)) return;
   (store ? g_counters.bytes_written : g_counters.bytes_read) += static_cast<int64_t>(n);
   Fiber* f = scheduler().current;
@@ -647,32 +649,88 @@ void find_module_range() {
 
 }  // namespace amp_emu
 
-#define AMP_EMU_HOOK(SIZE)                                                                 \
-  extern "C" __attribute__((no_sanitize_address)) void __asan_load##SIZE##_noabort(        \
-      uintptr_t a) {                                                                       \
-    amp_emu::count(a, SIZE, false);                                                        \
-  }                                                                                        \
-  extern "C" __attribute__((no_sanitize_address)) void __asan_store##SIZE##_noabort(       \
-      uintptr_t a) {                                                                       \
-    amp_emu::count(a, SIZE, true);                                                         \
-  }
+// The counting build is compiled with -fsanitize=thread and no ThreadSanitizer runtime: the
+// compiler calls __tsan_readN / __tsan_writeN before every memory access, and these are the
+// hooks. (AddressSanitizer's pass, used before, leaves out the check of a store to an address
+// that a load of the same basic block already checked, so in-place kernels counted no
+// writes; ThreadSanitizer's pass instruments every access.) The atomics that the compiler
+// routes through __tsan_atomicN_* are done here, sequentially consistent whatever the order
+// asked for. None of these functions is instrumented, or each would call itself.
 #if defined(AMP_EMU_COUNTING)
+#define AMP_EMU_HOOK(SIZE)                                                                   \
+  extern "C" AMP_EMU_UNCOUNTED void __tsan_read##SIZE(void* a) {                             \
+    amp_emu::count(reinterpret_cast<uintptr_t>(a), SIZE, false);                             \
+  }                                                                                          \
+  extern "C" AMP_EMU_UNCOUNTED void __tsan_write##SIZE(void* a) {                            \
+    amp_emu::count(reinterpret_cast<uintptr_t>(a), SIZE, true);                              \
+  }                                                                                          \
+  extern "C" AMP_EMU_UNCOUNTED void __tsan_unaligned_read##SIZE(void* a) {                   \
+    amp_emu::count(reinterpret_cast<uintptr_t>(a), SIZE, false);                             \
+  }                                                                                          \
+  extern "C" AMP_EMU_UNCOUNTED void __tsan_unaligned_write##SIZE(void* a) {                  \
+    amp_emu::count(reinterpret_cast<uintptr_t>(a), SIZE, true);                              \
+  }
 AMP_EMU_HOOK(1)
 AMP_EMU_HOOK(2)
 AMP_EMU_HOOK(4)
 AMP_EMU_HOOK(8)
 AMP_EMU_HOOK(16)
-extern "C" __attribute__((no_sanitize_address)) void __asan_loadN_noabort(uintptr_t a,
-                                                                           size_t n) {
-  amp_emu::count(a, n, false);
+extern "C" AMP_EMU_UNCOUNTED void __tsan_read_range(void* a, long n) {
+  amp_emu::count(reinterpret_cast<uintptr_t>(a), static_cast<size_t>(n), false);
 }
-extern "C" __attribute__((no_sanitize_address)) void __asan_storeN_noabort(uintptr_t a,
-                                                                            size_t n) {
-  amp_emu::count(a, n, true);
+extern "C" AMP_EMU_UNCOUNTED void __tsan_write_range(void* a, long n) {
+  amp_emu::count(reinterpret_cast<uintptr_t>(a), static_cast<size_t>(n), true);
 }
-extern "C" void __asan_handle_no_return() {}
-extern "C" void __asan_before_dynamic_init(const char*) {}
-extern "C" void __asan_after_dynamic_init() {}
+extern "C" AMP_EMU_UNCOUNTED void __tsan_init() {}
+extern "C" AMP_EMU_UNCOUNTED void __tsan_func_entry(void*) {}
+extern "C" AMP_EMU_UNCOUNTED void __tsan_func_exit(void*) {}
+extern "C" AMP_EMU_UNCOUNTED void __tsan_vptr_update(void*, void*) {}
+extern "C" AMP_EMU_UNCOUNTED void __tsan_vptr_read(void*) {}
+
+#define AMP_EMU_ATOMIC(BITS, T)                                                               \
+  extern "C" AMP_EMU_UNCOUNTED T __tsan_atomic##BITS##_load(const volatile void* a, int) {    \
+    return __atomic_load_n(static_cast<const volatile T*>(a), __ATOMIC_SEQ_CST);              \
+  }                                                                                           \
+  extern "C" AMP_EMU_UNCOUNTED void __tsan_atomic##BITS##_store(volatile void* a, T v, int) { \
+    __atomic_store_n(static_cast<volatile T*>(a), v, __ATOMIC_SEQ_CST);                       \
+  }                                                                                           \
+  AMP_EMU_ATOMIC_RMW(BITS, T, exchange, __atomic_exchange_n)                                  \
+  AMP_EMU_ATOMIC_RMW(BITS, T, fetch_add, __atomic_fetch_add)                                  \
+  AMP_EMU_ATOMIC_RMW(BITS, T, fetch_sub, __atomic_fetch_sub)                                  \
+  AMP_EMU_ATOMIC_RMW(BITS, T, fetch_and, __atomic_fetch_and)                                  \
+  AMP_EMU_ATOMIC_RMW(BITS, T, fetch_or, __atomic_fetch_or)                                    \
+  AMP_EMU_ATOMIC_RMW(BITS, T, fetch_xor, __atomic_fetch_xor)                                  \
+  AMP_EMU_ATOMIC_RMW(BITS, T, fetch_nand, __atomic_fetch_nand)                                \
+  extern "C" AMP_EMU_UNCOUNTED bool __tsan_atomic##BITS##_compare_exchange_strong(            \
+      volatile void* a, void* expected, T desired, int, int) {                                \
+    return __atomic_compare_exchange_n(static_cast<volatile T*>(a), static_cast<T*>(expected), \
+                                       desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);   \
+  }                                                                                           \
+  extern "C" AMP_EMU_UNCOUNTED bool __tsan_atomic##BITS##_compare_exchange_weak(              \
+      volatile void* a, void* expected, T desired, int, int) {                                \
+    return __atomic_compare_exchange_n(static_cast<volatile T*>(a), static_cast<T*>(expected), \
+                                       desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);   \
+  }                                                                                           \
+  extern "C" AMP_EMU_UNCOUNTED T __tsan_atomic##BITS##_compare_exchange_val(                  \
+      volatile void* a, T expected, T desired, int, int) {                                    \
+    __atomic_compare_exchange_n(static_cast<volatile T*>(a), &expected, desired, false,       \
+                                __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);                          \
+    return expected;                                                                          \
+  }
+#define AMP_EMU_ATOMIC_RMW(BITS, T, NAME, BUILTIN)                                         \
+  extern "C" AMP_EMU_UNCOUNTED T __tsan_atomic##BITS##_##NAME(volatile void* a, T v, int) { \
+    return BUILTIN(static_cast<volatile T*>(a), v, __ATOMIC_SEQ_CST);                      \
+  }
+AMP_EMU_ATOMIC(8, unsigned char)
+AMP_EMU_ATOMIC(16, unsigned short)
+AMP_EMU_ATOMIC(32, unsigned int)
+AMP_EMU_ATOMIC(64, unsigned long)
+extern "C" AMP_EMU_UNCOUNTED void __tsan_atomic_thread_fence(int) {
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+}
+extern "C" AMP_EMU_UNCOUNTED void __tsan_atomic_signal_fence(int) {
+  __atomic_signal_fence(__ATOMIC_SEQ_CST);
+}
 #endif
 
 // UBSan's report of a misaligned (or null) pointer use: in the emulator it is an error of the

@@ -47,6 +47,12 @@ __global__ void vector_copy(const float* in, float* out, int64_t n) {
   }
 }
 
+// In place: each element is loaded, then stored at the same address in the same basic block.
+__global__ void scale_in_place(float* x, float s, int64_t n) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) x[i] = x[i] * s;
+}
+
 __global__ void nothing() {}
 
 at::Tensor warp_sums_op(int64_t blocks, int64_t threads, bool barrier) {
@@ -70,6 +76,11 @@ void vector_copy_op(const at::Tensor& in, const at::Tensor& out) {
   vector_copy<<<(n / 4 + 127) / 128, 128>>>(in.data_ptr<float>(), out.data_ptr<float>(), n);
 }
 
+void scale_in_place_op(const at::Tensor& x, double s) {
+  const int64_t n = x.numel();
+  scale_in_place<<<(n + 127) / 128, 128>>>(x.data_ptr<float>(), static_cast<float>(s), n);
+}
+
 void launch_op(int64_t grid_x, int64_t grid_y, int64_t block_x, int64_t block_z,
                int64_t shared_bytes) {
   nothing<<<dim3(grid_x, grid_y), dim3(block_x, 1, block_z), shared_bytes>>>();
@@ -82,5 +93,6 @@ TORCH_LIBRARY(amp_emu_selftest, m) {
   m.def("early_exit", &early_exit_op);
   m.def("shuffle", &shuffle_op);
   m.def("vector_copy", &vector_copy_op);
+  m.def("scale_in_place", &scale_in_place_op);
   m.def("launch", &launch_op);
 }
