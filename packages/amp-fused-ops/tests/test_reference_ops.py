@@ -564,7 +564,7 @@ def _scale_call(**overrides: object) -> Case:
         (
             _scale_call(tensor_lists=[[torch.ones(3)]]),
             ValueError,
-            r"expected 2 tensor lists \(\[ins, outs\]\), got 1",
+            r"multi_tensor_scale: expected 2 tensor lists, got 1$",
         ),
         (
             _scale_call(tensor_lists=[[torch.ones(3)], []]),
@@ -579,7 +579,7 @@ def _scale_call(**overrides: object) -> Case:
         (
             _scale_call(tensor_lists=[[torch.ones(3)], [torch.empty(3, device="meta")]]),
             RuntimeError,
-            r"tensor_lists\[1\]\[0\] is on meta but tensor_lists\[0\]\[0\] is on cpu",
+            r"tensor_lists\[1\]\[0\] is on meta but noop_flag is on cpu",
         ),
         (
             _scale_call(tensor_lists=[[torch.ones(3, dtype=torch.int64)], [torch.empty(3)]]),
@@ -601,7 +601,7 @@ def _scale_call(**overrides: object) -> Case:
         (
             _scale_call(noop_flag=torch.zeros(1, dtype=torch.int32, device="meta")),
             RuntimeError,
-            r"noop_flag is on meta but the tensors are on cpu",
+            r"tensor_lists\[0\]\[0\] is on cpu but noop_flag is on meta",
         ),
         (_scale_call(noop_flag=0), TypeError, r"noop_flag must be a tensor, got int"),
     ],

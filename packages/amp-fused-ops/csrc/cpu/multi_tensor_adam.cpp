@@ -84,25 +84,6 @@ void check_mode_and_bias_correction(const char* op, int64_t mode, int64_t bias_c
                     ": bias_correction must be 0 or 1, got ", bias_correction);
 }
 
-// The lists `which` must not share memory at one position (the Adam loops use __restrict__).
-void check_no_overlap(const char* op, const TensorLists& lists, const std::vector<size_t>& which) {
-  for (size_t i = 0; i < lists[0].size(); ++i) {
-    for (size_t ai = 0; ai < which.size(); ++ai) {
-      for (size_t bi = ai + 1; bi < which.size(); ++bi) {
-        const size_t a = which[ai];
-        const size_t b = which[bi];
-        const at::Tensor& x = lists[a][i];
-        const at::Tensor& y = lists[b][i];
-        const auto* x0 = static_cast<const char*>(x.data_ptr());
-        const auto* y0 = static_cast<const char*>(y.data_ptr());
-        const bool disjoint = x.numel() == 0 || x0 + x.nbytes() <= y0 || y0 + y.nbytes() <= x0;
-        TORCH_CHECK_VALUE(disjoint, op, ": tensor ", i, " of list ", a, " and tensor ", i,
-                          " of list ", b, " share memory; every list needs tensors of its own");
-      }
-    }
-  }
-}
-
 }  // namespace
 
 void multi_tensor_adam(int64_t chunk_size, const at::Tensor& noop_flag,
@@ -114,7 +95,7 @@ void multi_tensor_adam(int64_t chunk_size, const at::Tensor& noop_flag,
   check_mode_and_bias_correction(op, mode, bias_correction);
   TORCH_CHECK_VALUE(step >= 1 || bias_correction == 0, op,
                     ": step must be >= 1 when bias_correction is on, got ", step);
-  check_fp32_lists(op, tensor_lists, {{2, "exp_avg"}, {3, "exp_avg_sq"}});
+  check_fp32_lists(op, tensor_lists, {2, 3});
   check_no_overlap(op, tensor_lists, {0, 1, 2, 3});
   // As Apex's kernel: the noop flag is neither read nor set; infs and nans propagate
   // into the results (the caller decides about skipping before calling).
@@ -188,8 +169,7 @@ void multi_tensor_adam_capturable_master(
   constexpr const char* op = "multi_tensor_adam_capturable_master";
   check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 5);
   check_mode_and_bias_correction(op, mode, bias_correction);
-  check_fp32_lists(op, tensor_lists,
-                   {{2, "exp_avg"}, {3, "exp_avg_sq"}, {4, "master_param"}});
+  check_fp32_lists(op, tensor_lists, {2, 3, 4});
   MasterAdamStep s{};
   s.scalars = math::adam_scalars(beta1, beta2, eps, weight_decay);
   AdamScalars& a = s.scalars;

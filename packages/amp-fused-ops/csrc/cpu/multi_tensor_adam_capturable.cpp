@@ -46,19 +46,6 @@ bool unscaled_finite(const float* g, int64_t n, float inv_scale) {
   return finite != 0;
 }
 
-// Lists a and b must not share memory at any position (the functor uses __restrict__).
-void check_disjoint(const char* op, const TensorLists& lists, size_t a, size_t b) {
-  for (size_t i = 0; i < lists[0].size(); ++i) {
-    const at::Tensor& x = lists[a][i];
-    const at::Tensor& y = lists[b][i];
-    const auto* x0 = static_cast<const char*>(x.data_ptr());
-    const auto* y0 = static_cast<const char*>(y.data_ptr());
-    const bool disjoint = x.numel() == 0 || x0 + x.nbytes() <= y0 || y0 + y.nbytes() <= x0;
-    TORCH_CHECK_VALUE(disjoint, op, ": tensor ", i, " of list ", a, " and tensor ", i,
-                      " of list ", b, " share memory; every list needs tensors of its own");
-  }
-}
-
 }  // namespace
 
 void multi_tensor_adam_capturable(int64_t chunk_size, const at::Tensor& noop_flag,
@@ -73,10 +60,8 @@ void multi_tensor_adam_capturable(int64_t chunk_size, const at::Tensor& noop_fla
                     "decay), got ", mode);
   TORCH_CHECK_VALUE(bias_correction == 0 || bias_correction == 1, op,
                     ": bias_correction must be 0 or 1, got ", bias_correction);
-  check_fp32_lists(op, tensor_lists, {{2, "exp_avg"}, {3, "exp_avg_sq"}});
-  for (size_t a = 0; a < 4; ++a) {
-    for (size_t b = a + 1; b < 4; ++b) check_disjoint(op, tensor_lists, a, b);
-  }
+  check_fp32_lists(op, tensor_lists, {2, 3});
+  check_no_overlap(op, tensor_lists, {0, 1, 2, 3});
   AdamScalars s = math::adam_scalars(beta1, beta2, eps, weight_decay);
   s.lr = static_cast<float>(scalar_value(op, "lr", lr));
   const float inv_scale_f = static_cast<float>(scalar_value(op, "inv_scale", inv_scale));

@@ -23,6 +23,8 @@
 #include <string>
 #include <vector>
 
+#include "../common/checks.h"
+
 namespace amp_fused_ops {
 namespace cpu {
 
@@ -35,67 +37,17 @@ struct Chunk {
   int64_t end;
 };
 
-// True when the tensor's elements fill one dense block of memory in some memory format.
-inline bool is_dense(const at::Tensor& t) {
-  return t.is_contiguous() || t.is_contiguous(at::MemoryFormat::ChannelsLast) ||
-         t.is_contiguous(at::MemoryFormat::ChannelsLast3d);
-}
+using checks::is_supported_float;
 
-inline bool is_supported_float(at::ScalarType type) {
-  return type == at::kFloat || type == at::kHalf || type == at::kBFloat16;
-}
-
-// Checks the preconditions shared by every op; `op` names the op in the messages.
+// Checks the preconditions shared by every op (csrc/common/checks.h) after the CPU
+// extension's own: noop_flag on the CPU. `op` names the op in the messages.
 inline void check_tensor_lists(
     const char* op, int64_t chunk_size, const at::Tensor& noop_flag,
     const TensorLists& lists, size_t depth) {
-  TORCH_CHECK_VALUE(chunk_size > 0 && chunk_size <= (int64_t{1} << 30), op,
-                    ": chunk_size must be in [1, 2**30], got ", chunk_size);
   TORCH_CHECK(noop_flag.device().is_cpu(), op,
               ": noop_flag must be a CPU tensor for the CPU extension, got device ",
               noop_flag.device());
-  TORCH_CHECK_VALUE(noop_flag.scalar_type() == at::kInt && noop_flag.numel() == 1, op,
-                    ": noop_flag must be an int32 tensor with one element, got dtype ",
-                    noop_flag.scalar_type(), " and ", noop_flag.numel(), " elements");
-  TORCH_CHECK_VALUE(lists.size() == depth, op, ": expected ", depth, " tensor lists, got ",
-                    lists.size());
-  const size_t n = lists[0].size();
-  for (size_t l = 0; l < depth; ++l) {
-    TORCH_CHECK_VALUE(lists[l].size() == n, op, ": all tensor lists must have the same length, ",
-                      "but list 0 has ", n, " tensors and list ", l, " has ", lists[l].size());
-  }
-  for (size_t i = 0; i < n; ++i) {
-    const at::Tensor& first = lists[0][i];
-    bool all_contiguous = true;
-    for (size_t l = 0; l < depth; ++l) {
-      const at::Tensor& t = lists[l][i];
-      TORCH_CHECK_TYPE(t.defined(), op, ": tensor ", i, " of list ", l, " is undefined (None)");
-      TORCH_CHECK(t.device().is_cpu(), op, ": tensor ", i, " of list ", l,
-                  " is on device ", t.device(),
-                  "; the CPU extension takes CPU tensors only");
-      TORCH_CHECK_VALUE(is_supported_float(t.scalar_type()), op, ": tensor ", i, " of list ", l,
-                        " has dtype ", t.scalar_type(), "; supported dtypes are float32, float16 ",
-                        "and bfloat16");
-      TORCH_CHECK_VALUE(t.numel() == first.numel(), op, ": tensor ", i, " of list ", l, " has ",
-                        t.numel(), " elements but tensor ", i, " of list 0 has ", first.numel(),
-                        "; tensors at one position must have the same number of elements");
-      TORCH_CHECK_VALUE(is_dense(t), op, ": tensor ", i, " of list ", l,
-                        " is not contiguous in any memory format (sizes ", t.sizes(),
-                        ", strides ", t.strides(), "); call .contiguous() on it first");
-      all_contiguous = all_contiguous && t.is_contiguous();
-    }
-    if (!all_contiguous) {
-      // Storage order differs from logical order: all layouts must agree element by element.
-      for (size_t l = 1; l < depth; ++l) {
-        const at::Tensor& t = lists[l][i];
-        TORCH_CHECK_VALUE(t.sizes() == first.sizes() && t.strides() == first.strides(), op,
-                          ": tensor ", i, " of list ", l, " (sizes ", t.sizes(), ", strides ",
-                          t.strides(), ") and tensor ", i, " of list 0 (sizes ", first.sizes(),
-                          ", strides ", first.strides(), ") have different memory layouts; ",
-                          "give them the same memory_format or call .contiguous() on both");
-      }
-    }
-  }
+  checks::check_tensor_lists(op, chunk_size, noop_flag, lists, depth);
 }
 
 // Cuts every tensor of `tensors` into chunks of at most `chunk_size` elements.
@@ -156,24 +108,10 @@ inline bool noop_is_set(const at::Tensor& noop_flag) {
   return noop_flag.data_ptr<int32_t>()[0] != 0;
 }
 
-// Checks that every tensor of the named lists is float32 (optimizer state); `lists` pairs a
-// list index with its name for the message, e.g. {{2, "exp_avg"}, {3, "exp_avg_sq"}}.
-struct NamedList {
-  size_t index;
-  const char* name;
-};
-
-inline void check_fp32_lists(const char* op, const TensorLists& tensor_lists,
-                             std::initializer_list<NamedList> lists) {
-  for (const NamedList& list : lists) {
-    const auto& tensors = tensor_lists[list.index];
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      TORCH_CHECK_VALUE(tensors[i].scalar_type() == at::kFloat, op, ": tensor ", i, " of list ",
-                        list.index, " (", list.name, ") has dtype ", tensors[i].scalar_type(),
-                        "; optimizer state must be float32");
-    }
-  }
-}
+// Checks that every tensor of the lists `which` is float32 (optimizer state).
+using checks::check_fp32_lists;
+using checks::check_no_overlap;
+using checks::check_state_dtype;
 
 // The value of a one-element CPU tensor of any number dtype, as a double; `name` names the
 // argument in the messages.

@@ -76,10 +76,10 @@ void multi_tensor_sgd(int64_t chunk_size, const at::Tensor& noop_flag,
                       bool nesterov, bool first_run, bool wd_after_momentum, double scale) {
   constexpr const char* op = "multi_tensor_sgd";
   const size_t depth = tensor_lists.size();
-  TORCH_CHECK_VALUE(depth == 3 || depth == 4, op,
-                    ": expected 3 tensor lists [grads, params, momentum_bufs] or 4 [grads, ",
-                    "params, momentum_bufs, model_copies], got ", depth);
+  // [grads, params, momentum_bufs] or [grads, params, momentum_bufs, model_copies].
+  checks::check_list_count(op, tensor_lists, {3, 4});
   check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, depth);
+  check_state_dtype(op, tensor_lists, 2, 1);
   // Apex's FusedSGD: a set flag (inf/nan found by the loss scaler) skips the step.
   if (noop_is_set(noop_flag)) return;
   const SgdScalars args{static_cast<float>(weight_decay), static_cast<float>(momentum),
@@ -116,6 +116,7 @@ void multi_tensor_adagrad(int64_t chunk_size, const at::Tensor& noop_flag,
   TORCH_CHECK_VALUE(mode == 0 || mode == 1, op,
                     ": mode must be 0 (L2 weight decay) or 1 (decoupled weight decay), got ", mode);
   check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 3);
+  check_state_dtype(op, tensor_lists, 2, 1);
   // As Apex: the noop flag is neither read nor set; inf/nan propagate.
   const AdagradScalars args{static_cast<float>(lr), static_cast<float>(epsilon),
                             static_cast<float>(weight_decay)};

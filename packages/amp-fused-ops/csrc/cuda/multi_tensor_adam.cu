@@ -83,16 +83,6 @@ void check_adam_choices(const char* op, int64_t mode, int64_t bias_correction) {
                     ": bias_correction must be 0 or 1, got ", bias_correction);
 }
 
-// The moments (and the masters) must be float32, as Apex's AdamFunctor reads them.
-void check_fp32_state(const char* op, const TensorListsArg& lists, size_t first, size_t last) {
-  const char* names[] = {"grads", "params", "exp_avgs", "exp_avg_sqs", "master_params"};
-  for (size_t l = first; l <= last; ++l) {
-    TORCH_CHECK_VALUE(lists[l][0].scalar_type() == at::kFloat, op, ": list ", l, " (", names[l],
-                      ") has dtype ", lists[l][0].scalar_type(),
-                      "; optimizer state must be float32");
-  }
-}
-
 }  // namespace
 
 void multi_tensor_adam(int64_t chunk_size, const at::Tensor& noop_flag,
@@ -106,7 +96,7 @@ void multi_tensor_adam(int64_t chunk_size, const at::Tensor& noop_flag,
   if (check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 4) == 0) {
     return;
   }
-  check_fp32_state(op, tensor_lists, 2, 3);
+  check_fp32_lists(op, tensor_lists, {2, 3});  // as Apex's AdamFunctor reads them
   check_no_overlap(op, tensor_lists, {0, 1, 2, 3});
   AdamOp adam{};
   adam.s = math::adam_scalars(beta1, beta2, eps, weight_decay);
@@ -136,7 +126,7 @@ void multi_tensor_adam_capturable_master(int64_t chunk_size, const at::Tensor& n
   if (check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 5) == 0) {
     return;
   }
-  check_fp32_state(op, tensor_lists, 2, 4);
+  check_fp32_lists(op, tensor_lists, {2, 3, 4});
   // A float32 param may be its own master (lists 1 and 4); nothing else may share memory.
   check_no_overlap(op, tensor_lists, {0, 2, 3, 4});
   const c10::cuda::CUDAGuard guard(noop_flag.device());

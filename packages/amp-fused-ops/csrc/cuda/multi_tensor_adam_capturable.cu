@@ -83,12 +83,7 @@ void multi_tensor_adam_capturable(int64_t chunk_size, const at::Tensor& noop_fla
   if (check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 4) == 0) {
     return;
   }
-  const char* names[] = {"grads", "params", "exp_avgs", "exp_avg_sqs"};
-  for (size_t l = 2; l < 4; ++l) {
-    TORCH_CHECK_VALUE(tensor_lists[l][0].scalar_type() == at::kFloat, op, ": list ", l, " (",
-                      names[l], ") has dtype ", tensor_lists[l][0].scalar_type(),
-                      "; optimizer state must be float32");
-  }
+  check_fp32_lists(op, tensor_lists, {2, 3});
   check_no_overlap(op, tensor_lists, {0, 1, 2, 3});
   const c10::cuda::CUDAGuard guard(noop_flag.device());
   const at::Device device = noop_flag.device();

@@ -31,6 +31,8 @@
 #include <utility>
 #include <vector>
 
+#include "../common/checks.h"
+
 namespace amp_fused_ops {
 namespace cuda {
 
@@ -86,89 +88,31 @@ static_assert(sizeof(TensorListMetadata<5>) <= 3584, "metadata too large for a k
 // Host-side checks
 // ---------------------------------------------------------------------------------------
 
-inline bool is_supported_float(at::ScalarType type) {
-  return type == at::kFloat || type == at::kHalf || type == at::kBFloat16;
-}
+using checks::check_fp32_lists;
+using checks::check_no_overlap;
+using checks::check_state_dtype;
+using checks::is_supported_float;
 
-// Checks the preconditions every op shares and returns the number of tensors per list.
-// Tensors of one list must share one dtype (group them by dtype, as Apex's optimizers do).
+// Checks the preconditions every op shares (csrc/common/checks.h) after the CUDA extension's
+// own: noop_flag on a CUDA device, and the tensors of one list share one dtype (group them by
+// dtype, as Apex's optimizers do). Returns the number of tensors per list.
 inline size_t check_tensor_lists(const char* op, int64_t chunk_size, const at::Tensor& noop_flag,
                                  const TensorLists& lists, size_t depth) {
-  TORCH_CHECK_VALUE(chunk_size > 0 && chunk_size <= (int64_t{1} << 30), op,
-                    ": chunk_size must be in [1, 2**30], got ", chunk_size);
   TORCH_CHECK(noop_flag.defined() && noop_flag.is_cuda(), op,
               ": noop_flag must be a CUDA tensor for the CUDA extension, got device ",
               noop_flag.defined() ? noop_flag.device() : at::Device(at::kCPU));
-  TORCH_CHECK_VALUE(noop_flag.scalar_type() == at::kInt && noop_flag.numel() == 1, op,
-                    ": noop_flag must be an int32 tensor with one element, got dtype ",
-                    noop_flag.scalar_type(), " and ", noop_flag.numel(),
-                    " elements; create it with torch.zeros(1, dtype=torch.int32, device=...)");
-  TORCH_CHECK_VALUE(lists.size() == depth, op, ": expected ", depth, " tensor lists, got ",
-                    lists.size());
-  const size_t n = lists[0].size();
-  for (size_t l = 0; l < depth; ++l) {
-    TORCH_CHECK_VALUE(lists[l].size() == n, op, ": all tensor lists must have the same length, ",
-                      "but list 0 has ", n, " tensors and list ", l, " has ", lists[l].size());
-  }
-  for (size_t i = 0; i < n; ++i) {
-    const at::Tensor& first = lists[0][i];
-    bool all_contiguous = true;
-    for (size_t l = 0; l < depth; ++l) {
-      const at::Tensor& t = lists[l][i];
-      TORCH_CHECK_TYPE(t.defined(), op, ": tensor ", i, " of list ", l, " is undefined (None)");
-      TORCH_CHECK(t.is_cuda(), op, ": tensor ", i, " of list ", l, " is on device ",
-                  t.device(), "; the CUDA extension takes CUDA tensors only");
-      TORCH_CHECK(t.device() == noop_flag.device(), op, ": tensor ", i, " of list ", l,
-                  " is on ", t.device(), " but noop_flag is on ", noop_flag.device(),
-                  "; move all tensors of one call to the same device");
-      TORCH_CHECK_VALUE(is_supported_float(t.scalar_type()), op, ": tensor ", i, " of list ", l,
-                        " has dtype ", t.scalar_type(),
-                        "; supported dtypes are float32, float16 and bfloat16");
-      TORCH_CHECK_VALUE(t.scalar_type() == lists[l][0].scalar_type(), op, ": tensor ", i,
-                        " of list ", l, " has dtype ", t.scalar_type(), " but tensor 0 of list ", l,
-                        " has dtype ", lists[l][0].scalar_type(),
+  const size_t n = checks::check_tensor_lists(op, chunk_size, noop_flag, lists, depth);
+  for (size_t l = 0; l < depth && n > 0; ++l) {
+    for (size_t i = 1; i < n; ++i) {
+      TORCH_CHECK_VALUE(lists[l][i].scalar_type() == lists[l][0].scalar_type(), op, ": ",
+                        checks::tensor_name(l, i), " has dtype ",
+                        checks::dtype_name(lists[l][i].scalar_type()), " but ",
+                        checks::tensor_name(l, 0), " has dtype ",
+                        checks::dtype_name(lists[l][0].scalar_type()),
                         "; the tensors of one list must share one dtype (group them by dtype)");
-      TORCH_CHECK_VALUE(t.numel() == first.numel(), op, ": tensor ", i, " of list ", l, " has ",
-                        t.numel(), " elements but tensor ", i, " of list 0 has ", first.numel(),
-                        "; tensors at one position must have the same number of elements");
-      TORCH_CHECK_VALUE(t.is_non_overlapping_and_dense(), op, ": tensor ", i, " of list ", l,
-                        " is neither contiguous nor dense in another memory format (sizes ",
-                        t.sizes(), ", strides ", t.strides(), "); call .contiguous() on it first");
-      all_contiguous = all_contiguous && t.is_contiguous();
-    }
-    if (!all_contiguous) {
-      // Elements are visited in memory order: every layout at one position must agree.
-      for (size_t l = 1; l < depth; ++l) {
-        const at::Tensor& t = lists[l][i];
-        TORCH_CHECK_VALUE(t.sizes() == first.sizes() && t.strides() == first.strides(), op,
-                          ": tensor ", i, " of list ", l, " (sizes ", t.sizes(), ", strides ",
-                          t.strides(), ") and tensor ", i, " of list 0 (sizes ", first.sizes(),
-                          ", strides ", first.strides(), ") have different memory layouts; ",
-                          "give them the same memory_format or call .contiguous() on both");
-      }
     }
   }
   return n;
-}
-
-// The lists `which` must not share memory at one position (the kernels read every list before
-// writing any, per element, but a list written through one pointer and read through another
-// would see the other's writes from other threads).
-inline void check_no_overlap(const char* op, const TensorLists& lists,
-                             std::initializer_list<size_t> which) {
-  for (size_t i = 0; i < lists[0].size(); ++i) {
-    for (auto a = which.begin(); a != which.end(); ++a) {
-      for (auto b = a + 1; b != which.end(); ++b) {
-        const at::Tensor& x = lists[*a][i];
-        const at::Tensor& y = lists[*b][i];
-        const auto* x0 = static_cast<const char*>(x.data_ptr());
-        const auto* y0 = static_cast<const char*>(y.data_ptr());
-        const bool disjoint = x.numel() == 0 || x0 + x.nbytes() <= y0 || y0 + y.nbytes() <= x0;
-        TORCH_CHECK_VALUE(disjoint, op, ": tensor ", i, " of list ", *a, " and tensor ", i,
-                          " of list ", *b, " share memory; every list needs tensors of its own");
-      }
-    }
-  }
 }
 
 // A one-element scalar argument (lr, step, inv_scale, ...) as a float32 tensor on `device`.

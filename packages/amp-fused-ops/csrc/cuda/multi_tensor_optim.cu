@@ -216,13 +216,12 @@ void multi_tensor_sgd(int64_t chunk_size, const at::Tensor& noop_flag,
                       bool wd_after_momentum, double scale) {
   constexpr const char* op = "multi_tensor_sgd";
   const size_t depth = tensor_lists.size();
-  TORCH_CHECK_VALUE(depth == 3 || depth == 4, op,
-                    ": expected 3 tensor lists [grads, params, momentum_bufs] or 4 [grads, params, "
-                    "momentum_bufs, model_copies], got ", depth);
+  // [grads, params, momentum_bufs] or [grads, params, momentum_bufs, model_copies].
+  checks::check_list_count(op, tensor_lists, {3, 4});
   if (check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, depth) == 0) {
     return;
   }
-  check_state(op, tensor_lists, 2, 2);
+  check_state_dtype(op, tensor_lists, 2, 1);
   SgdOp sgd{};
   sgd.weight_decay = static_cast<float>(weight_decay);
   sgd.momentum = static_cast<float>(momentum);
@@ -257,7 +256,7 @@ void multi_tensor_adagrad(int64_t chunk_size, const at::Tensor& noop_flag,
   if (check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 3) == 0) {
     return;
   }
-  check_state(op, tensor_lists, 2, 2);
+  check_state_dtype(op, tensor_lists, 2, 1);
   const AdagradOp adagrad{static_cast<float>(lr), static_cast<float>(epsilon),
                           static_cast<float>(weight_decay), mode == 1};
   dispatch_grad_param_state(op, tensor_lists, 2, [&](auto type_list) {

@@ -59,9 +59,23 @@ def _check(
         TypeError: An argument has the wrong type.
         ValueError: The lists have the wrong count or lengths, sizes mismatch, or the noop flag
             or a dtype is not accepted.
-        RuntimeError: Tensors (or the noop flag) sit on different devices.
+        RuntimeError: A tensor is not on the noop flag's device.
+
+    The messages are those of the compiled kernels (``csrc/common/checks.h``), mistake by
+    mistake.
     """
     check_chunk_size(op, chunk_size)
+    if not isinstance(noop_flag, Tensor):
+        raise TypeError(
+            f"{op}: noop_flag must be a tensor, got {type(noop_flag).__name__}; "
+            "create it with torch.zeros(1, dtype=torch.int32, device=...)"
+        )
+    if noop_flag.dtype != torch.int32 or noop_flag.numel() != 1:
+        raise ValueError(
+            f"{op}: noop_flag must be a one-element int32 tensor, got dtype "
+            f"{noop_flag.dtype} with {noop_flag.numel()} elements; "
+            "create it with torch.zeros(1, dtype=torch.int32, device=...)"
+        )
     if not isinstance(tensor_lists, (list, tuple)):
         raise TypeError(
             f"{op}: tensor_lists must be a list of lists of tensors, got "
@@ -69,9 +83,8 @@ def _check(
         )
     counts = [len(names) for names in list_names]
     if len(tensor_lists) not in counts:
-        layouts = " or ".join("[" + ", ".join(names) + "]" for names in list_names)
         raise ValueError(
-            f"{op}: expected {' or '.join(map(str, counts))} tensor lists ({layouts}), "
+            f"{op}: expected {' or '.join(map(str, counts))} tensor lists, "
             f"got {len(tensor_lists)}"
         )
     n = len(tensor_lists[0])
@@ -85,50 +98,52 @@ def _check(
                 f"{op}: tensor_lists[{i}] has {len(tensors)} tensors but tensor_lists[0] has {n}; "
                 "every list must hold one tensor per position"
             )
-    if not isinstance(noop_flag, Tensor):
-        raise TypeError(
-            f"{op}: noop_flag must be a tensor, got {type(noop_flag).__name__}; "
-            "create it with torch.zeros(1, dtype=torch.int32, device=...)"
-        )
-    if noop_flag.dtype != torch.int32 or noop_flag.numel() != 1:
-        raise ValueError(
-            f"{op}: noop_flag must be a one-element int32 tensor, got dtype "
-            f"{noop_flag.dtype} with {noop_flag.numel()} elements; "
-            "create it with torch.zeros(1, dtype=torch.int32, device=...)"
-        )
     if n == 0:
         return None
-    device = tensor_lists[0][0].device if isinstance(tensor_lists[0][0], Tensor) else None
+    device = noop_flag.device
     allowed_per_list = dtypes if dtypes is not None else [_FLOAT_DTYPES] * len(tensor_lists)
-    for i, tensors in enumerate(tensor_lists):
-        allowed = allowed_per_list[i]
-        for j, t in enumerate(tensors):
+    # Position by position, list by list, as the compiled kernels check (csrc/common/checks.h).
+    for j in range(n):
+        for i, tensors in enumerate(tensor_lists):
+            t = tensors[j]
             if not isinstance(t, Tensor):
-                raise TypeError(
-                    f"{op}: tensor_lists[{i}][{j}] must be a tensor, got {type(t).__name__}"
-                )
+                got = "None" if t is None else type(t).__name__
+                raise TypeError(f"{op}: tensor_lists[{i}][{j}] must be a tensor, got {got}")
             if t.device != device:
                 raise RuntimeError(
-                    f"{op}: tensor_lists[{i}][{j}] is on {t.device} but tensor_lists[0][0] is on "
-                    f"{device}; move all tensors of one call to the same device"
+                    f"{op}: tensor_lists[{i}][{j}] is on {t.device} but noop_flag is on "
+                    f"{device}; move all tensors of one call, noop_flag included, to the same "
+                    "device"
                 )
+            allowed = allowed_per_list[i]
             if t.dtype not in allowed:
                 raise ValueError(
                     f"{op}: tensor_lists[{i}][{j}] has dtype {t.dtype}; this list accepts "
                     f"{_dtype_names(allowed)}"
                 )
-            if t.numel() != tensor_lists[0][j].numel():
+            first = tensor_lists[0][j]
+            if isinstance(first, Tensor) and t.numel() != first.numel():
                 raise ValueError(
                     f"{op}: tensor_lists[{i}][{j}] has {t.numel()} elements but "
-                    f"tensor_lists[0][{j}] has {tensor_lists[0][j].numel()}; tensors at the same "
+                    f"tensor_lists[0][{j}] has {first.numel()}; tensors at the same "
                     "position must have the same number of elements"
                 )
-    if noop_flag.device != device:
-        raise RuntimeError(
-            f"{op}: noop_flag is on {noop_flag.device} but the tensors are on {device}; "
-            "create it on the tensors' device"
-        )
     return device
+
+
+def _check_state_dtype(op: str, tensor_lists: TensorLists, state: int, param: int) -> None:
+    """Raise ValueError unless every tensor of list ``state`` is float32 or its param's dtype.
+
+    The optimizer state of SGD (momentum buffers) and Adagrad (sums of squares): Apex keeps it
+    in the params' dtype; float32 state for low-precision params is accepted as well.
+    """
+    for j, (s, p) in enumerate(zip(tensor_lists[state], tensor_lists[param], strict=True)):
+        if s.dtype != torch.float32 and s.dtype != p.dtype:
+            raise ValueError(
+                f"{op}: tensor_lists[{state}][{j}] has dtype {s.dtype} but "
+                f"tensor_lists[{param}][{j}] has dtype {p.dtype}; optimizer state must be "
+                "float32 or the params' dtype"
+            )
 
 
 def _check_no_overlap(op: str, tensor_lists: TensorLists, which: Sequence[int]) -> None:
@@ -149,7 +164,7 @@ def _check_no_overlap(op: str, tensor_lists: TensorLists, which: Sequence[int]) 
             if start_b < end_a:
                 first, second = sorted((a, b))
                 raise ValueError(
-                    f"{op}: tensor {j} of list {first} and tensor {j} of list {second} share "
+                    f"{op}: tensor_lists[{first}][{j}] and tensor_lists[{second}][{j}] share "
                     "memory; every list needs tensors of its own"
                 )
 

@@ -16,6 +16,7 @@ from amp_fused_ops._reference_common import (
     _any_nonfinite,
     _check,
     _check_no_overlap,
+    _check_state_dtype,
     _fp32,
     _raise_flag,
     _scalar,
@@ -385,6 +386,8 @@ def multi_tensor_sgd(
             on the device, no host sync). Never set by this op.
         tensor_lists: ``[grads, params, momentum_bufs]`` or ``[grads, params, momentum_bufs,
             model_copies]``; momentum buffers are left untouched when ``momentum`` is 0.
+            Every list takes float32, float16 or bfloat16; each momentum buffer is float32
+            or its param's dtype (Apex keeps it in the param's dtype).
         weight_decay: Weight decay.
         momentum: Momentum factor (0 disables the buffer).
         dampening: Dampening of the gradient in the momentum update.
@@ -395,7 +398,8 @@ def multi_tensor_sgd(
         scale: Multiplier of the gradients (the inverse loss scale).
 
     Raises:
-        ValueError: Malformed lists, mismatched sizes, bad dtype or noop flag.
+        ValueError: Malformed lists, mismatched sizes, bad dtype (a momentum buffer neither
+            float32 nor its param's dtype included) or noop flag.
         RuntimeError: Tensors on different devices.
     """
     op = "multi_tensor_sgd"
@@ -406,6 +410,7 @@ def multi_tensor_sgd(
     device = _check(op, chunk_size, noop_flag, tensor_lists, names)
     if device is None:
         return
+    _check_state_dtype(op, tensor_lists, 2, 1)
     grads, params, bufs = tensor_lists[0], tensor_lists[1], tensor_lists[2]
     skip = noop_flag.reshape(()) != 0
     p = _fp32(params)
@@ -454,13 +459,16 @@ def multi_tensor_adagrad(
         chunk_size: Elements per chunk (validated, otherwise unused).
         noop_flag: One-element int32 tensor; neither read nor written (inf/nan propagate).
         tensor_lists: ``[grads, params, state_sums]``; params and sums updated in place.
+            Every list takes float32, float16 or bfloat16; each sum is float32 or its
+            param's dtype (Apex keeps it in the param's dtype).
         lr: Learning rate.
         epsilon: Added to the denominator.
         mode: 0 L2 regularisation (``torch.optim.Adagrad``), 1 decoupled weight decay.
         weight_decay: Weight decay.
 
     Raises:
-        ValueError: Malformed lists, mismatched sizes, bad dtype, noop flag or mode.
+        ValueError: Malformed lists, mismatched sizes, bad dtype (a sum neither float32 nor
+            its param's dtype included), noop flag or mode.
         RuntimeError: Tensors on different devices.
     """
     op = "multi_tensor_adagrad"
@@ -468,6 +476,7 @@ def multi_tensor_adagrad(
     names = [("grads", "params", "state_sums")]
     if _check(op, chunk_size, noop_flag, tensor_lists, names) is None:
         return
+    _check_state_dtype(op, tensor_lists, 2, 1)
     grads, params, sums = tensor_lists
     p = _fp32(params)
     g = _fp32(grads, like=params)
