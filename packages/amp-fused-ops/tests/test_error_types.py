@@ -110,6 +110,140 @@ def test_cuda_kernel_raises_the_same_error(mistake: str) -> None:
     assert type(info.value) is error, type(info.value)
 
 
+# --- One message per mistake: the words too are the same on every path ---------------------
+
+
+def _sgd(params: list[Tensor], bufs: list[Tensor], lists: int = 3) -> Callable[[Any], None]:
+    grads = [torch.randn_like(p) for p in params]
+    tensor_lists = [grads, params, bufs, [p.clone() for p in params]][:lists]
+    return lambda impl: impl.multi_tensor_sgd(64, _flag(), tensor_lists, 0.0, 0.9, 0.0, 0.1,
+                                              False, False, False, 1.0)  # fmt: skip
+
+
+def _adagrad(params: list[Tensor], sums: list[Tensor]) -> Callable[[Any], None]:
+    grads = [torch.randn_like(p) for p in params]
+    return lambda impl: impl.multi_tensor_adagrad(64, _flag(), [grads, params, sums], 1e-2,
+                                                  1e-10, 0, 0.0)  # fmt: skip
+
+
+# mistake -> (call, exception type); the message is compared word for word.
+SAME_MESSAGE: dict[str, tuple[Callable[[Any], None], type[Exception]]] = {
+    "chunk_size 0": (lambda impl: impl.multi_tensor_scale(0, _flag(), [_l(), _l()], 1.0),
+                     ValueError),
+    "noop flag of the wrong dtype": (
+        lambda impl: impl.multi_tensor_scale(64, torch.zeros(1), [_l(), _l()], 1.0), ValueError),
+    "noop flag of two elements": (
+        lambda impl: impl.multi_tensor_scale(64, torch.zeros(2, dtype=torch.int32),
+                                             [_l(), _l()], 1.0),
+        ValueError),
+    "wrong number of lists": (lambda impl: impl.multi_tensor_scale(64, _flag(), [_l()], 1.0),
+                              ValueError),
+    "sgd with two lists": (_sgd([torch.randn(8)], [torch.zeros(8)], lists=2), ValueError),
+    "lists of different lengths": (
+        lambda impl: impl.multi_tensor_scale(64, _flag(), [_l(), _l() * 2], 1.0), ValueError),
+    "sizes differ at one position": (
+        lambda impl: impl.multi_tensor_scale(64, _flag(), [_l(8) * 2, [*_l(8), *_l(9)]], 1.0),
+        ValueError),
+    "float64 tensor": (
+        lambda impl: impl.multi_tensor_scale(64, _flag(), [_l(), _l(8, torch.float64)], 1.0),
+        ValueError),
+    "int32 tensor": (
+        lambda impl: impl.multi_tensor_axpby(64, _flag(), [_l(), _l(), _l(8, torch.int32)],
+                                             1.0, 1.0, -1),
+        ValueError),
+    "a tensor on another device": (
+        lambda impl: impl.multi_tensor_scale(64, _flag(),
+                                             [_l(), [torch.empty(8, device="meta")]], 1.0),
+        RuntimeError),
+    "adam float16 moments": (
+        _adam([_l(), _l(), _l(8, torch.float16), _l(8, torch.float16)]), ValueError),
+    "master adam float16 masters": (
+        lambda impl: impl.multi_tensor_adam_capturable_master(
+            64, _flag(), [_l(8, torch.float16), _l(8, torch.float16), _l(), _l(),
+                          _l(8, torch.float16)],
+            torch.ones(1), 0.9, 0.999, 1e-8, torch.ones(1), 1, 1, 0.0, torch.ones(1)),
+        ValueError),
+    "adam lists that share memory": (_adam(_shared()), ValueError),
+    "capturable adam lists that share memory": (
+        lambda impl: impl.multi_tensor_adam_capturable(
+            64, _flag(), _shared(), torch.ones(1), 0.9, 0.999, 1e-8, torch.ones(1), 1, 1, 0.0,
+            torch.ones(1)),
+        ValueError),
+    "sgd bfloat16 momentum for float16 params": (
+        _sgd([torch.randn(8).half()], [torch.zeros(8, dtype=torch.bfloat16)]), ValueError),
+    "sgd float16 momentum for float32 params": (
+        _sgd([torch.randn(8)], [torch.zeros(8, dtype=torch.float16)]), ValueError),
+    "adagrad float16 sums for bfloat16 params": (
+        _adagrad([torch.randn(8).bfloat16()], [torch.zeros(8, dtype=torch.float16)]),
+        ValueError),
+    "adagrad bfloat16 sums for float32 params": (
+        _adagrad([torch.randn(8)], [torch.zeros(8, dtype=torch.bfloat16)]), ValueError),
+}  # fmt: skip
+
+
+def _raised(call: Callable[[Any], None], impl: Any, error: type[Exception]) -> str:
+    with pytest.raises(error) as info:
+        call(impl)
+    assert type(info.value) is error, (impl, type(info.value), info.value)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("mistake", list(SAME_MESSAGE))
+def test_reference_and_cpu_kernel_give_the_same_message(cpu_ext: Any, mistake: str) -> None:
+    call, error = SAME_MESSAGE[mistake]
+    assert _raised(call, cpu_ext, error) == _raised(call, _reference, error)
+
+
+@pytest.mark.gpu
+@pytest.mark.cuda_emulation
+@pytest.mark.skipif(not EMULATED, reason="runs the emulated kernels (nox -s cuda_emulation)")
+@pytest.mark.parametrize("mistake", list(SAME_MESSAGE))
+def test_cuda_kernel_gives_the_reference_message(mistake: str) -> None:
+    call, error = SAME_MESSAGE[mistake]
+    assert _raised(call, extension(), error) == _raised(call, _reference, error)
+
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_STATE_CASES = [(p, s) for p in _FLOATS for s in _FLOATS]
+
+
+def _state_step(op: str, param_dtype: torch.dtype, state_dtype: torch.dtype) -> Callable[[Any], None]:
+    params = [torch.randn(8).to(param_dtype)]
+    state = [torch.rand(8).to(state_dtype)]
+    return _sgd(params, state) if op == "sgd" else _adagrad(params, state)
+
+
+def _check_state_dtypes(impl: Any, op: str, param_dtype: torch.dtype,
+                        state_dtype: torch.dtype) -> None:  # fmt: skip
+    call = _state_step(op, param_dtype, state_dtype)
+    if state_dtype in (torch.float32, param_dtype):
+        call(impl)
+    else:
+        with pytest.raises(ValueError, match="optimizer state must be float32 or the params' dtype"):
+            call(impl)
+
+
+@pytest.mark.parametrize("op", ["sgd", "adagrad"])
+@pytest.mark.parametrize(("param_dtype", "state_dtype"), _STATE_CASES)
+def test_sgd_and_adagrad_state_is_float32_or_the_params_dtype(
+    cpu_ext: Any, op: str, param_dtype: torch.dtype, state_dtype: torch.dtype
+) -> None:
+    """Apex keeps the state in the params' dtype; float32 state is accepted as well."""
+    for impl in (_reference, cpu_ext):
+        _check_state_dtypes(impl, op, param_dtype, state_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.cuda_emulation
+@pytest.mark.skipif(not EMULATED, reason="runs the emulated kernels (nox -s cuda_emulation)")
+@pytest.mark.parametrize("op", ["sgd", "adagrad"])
+@pytest.mark.parametrize(("param_dtype", "state_dtype"), _STATE_CASES)
+def test_cuda_sgd_and_adagrad_state_dtypes(
+    op: str, param_dtype: torch.dtype, state_dtype: torch.dtype
+) -> None:
+    _check_state_dtypes(extension(), op, param_dtype, state_dtype)
+
+
 # --- One table of scalar preconditions, checked before dispatch ----------------------------
 
 SCALAR_MISTAKES: dict[str, Callable[[Any], None]] = {

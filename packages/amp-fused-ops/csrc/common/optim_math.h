@@ -115,6 +115,51 @@ C10_HOST_DEVICE inline float lamb_update_math(const LambScalars& s, bool decoupl
   return update;
 }
 
+// The clipping divisor of the gradients: global_norm / max_norm when the global norm is
+// larger, else 1 (a max_norm of 0 clips every nonzero norm: g / inf = 0, as Apex).
+C10_HOST_DEVICE inline float lamb_clip_math(float global_norm, float max_norm) {
+  return global_norm > max_norm ? global_norm / max_norm : 1.0f;
+}
+
+// --- LAMB stages (Apex's multi_tensor_lamb_stage1_cuda / multi_tensor_lamb_stage2_cuda) ------
+
+struct LambStage1Scalars {
+  float beta1;
+  float beta2;
+  float one_minus_beta1;  // 1 - beta1 in double on the host, then rounded (as the reference)
+  float one_minus_beta2;
+  float bc1;  // bias corrections 1 - beta**(step + 1)
+  float bc2;
+  float epsilon;
+};
+
+// Stage 1 on one element: the moments (m, v in place) and the returned update, with `clip`
+// from lamb_clip_math and `decay` the tensor's weight decay:
+//   g = grad / clip; m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g g;
+//   update = (m / bc1) / (sqrt(v / bc2) + eps) + decay * p
+C10_HOST_DEVICE inline float lamb_stage1_math(const LambStage1Scalars& s, float clip,
+                                              float decay, float grad, float p, float& m,
+                                              float& v) {
+  const float g = grad / clip;
+  m = s.beta1 * m + s.one_minus_beta1 * g;
+  v = s.beta2 * v + s.one_minus_beta2 * (g * g);
+  const float update = (m / s.bc1) / (::sqrtf(v / s.bc2) + s.epsilon);
+  return update + p * decay;
+}
+
+// The trust ratio of one tensor (LAMB's second pass and stage 2): param_norm / update_norm
+// when both norms are nonzero and the ratio applies (use_nvlamb or weight_decay != 0), else 1.
+C10_HOST_DEVICE inline float lamb_trust_ratio_math(bool use_ratio, float param_norm,
+                                                   float update_norm) {
+  return (use_ratio && param_norm != 0.0f && update_norm != 0.0f) ? param_norm / update_norm
+                                                                  : 1.0f;
+}
+
+// Stage 2 on one element, with ratio = lr * lamb_trust_ratio_math(...): p - ratio * update.
+C10_HOST_DEVICE inline float lamb_stage2_math(float p, float update, float ratio) {
+  return p - update * ratio;
+}
+
 // --- NovoGrad (Apex's multi_tensor_novograd, second pass) ------------------------------------
 
 struct NovoGradScalars {

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "../common/checks.h"
+#include "../common/norm_math.h"
 
 namespace amp_fused_ops {
 namespace cpu {
@@ -227,7 +228,7 @@ inline void for_each_tile(const Chunk& c, const Fn& fn) {
   }
 }
 
-// --- per-tensor reductions ------------------------------------------------------------------
+// --- per-tensor reductions (element math: csrc/common/norm_math.h) --------------------------
 
 template <typename T>
 struct SumOfSquaresFunctor {
@@ -244,19 +245,19 @@ struct SumOfSquaresFunctor {
       int64_t i = block;
       for (; i + kLanes <= end; i += kLanes) {
         for (int64_t j = 0; j < kLanes; ++j) {
-          const float v = static_cast<float>(x[i + j]) * scale;
-          lanes[j] += v * v;
+          lanes[j] = math::sum_of_squares_step(lanes[j], static_cast<float>(x[i + j]), scale);
         }
       }
       float tail = 0.0f;
       for (; i < end; ++i) {
-        const float v = static_cast<float>(x[i]) * scale;
-        tail += v * v;
+        tail = math::sum_of_squares_step(tail, static_cast<float>(x[i]), scale);
       }
       for (int64_t width = kLanes / 2; width > 0; width /= 2) {  // pairwise lane sum
-        for (int64_t j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+        for (int64_t j = 0; j < width; ++j) {
+          lanes[j] = math::combine_partials<false>(lanes[j], lanes[j + width]);
+        }
       }
-      total += lanes[0] + tail;
+      total = math::combine_partials<false>(total, lanes[0] + tail);
     }
     return total;
   }
@@ -267,13 +268,8 @@ struct MaxAbsFunctor {
   // max |x| in float32; nan when an element is nan (as torch's inf-norm).
   static float run(const T* x, int64_t n) {
     float best = 0.0f;
-    int ordered = 1;  // stays 1 while no element is nan
-    for (int64_t i = 0; i < n; ++i) {
-      const float v = std::fabs(static_cast<float>(x[i]));
-      ordered &= static_cast<int>(v == v);
-      best = v > best ? v : best;
-    }
-    return ordered ? best : std::numeric_limits<float>::quiet_NaN();
+    for (int64_t i = 0; i < n; ++i) best = math::max_abs_step(best, static_cast<float>(x[i]));
+    return best;
   }
 };
 
@@ -284,7 +280,10 @@ inline std::vector<double> sum_per_tensor(const std::vector<Chunk>& chunks,
                                           const std::vector<float>& partials,
                                           size_t n_tensors) {
   std::vector<double> sums(n_tensors, 0.0);
-  for (size_t c = 0; c < chunks.size(); ++c) sums[chunks[c].tensor] += partials[c];
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    double& sum = sums[chunks[c].tensor];
+    sum = math::combine_partials<false, double>(sum, partials[c]);
+  }
   return sums;
 }
 

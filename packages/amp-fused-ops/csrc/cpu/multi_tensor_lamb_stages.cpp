@@ -1,14 +1,13 @@
 // multi_tensor_lamb_stage1_cuda and multi_tensor_lamb_stage2_cuda on CPU (Apex's names).
 //
-// Stage 1 on [grads, params, exp_avgs, exp_avg_sqs, updates], in the reference's order of
-// operations (_reference_lamb_stages.py), with bias correction at step + 1:
-//   g = grad / clip; m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g g;
-//   update = (m / bc1) / (sqrt(v / bc2) + eps) + decay[tensor] * p.
-// Stage 2 on [params, updates]: p -= ratio[tensor] * update.
+// Stage 1 on [grads, params, exp_avgs, exp_avg_sqs, updates], stage 2 on [params, updates];
+// the element math is math::lamb_stage1_math / lamb_stage2_math (csrc/common/optim_math.h),
+// shared with the CUDA kernels.
 // Every list may be float32, float16 or bfloat16; math in float32 over tiles. The noop flag is
 // neither read nor written (inf/nan propagate), as in Apex.
 #include <cmath>
 
+#include "../common/optim_math.h"
 #include "multi_tensor_apply.h"
 #include "multi_tensor_ops.h"
 
@@ -16,43 +15,28 @@ namespace amp_fused_ops {
 namespace cpu {
 namespace {
 
-struct LambStage1Scalars {
-  float beta1;
-  float beta2;
-  float one_minus_beta1;  // 1 - beta1 in double, then rounded (as the reference's Python)
-  float one_minus_beta2;
-  float bc1;
-  float bc2;
-  float eps;
-  float clip;  // global_grad_norm / max_global_grad_norm when larger, else 1
-};
+using math::LambStage1Scalars;
 
+// Stage 1 on float32 tiles (math::lamb_stage1_math).
 struct LambStage1Functor {
   static void run(const float* g, const float* p, float* m, float* v, float* u, int64_t n,
-                  float decay, const LambStage1Scalars& s) {
-    const float beta1 = s.beta1;
-    const float beta2 = s.beta2;
-    const float one_minus_beta1 = s.one_minus_beta1;
-    const float one_minus_beta2 = s.one_minus_beta2;
-    const float bc1 = s.bc1;
-    const float bc2 = s.bc2;
-    const float eps = s.eps;
-    const float clip = s.clip;
+                  float clip, float decay, const LambStage1Scalars& scalars) {
+    const LambStage1Scalars s = scalars;
     for (int64_t i = 0; i < n; ++i) {
-      const float grad = g[i] / clip;
-      const float m1 = beta1 * m[i] + one_minus_beta1 * grad;
-      const float v1 = beta2 * v[i] + one_minus_beta2 * (grad * grad);
-      const float update = (m1 / bc1) / (std::sqrt(v1 / bc2) + eps);
+      float m1 = m[i];
+      float v1 = v[i];
+      const float update = math::lamb_stage1_math(s, clip, decay, g[i], p[i], m1, v1);
       m[i] = m1;
       v[i] = v1;
-      u[i] = update + p[i] * decay;
+      u[i] = update;
     }
   }
 };
 
+// Stage 2 on float32 tiles (math::lamb_stage2_math).
 struct LambStage2Functor {
   static void run(float* p, const float* u, int64_t n, float ratio) {
-    for (int64_t i = 0; i < n; ++i) p[i] = p[i] - u[i] * ratio;
+    for (int64_t i = 0; i < n; ++i) p[i] = math::lamb_stage2_math(p[i], u[i], ratio);
   }
 };
 
@@ -90,10 +74,9 @@ void multi_tensor_lamb_stage1(int64_t chunk_size, const at::Tensor& noop_flag,
   // As the reference: bias corrections in double (Python numbers), then float32.
   s.bc1 = static_cast<float>(1.0 - std::pow(beta1, static_cast<double>(step + 1)));
   s.bc2 = static_cast<float>(1.0 - std::pow(beta2, static_cast<double>(step + 1)));
-  s.eps = static_cast<float>(epsilon);
+  s.epsilon = static_cast<float>(epsilon);
   const float norm = static_cast<float>(scalar_value(op, "global_grad_norm", global_grad_norm));
-  const float max_norm = static_cast<float>(max_global_grad_norm);
-  s.clip = norm > max_norm ? norm / max_norm : 1.0f;
+  const float clip = math::lamb_clip_math(norm, static_cast<float>(max_global_grad_norm));
 
   const auto chunks = make_chunks(grads, chunk_size);
   for_each_chunk(chunks, chunk_size, [&](int64_t, const Chunk& c) {
@@ -109,7 +92,7 @@ void multi_tensor_lamb_stage1(int64_t chunk_size, const at::Tensor& noop_flag,
       float* m = tile_in(tensor_lists[2][t], offset, n, m_buf);
       float* v = tile_in(tensor_lists[3][t], offset, n, v_buf);
       float* u = tile_in(tensor_lists[4][t], offset, n, u_buf, /*load=*/false);
-      LambStage1Functor::run(g, p, m, v, u, n, decay[t], s);
+      LambStage1Functor::run(g, p, m, v, u, n, clip, decay[t], s);
       tile_out(tensor_lists[2][t], offset, n, m);
       tile_out(tensor_lists[3][t], offset, n, v);
       tile_out(tensor_lists[4][t], offset, n, u);
@@ -132,11 +115,9 @@ void multi_tensor_lamb_stage2(int64_t chunk_size, const at::Tensor& noop_flag,
       per_tensor_values(op, "per_tensor_update_norm", per_tensor_update_norm, n_tensors);
   const float lr_f = static_cast<float>(lr);
   const bool use_ratio = use_nvlamb || weight_decay != 0.0;
-  std::vector<float> ratios(n_tensors, lr_f);
+  std::vector<float> ratios(n_tensors);
   for (size_t i = 0; i < n_tensors; ++i) {
-    if (use_ratio && param_norms[i] != 0.0f && update_norms[i] != 0.0f) {
-      ratios[i] = lr_f * (param_norms[i] / update_norms[i]);
-    }
+    ratios[i] = lr_f * math::lamb_trust_ratio_math(use_ratio, param_norms[i], update_norms[i]);
   }
   const auto chunks = make_chunks(params, chunk_size);
   for_each_chunk(chunks, chunk_size, [&](int64_t, const Chunk& c) {

@@ -98,7 +98,7 @@ void multi_tensor_lamb(int64_t chunk_size, const at::Tensor& noop_flag,
   a.s.bc1 = bias_correction ? static_cast<float>(1.0 - std::pow(beta1, double(step))) : 1.0f;
   a.s.bc2 = bias_correction ? static_cast<float>(1.0 - std::pow(beta2, double(step))) : 1.0f;
   // As Apex: a max_grad_norm of 0 clips every nonzero norm (g / inf = 0).
-  a.clip = norm > max_norm ? norm / max_norm : 1.0f;
+  a.clip = math::lamb_clip_math(norm, max_norm);
   a.s.weight_decay = static_cast<float>(weight_decay);
 
   const auto& grads = tensor_lists[0];
@@ -150,7 +150,7 @@ void multi_tensor_lamb(int64_t chunk_size, const at::Tensor& noop_flag,
     const float p_norm = std::sqrt(static_cast<float>(p_sums[i]));
     const float u_norm = std::sqrt(static_cast<float>(u_sums[i]));
     finite = finite && std::isfinite(p_norm) && std::isfinite(u_norm);
-    if (apply_ratio && p_norm != 0.0f && u_norm != 0.0f) ratios[i] = p_norm / u_norm;
+    ratios[i] = math::lamb_trust_ratio_math(apply_ratio, p_norm, u_norm);
   }
 
   // Stage 2: the scaled updates.
@@ -219,8 +219,7 @@ void multi_tensor_novograd(int64_t chunk_size, const at::Tensor& noop_flag,
   } else {
     for (size_t c = 0; c < chunks.size(); ++c) {
       float& best = norms[chunks[c].tensor];
-      const float x = partials[c];
-      best = (std::isnan(x) || x > best) ? x : best;  // nan sticks
+      best = math::combine_partials<true>(best, partials[c]);  // nan sticks
     }
   }
   at::Tensor old = grad_norms.reshape({-1}).contiguous();
@@ -238,8 +237,7 @@ void multi_tensor_novograd(int64_t chunk_size, const at::Tensor& noop_flag,
     const float o = old_norms[i];
     const float n = norms[i];
     finite = finite && std::isfinite(n);
-    blend[i] = norm_type == 2 ? std::sqrt(b2 * (o * o) + one_minus_b2 * (n * n))
-                              : b2 * o + one_minus_b2 * n;
+    blend[i] = math::novograd_blend_math(o, n, b2, one_minus_b2, norm_type == 2);
     denoms[i] = blend[i] / bc2 + eps;
   }
 

@@ -2,6 +2,7 @@
 //
 // One functor per op over the shared launcher (multi_tensor_apply.cuh); the launcher is
 // instantiated for every dtype combination the op accepts.
+#include "../common/norm_math.h"
 #include "../common/optim_math.h"
 #include "multi_tensor_apply.cuh"
 #include "multi_tensor_ops.h"
@@ -54,8 +55,7 @@ struct SumOfSquaresOp {
     return true;
   }
   __device__ void operator()(float (&x)[1], float (&acc)[2], bool&) const {
-    const float v = x[0] * inv_scale;
-    acc[0] += v * v;
+    acc[0] = math::sum_of_squares_step(acc[0], x[0], inv_scale);
   }
 };
 

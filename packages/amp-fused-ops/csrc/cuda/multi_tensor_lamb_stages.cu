@@ -9,7 +9,9 @@
 //     weight_decay != 0), else lr.
 // The per-tensor decays and norms and the global norm are device tensors read by the kernels
 // (no host sync). The noop flag is neither read nor written, as in Apex. Self-contained
-// functors over multi_tensor_apply.cuh.
+// functors over multi_tensor_apply.cuh; the element math is csrc/common/optim_math.h's
+// lamb_stage1_math / lamb_stage2_math, shared with the CPU kernels.
+#include "../common/optim_math.h"
 #include "multi_tensor_apply.cuh"
 #include "multi_tensor_ops.h"
 
@@ -24,30 +26,17 @@ struct LambStage1ApexOp {
   const float* decays;
   const float* global_norm_ptr;
   float max_grad_norm;
-  float beta1;
-  float beta2;
-  float one_minus_beta1;  // 1 - beta1 in double on the host, then rounded (as the reference)
-  float one_minus_beta2;
-  float bc1;
-  float bc2;
-  float epsilon;
+  math::LambStage1Scalars scalars;
   float decay;
   float clip;
 
   __device__ bool prepare(int tensor, const int*) {
-    const float norm = *global_norm_ptr;
-    clip = norm > max_grad_norm ? norm / max_grad_norm : 1.0f;
+    clip = math::lamb_clip_math(*global_norm_ptr, max_grad_norm);
     decay = decays[tensor];
     return true;
   }
   __device__ void operator()(float (&x)[5], float (&)[2], bool&) const {
-    const float g = x[0] / clip;
-    const float m = beta1 * x[2] + one_minus_beta1 * g;
-    const float v = beta2 * x[3] + one_minus_beta2 * g * g;
-    const float update = (m / bc1) / (sqrtf(v / bc2) + epsilon);
-    x[2] = m;
-    x[3] = v;
-    x[4] = update + x[1] * decay;
+    x[4] = math::lamb_stage1_math(scalars, clip, decay, x[0], x[1], x[2], x[3]);
   }
 };
 
@@ -62,13 +51,11 @@ struct LambStage2ApexOp {
   float ratio;
 
   __device__ bool prepare(int tensor, const int*) {
-    const float pn = param_norms[tensor];
-    const float un = update_norms[tensor];
-    ratio = (use_ratio && pn != 0.0f && un != 0.0f) ? lr * (pn / un) : lr;
+    ratio = lr * math::lamb_trust_ratio_math(use_ratio, param_norms[tensor], update_norms[tensor]);
     return true;
   }
   __device__ void operator()(float (&x)[2], float (&)[2], bool&) const {
-    x[0] = x[0] - x[1] * ratio;
+    x[0] = math::lamb_stage2_math(x[0], x[1], ratio);
   }
 };
 
@@ -124,15 +111,16 @@ void multi_tensor_lamb_stage1(int64_t chunk_size, const at::Tensor& noop_flag,
   stage1.decays = decays.data_ptr<float>();
   stage1.global_norm_ptr = norm.data_ptr<float>();
   stage1.max_grad_norm = static_cast<float>(max_global_grad_norm);
-  stage1.beta1 = static_cast<float>(beta1);
-  stage1.beta2 = static_cast<float>(beta2);
-  stage1.one_minus_beta1 = static_cast<float>(1.0 - beta1);
-  stage1.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  math::LambStage1Scalars& s = stage1.scalars;
+  s.beta1 = static_cast<float>(beta1);
+  s.beta2 = static_cast<float>(beta2);
+  s.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  s.one_minus_beta2 = static_cast<float>(1.0 - beta2);
   // Bias corrections in double on the host, as the reference computes them in Python.
   const double next_step = static_cast<double>(step + 1);
-  stage1.bc1 = static_cast<float>(1.0 - std::pow(beta1, next_step));
-  stage1.bc2 = static_cast<float>(1.0 - std::pow(beta2, next_step));
-  stage1.epsilon = static_cast<float>(epsilon);
+  s.bc1 = static_cast<float>(1.0 - std::pow(beta1, next_step));
+  s.bc2 = static_cast<float>(1.0 - std::pow(beta2, next_step));
+  s.epsilon = static_cast<float>(epsilon);
 
   const bool fp32_state = tensor_lists[2][0].scalar_type() == at::kFloat;
   const bool fp32_update = tensor_lists[4][0].scalar_type() == at::kFloat;

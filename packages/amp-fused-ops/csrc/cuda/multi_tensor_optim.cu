@@ -5,6 +5,7 @@
 // LAMB and NovoGrad need per-tensor norms: a reducing pass writes per-chunk partials, the
 // launcher's segment_reduce turns them into per-tensor values on the device, and the update
 // pass reads its tensor's value in prepare(). Nothing synchronizes the host.
+#include "../common/norm_math.h"
 #include "../common/optim_math.h"
 #include "multi_tensor_apply.cuh"
 #include "multi_tensor_ops.h"
@@ -76,8 +77,7 @@ struct LambStage1Op {
   float clip;
 
   __device__ bool prepare(int, const int*) {
-    const float norm = *global_norm_ptr;
-    clip = norm > max_grad_norm ? norm / max_grad_norm : 1.0f;
+    clip = math::lamb_clip_math(*global_norm_ptr, max_grad_norm);
     return true;
   }
   __device__ void operator()(float (&x)[5], float (&acc)[2], bool&) const {
@@ -85,8 +85,8 @@ struct LambStage1Op {
     const float p = x[1];
     const float update = math::lamb_update_math(s, decoupled, x[0] / clip, p, x[2], x[3]);
     x[4] = update;
-    acc[0] += p * p;
-    acc[1] += update * update;
+    acc[0] = math::sum_of_squares_step(acc[0], p, 1.0f);
+    acc[1] = math::sum_of_squares_step(acc[1], update, 1.0f);
   }
 };
 
@@ -104,7 +104,7 @@ struct LambStage2Op {
   __device__ bool prepare(int tensor, const int*) {
     const float pn = param_norms[tensor];
     const float un = update_norms[tensor];
-    ratio = (use_ratio && pn != 0.0f && un != 0.0f) ? pn / un : 1.0f;
+    ratio = math::lamb_trust_ratio_math(use_ratio, pn, un);
     return true;
   }
   __device__ void operator()(float (&x)[2], float (&)[2], bool&) const {
@@ -122,24 +122,23 @@ struct GradNormOp {
   __device__ bool prepare(int, const int*) { return true; }
   __device__ void operator()(float (&x)[1], float (&acc)[2], bool&) const {
     if constexpr (kMax) {
-      acc[0] = nan_max(acc[0], fabsf(x[0]));
+      acc[0] = math::max_abs_step(acc[0], x[0]);
     } else {
-      acc[0] += x[0] * x[0];
+      acc[0] = math::sum_of_squares_step(acc[0], x[0], 1.0f);
     }
   }
 };
 
 // NovoGrad: blend each tensor's gradient norm into grad_norms; flag a non-finite norm.
 __global__ void novograd_blend_kernel(const float* norms, float* grad_norms, int n, float beta2,
-                                      bool l2, int* noop) {
+                                      float one_minus_beta2, bool l2, int* noop) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) {
     return;
   }
   const float norm = norms[i];
   const float old = grad_norms[i];
-  grad_norms[i] = l2 ? sqrtf(beta2 * old * old + (1.0f - beta2) * norm * norm)
-                     : beta2 * old + (1.0f - beta2) * norm;
+  grad_norms[i] = math::novograd_blend_math(old, norm, beta2, one_minus_beta2, l2);
   if (!isfinite(norm)) {
     *noop = 1;
   }
@@ -403,7 +402,7 @@ void multi_tensor_novograd(int64_t chunk_size, const at::Tensor& noop_flag,
     const int blocks = static_cast<int>((n + threads - 1) / threads);
     novograd_blend_kernel<<<blocks, threads, 0, stream>>>(
         norms.data_ptr<float>(), grad_norms.data_ptr<float>(), static_cast<int>(n),
-        static_cast<float>(beta2), l2, noop);
+        static_cast<float>(beta2), static_cast<float>(1.0 - beta2), l2, noop);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     multi_tensor_apply<NovogradOp, G, TypeAt<1, L>, TypeAt<2, L>>(chunk_size, noop_flag,
                                                                   tensor_lists, novograd);
