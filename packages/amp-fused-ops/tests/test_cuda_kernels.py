@@ -592,7 +592,8 @@ def test_rejects_mismatched_sizes_and_list_lengths(ext: Any) -> None:
     message = r"tensor_lists\[1\]\[0\] has 4 elements but tensor_lists\[0\]\[0\] has 3"
     with pytest.raises(ValueError, match=message):
         _scale_call(ext, [torch.ones(3, device=DEVICE)], [torch.ones(4, device=DEVICE)])
-    with pytest.raises(ValueError, match=r"tensor_lists\[1\] has 2 tensors but tensor_lists\[0\] has 1"):
+    message = r"tensor_lists\[1\] has 2 tensors but tensor_lists\[0\] has 1"
+    with pytest.raises(ValueError, match=message):
         _scale_call(ext, [torch.ones(3, device=DEVICE)], [torch.ones(3, device=DEVICE)] * 2)
 
 
@@ -629,7 +630,8 @@ def test_rejects_bad_choices_and_state_dtypes(ext: Any) -> None:
         ext.multi_tensor_adam(333, _flag(), [bf16, bf16, bf16, bf16], 1e-3, 0.9, 0.999, 1e-8, 1,
                               1, 1, 0.0)  # fmt: skip
     one = torch.ones(1, device=DEVICE)
-    with pytest.raises(ValueError, match=r"tensor_lists\[4\]\[0\] has dtype torch.float16; this list accepts float32$"):
+    message = r"tensor_lists\[4\]\[0\] has dtype torch.float16; this list accepts float32$"
+    with pytest.raises(ValueError, match=message):
         ext.multi_tensor_adam_capturable_master(333, _flag(), [half, half, g, g, half], one, 0.9,
                                                 0.999, 1e-8, one, 1, 1, 0.0, one)  # fmt: skip
     with pytest.raises(ValueError, match="grad_norms must be a float32 tensor of 1 elements"):

@@ -207,7 +207,9 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _STATE_CASES = [(p, s) for p in _FLOATS for s in _FLOATS]
 
 
-def _state_step(op: str, param_dtype: torch.dtype, state_dtype: torch.dtype) -> Callable[[Any], None]:
+def _state_step(
+    op: str, param_dtype: torch.dtype, state_dtype: torch.dtype
+) -> Callable[[Any], None]:
     params = [torch.randn(8).to(param_dtype)]
     state = [torch.rand(8).to(state_dtype)]
     return _sgd(params, state) if op == "sgd" else _adagrad(params, state)
@@ -219,7 +221,8 @@ def _check_state_dtypes(impl: Any, op: str, param_dtype: torch.dtype,
     if state_dtype in (torch.float32, param_dtype):
         call(impl)
     else:
-        with pytest.raises(ValueError, match="optimizer state must be float32 or the params' dtype"):
+        message = "optimizer state must be float32 or the params' dtype"
+        with pytest.raises(ValueError, match=message):
             call(impl)
 
 

@@ -84,8 +84,7 @@ def _check(
     counts = [len(names) for names in list_names]
     if len(tensor_lists) not in counts:
         raise ValueError(
-            f"{op}: expected {' or '.join(map(str, counts))} tensor lists, "
-            f"got {len(tensor_lists)}"
+            f"{op}: expected {' or '.join(map(str, counts))} tensor lists, got {len(tensor_lists)}"
         )
     n = len(tensor_lists[0])
     for i, tensors in enumerate(tensor_lists):
