@@ -14,7 +14,8 @@ Noop-flag behaviour must match exactly. Sizes cross the vector width (1, 7), the
 (333 and 2048 * 32, so chunks start misaligned and aligned) and the launch batches.
 
 The same tests run on the emulated kernels (``nox -s cuda_emulation``, see
-``_kernel_target.py``) at the sizes 1, 7, 555 and 33333.
+``_kernel_target.py``) at the sizes 1, 7, 555 and 33333, or with ``AMP_EMULATION_SIZES=small``
+at 1, 7 and 555 with the chunk size 333 only.
 """
 
 from __future__ import annotations
@@ -26,13 +27,18 @@ import pytest
 import torch
 from torch import Tensor
 
-from _kernel_target import DEVICE, EMULATED, Graph, extension
+from _kernel_target import DEVICE, EMULATED, SMALL_SIZES, Graph, extension
 from amp_fused_ops import _amp_C, _reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.cuda_emulation]
 
-SIZES = (1, 7, 555, 33333) if EMULATED else (1, 7, 555, 33333, 2048 * 32 + 1, 2 * 2048 * 32)
-CHUNKS = (333, 2048 * 32)
+if SMALL_SIZES:
+    SIZES: tuple[int, ...] = (1, 7, 555)
+elif EMULATED:
+    SIZES = (1, 7, 555, 33333)
+else:
+    SIZES = (1, 7, 555, 33333, 2048 * 32 + 1, 2 * 2048 * 32)
+CHUNKS = (333,) if SMALL_SIZES else (333, 2048 * 32)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 HALF = (torch.float16, torch.bfloat16)
 TOL = {
@@ -42,7 +48,9 @@ TOL = {
 }
 NORM_TOL = {"rtol": 1e-5, "atol": 1e-6}
 INF, NAN = float("inf"), float("nan")
-INJECT_AT = (3, 1234)  # tensor 3 (33333 elements), element 1234
+# Where inf/nan goes: past the first chunk of 333, in tensor 3 (33333 elements) or, with the
+# small sizes, tensor 2 (555 elements).
+INJECT_AT = (2, 444) if SMALL_SIZES else (3, 1234)
 
 
 @pytest.fixture(scope="module")
