@@ -257,9 +257,17 @@ def _pytest(session: nox.Session, package: str, marker: str, success_codes: list
 @nox.session
 @nox.parametrize("package", [*PACKAGES, "integration"])
 def tests(session: nox.Session, package: str) -> None:
-    """Run one package's CPU tests (or tests/integration), without the slow tier."""
+    """Run one package's CPU tests (or tests/integration), without the slow tier.
+
+    ``AMP_SLOW_TESTS=1`` adds the slow tier to the same pytest run (what CI does): one
+    virtualenv per package instead of two (``slow_tests`` has its own), and the fixtures that
+    compile the C++ extension for real run once.
+    """
+    slow = os.environ.get("AMP_SLOW_TESTS", "")
+    if slow not in ("", "0", "1"):
+        session.error(f"AMP_SLOW_TESTS={slow!r}: expected 1 (add the slow tier), 0 or unset")
     # pytest exits with 5 when it collected no test: a failure here, every package has tests.
-    _pytest(session, package, "not gpu and not slow", success_codes=[0])
+    _pytest(session, package, "not gpu" if slow == "1" else "not gpu and not slow", [0])
 
 
 @nox.session
