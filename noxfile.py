@@ -273,7 +273,8 @@ def tests(session: nox.Session, package: str) -> None:
 @nox.session
 @nox.parametrize("package", [*PACKAGES, "integration"])
 def slow_tests(session: nox.Session, package: str) -> None:
-    """Run one package's CPU tests marked slow (the examples end to end, sweeps); CI runs them."""
+    """Run one package's CPU tests marked slow only (examples end to end, sweeps); CI runs them
+    within ``tests`` (``AMP_SLOW_TESTS=1``)."""
     # Exit 5 (nothing collected) is fine: not every package has slow tests.
     _pytest(session, package, "slow and not gpu", success_codes=[0, 5])
 
