@@ -53,15 +53,19 @@ def norm_ops() -> Any:
 
 
 class Graph:
-    """A captured sequence of launches: a CUDA graph, or the emulator's recording."""
+    """A captured sequence of launches: a CUDA graph, or the emulator's (``_emulation.Graph``)."""
 
     def __init__(self) -> None:
-        self._graph: Any = None if EMULATED else torch.cuda.CUDAGraph()
-        self._id = -1
+        if EMULATED:
+            from amp_fused_ops import _emulation
+
+            self._graph: Any = _emulation.Graph()
+        else:
+            self._graph = torch.cuda.CUDAGraph()
 
     def __enter__(self) -> Graph:
         if EMULATED:
-            torch.ops.amp_emu.capture_begin()
+            self._graph.__enter__()
         else:
             self._context = torch.cuda.graph(self._graph)
             self._context.__enter__()
@@ -69,12 +73,9 @@ class Graph:
 
     def __exit__(self, *exc: object) -> None:
         if EMULATED:
-            self._id = torch.ops.amp_emu.capture_end()
+            self._graph.__exit__(*exc)
         else:
             self._context.__exit__(*exc)
 
     def replay(self) -> None:
-        if EMULATED:
-            torch.ops.amp_emu.replay(self._id)
-        else:
-            self._graph.replay()
+        self._graph.replay()
