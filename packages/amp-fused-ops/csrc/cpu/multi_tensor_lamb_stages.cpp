@@ -10,7 +10,7 @@
 #include <cmath>
 
 #include "multi_tensor_apply.h"
-#include "multi_tensor_ops.h"
+#include "../common/multi_tensor_ops.h"
 
 namespace amp_fused_ops {
 namespace cpu {

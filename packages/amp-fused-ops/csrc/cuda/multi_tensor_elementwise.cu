@@ -4,7 +4,7 @@
 // instantiated for every dtype combination the op accepts.
 #include "../common/optim_math.h"
 #include "multi_tensor_apply.cuh"
-#include "multi_tensor_ops.h"
+#include "../common/multi_tensor_ops.h"
 
 namespace amp_fused_ops {
 namespace cuda {

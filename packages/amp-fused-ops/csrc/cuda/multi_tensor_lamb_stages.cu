@@ -11,7 +11,7 @@
 // (no host sync). The noop flag is neither read nor written, as in Apex. Self-contained
 // functors over multi_tensor_apply.cuh.
 #include "multi_tensor_apply.cuh"
-#include "multi_tensor_ops.h"
+#include "../common/multi_tensor_ops.h"
 
 namespace amp_fused_ops {
 namespace cuda {

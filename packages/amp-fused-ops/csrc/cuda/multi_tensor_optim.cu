@@ -7,7 +7,7 @@
 // pass reads its tensor's value in prepare(). Nothing synchronizes the host.
 #include "../common/optim_math.h"
 #include "multi_tensor_apply.cuh"
-#include "multi_tensor_ops.h"
+#include "../common/multi_tensor_ops.h"
 
 namespace amp_fused_ops {
 namespace cuda {

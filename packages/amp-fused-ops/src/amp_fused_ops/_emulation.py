@@ -7,8 +7,10 @@ warp shuffles, ``__syncthreads``, launch checks). The sources are not changed: t
 rewrites each launch ``kernel<<<config>>>(args)`` into ``kernel % LaunchConfig(config)(args)``.
 
 The result is an extension whose ops take CPU tensors and run the GPU's code, thread by
-thread: the same module functions as the CUDA extension (``multi_tensor_adam`` ...), and
-the norm and SyncBN ops under ``torch.ops.amp_fused_ops_emu_ops``. Two builds:
+thread: the multi-tensor ops of the CUDA extension under ``torch.ops.amp_fused_ops_emu``
+(registered for the CPU dispatch key; :func:`load` returns them as a module with Apex's
+``amp_C`` signatures, as ``get_extension("cuda")`` does), and the norm and SyncBN ops under
+``torch.ops.amp_fused_ops_emu_ops``. Two builds:
 
 * ``"counting"`` (the default): every global-memory access of a kernel is counted (bytes
   read and written, and those that went through aligned 16-byte vector accesses), and
@@ -31,6 +33,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import NamedTuple
 
+from amp_fused_ops import _amp_C
+
 __all__ = [
     "BUILDS",
     "Counters",
@@ -42,6 +46,8 @@ __all__ = [
 ]
 
 BUILDS = ("counting", "asan")
+OPS_NAMESPACE = "amp_fused_ops_emu"
+"""Namespace of the emulated multi-tensor ops (``AMP_FUSED_OPS_NS`` in csrc/emulation/amp_emu.h)."""
 CACHE_ENV = "AMP_FUSED_OPS_CACHE"
 _CSRC = Path(__file__).resolve().parent.parent.parent / "csrc"
 _LAUNCH = re.compile(r"<<<(.*?)>>>", re.DOTALL)
@@ -150,7 +156,7 @@ def load(build: str = "counting", *, verbose: bool = False) -> ModuleType:
     _, emulation = source_dirs()
     cflags, ldflags = _BUILD_FLAGS[build]
     start = time.perf_counter()
-    module = cpp_extension.load(
+    path = cpp_extension.load(
         name=f"amp_fused_ops_emulated_{build}",
         sources=_prepare_sources(build),
         extra_cflags=[
@@ -163,8 +169,11 @@ def load(build: str = "counting", *, verbose: bool = False) -> ModuleType:
         ],
         extra_ldflags=list(ldflags),
         build_directory=str(build_directory(build)),
+        is_python_module=False,
         verbose=verbose,
     )
+    # The "CUDA" kernels run on the CPU: Python numbers become float32 tensors, as for CUDA.
+    module = _amp_C.compiled_ops(OPS_NAMESPACE, "CPU", path, cpu_scalars=False)
     if verbose:
         print(f"emulated extension ({build}) ready in {time.perf_counter() - start:.1f} s")
     return module
