@@ -257,15 +257,24 @@ def _pytest(session: nox.Session, package: str, marker: str, success_codes: list
 @nox.session
 @nox.parametrize("package", [*PACKAGES, "integration"])
 def tests(session: nox.Session, package: str) -> None:
-    """Run one package's CPU tests (or tests/integration), without the slow tier."""
+    """Run one package's CPU tests (or tests/integration), without the slow tier.
+
+    ``AMP_SLOW_TESTS=1`` adds the slow tier to the same pytest run (what CI does): one
+    virtualenv per package instead of two (``slow_tests`` has its own), and the fixtures that
+    compile the C++ extension for real run once.
+    """
+    slow = os.environ.get("AMP_SLOW_TESTS", "")
+    if slow not in ("", "0", "1"):
+        session.error(f"AMP_SLOW_TESTS={slow!r}: expected 1 (add the slow tier), 0 or unset")
     # pytest exits with 5 when it collected no test: a failure here, every package has tests.
-    _pytest(session, package, "not gpu and not slow", success_codes=[0])
+    _pytest(session, package, "not gpu" if slow == "1" else "not gpu and not slow", [0])
 
 
 @nox.session
 @nox.parametrize("package", [*PACKAGES, "integration"])
 def slow_tests(session: nox.Session, package: str) -> None:
-    """Run one package's CPU tests marked slow (the examples end to end, sweeps); CI runs them."""
+    """Run one package's CPU tests marked slow only (examples end to end, sweeps); CI runs them
+    within ``tests`` (``AMP_SLOW_TESTS=1``)."""
     # Exit 5 (nothing collected) is fine: not every package has slow tests.
     _pytest(session, package, "slow and not gpu", success_codes=[0, 5])
 
@@ -442,8 +451,14 @@ def cuda_emulation(session: nox.Session) -> None:
     fibers, launch and barrier checks) twice: the counting build (misaligned vector accesses
     raise), then with AddressSanitizer + UBSan in a process that preloads libasan. No GPU and
     no CUDA toolkit needed. The builds are cached in the session's folder (.nox/...). ``--
-    <pytest args>`` narrows the tests; ``AMP_EMULATION_BUILDS=counting`` (CI) skips the asan
-    build.
+    <pytest args>`` narrows the tests; ``AMP_EMULATION_BUILDS=counting`` or ``=asan`` runs one
+    build (CI runs each as its own step).
+
+    The counting build runs the multi-tensor tests at every emulated size (up to 33333
+    elements, chunks of 333 and 2048 * 32); the asan build at the small sizes (1, 7, 555, chunk
+    333: every op, dtype mix, inf/nan injection, channels-last and graph replay, in a
+    fraction of the time). ``AMP_EMULATION_SIZES=all`` or ``=small`` picks the sizes of every
+    build (see packages/amp-fused-ops/tests/_kernel_target.py).
     """
     _install_checkout(session, "pytest", "ninja")
     session.env["MAX_JOBS"] = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
@@ -467,9 +482,16 @@ def cuda_emulation(session: nox.Session) -> None:
                 "fromlist=['x']).asan_environment())",
             )
         )
+    sizes = os.environ.get("AMP_EMULATION_SIZES")
+    if sizes not in (None, "", "all", "small"):
+        session.error(f"AMP_EMULATION_SIZES={sizes!r}: expected 'all' or 'small', or unset")
     for build, extra in ((name, builds[name]) for name in wanted):
         # Compile in its own process first (the build time is printed), then test.
-        env = {"AMP_FUSED_OPS_EMULATION": build, **extra}
+        env = {
+            "AMP_FUSED_OPS_EMULATION": build,
+            "AMP_EMULATION_SIZES": sizes or ("small" if build == "asan" else "all"),
+            **extra,
+        }
         session.run("python", "-c", _EMULATION_BUILD, build, env=env)
         session.run(
             "python", "-m", "pytest", "-m", "cuda_emulation", "-q", "-p", "no:cacheprovider",

@@ -14,7 +14,8 @@ Noop-flag behaviour must match exactly. Sizes cross the vector width (1, 7), the
 (333 and 2048 * 32, so chunks start misaligned and aligned) and the launch batches.
 
 The same tests run on the emulated kernels (``nox -s cuda_emulation``, see
-``_kernel_target.py``) at the sizes 1, 7, 555 and 33333.
+``_kernel_target.py``) at the sizes 1, 7, 555 and 33333, or with ``AMP_EMULATION_SIZES=small``
+at 1, 7 and 555 with the chunk size 333 only.
 """
 
 from __future__ import annotations
@@ -26,13 +27,18 @@ import pytest
 import torch
 from torch import Tensor
 
-from _kernel_target import DEVICE, EMULATED, Graph, extension
+from _kernel_target import DEVICE, EMULATED, SMALL_SIZES, Graph, extension
 from amp_fused_ops import _amp_C, _reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.cuda_emulation]
 
-SIZES = (1, 7, 555, 33333) if EMULATED else (1, 7, 555, 33333, 2048 * 32 + 1, 2 * 2048 * 32)
-CHUNKS = (333, 2048 * 32)
+if SMALL_SIZES:
+    SIZES: tuple[int, ...] = (1, 7, 555)
+elif EMULATED:
+    SIZES = (1, 7, 555, 33333)
+else:
+    SIZES = (1, 7, 555, 33333, 2048 * 32 + 1, 2 * 2048 * 32)
+CHUNKS = (333,) if SMALL_SIZES else (333, 2048 * 32)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 HALF = (torch.float16, torch.bfloat16)
 TOL = {
@@ -42,7 +48,9 @@ TOL = {
 }
 NORM_TOL = {"rtol": 1e-5, "atol": 1e-6}
 INF, NAN = float("inf"), float("nan")
-INJECT_AT = (3, 1234)  # tensor 3 (33333 elements), element 1234
+# Where inf/nan goes: past the first chunk of 333, in tensor 3 (33333 elements) or, with the
+# small sizes, tensor 2 (555 elements).
+INJECT_AT = (2, 444) if SMALL_SIZES else (3, 1234)
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +137,47 @@ def test_scale(
     _reference.multi_tensor_scale(chunk, flags[1], [xs, outs[1]], 0.25)
     assert flags[0].item() == flags[1].item() == (0 if inject is None else 1)
     _assert_lists_close(outs[0], outs[1], equal_nan=True)
+
+
+def _at_offset(tensors: list[Tensor], offset: int) -> list[Tensor]:
+    """Copies of ``tensors`` that start ``offset`` elements into a buffer of their own."""
+    out = []
+    for t in tensors:
+        buffer = torch.full((t.numel() + offset,), NAN, dtype=t.dtype, device=DEVICE)
+        view = buffer[offset:]
+        view.copy_(t)
+        out.append(view)
+    return out
+
+
+@pytest.mark.parametrize("in_dtype", DTYPES)
+@pytest.mark.parametrize("out_dtype", DTYPES)
+@pytest.mark.parametrize(("in_offset", "out_offset"), [(1, 0), (0, 1), (3, 5)])
+def test_scale_of_tensors_at_a_misaligned_storage_offset(
+    ext: Any, in_dtype: torch.dtype, out_dtype: torch.dtype, in_offset: int, out_offset: int
+) -> None:
+    # Views whose data pointer is not 16-byte aligned (storage offset 1, 3 or 5 elements): the
+    # kernel must not use 16-byte vector accesses on them (a GPU faults; the emulator raises).
+    xs = _at_offset(_tensors(in_dtype, 3), in_offset)
+    outs = [_at_offset([torch.zeros_like(x, dtype=out_dtype) for x in xs], out_offset)]
+    outs.append([torch.empty_like(x, dtype=out_dtype) for x in xs])
+    assert all(x.data_ptr() % 16 != 0 for x in (xs if in_offset else outs[0]))
+    for impl, out in ((ext, outs[0]), (_reference, outs[1])):
+        impl.multi_tensor_scale(2048 * 32, _flag(), [xs, out], 0.25)
+    _assert_lists_close(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("param_dtype", DTYPES)
+def test_adam_of_tensors_at_a_misaligned_storage_offset(ext: Any, param_dtype: torch.dtype) -> None:
+    runs = []
+    for impl, offset in ((ext, 1), (_reference, 0)):
+        state = [_at_offset(ts, offset) for ts in _adam_state(param_dtype, torch.float32, 13)]
+        grads = _at_offset(_tensors(param_dtype, 14), offset)
+        impl.multi_tensor_adam(2048 * 32, _flag(), [grads, *state], 1e-2, 0.9, 0.999, 1e-8, 1,
+                               1, 1, 0.01)  # fmt: skip
+        runs.append(state)
+    for got, want in zip(runs[0], runs[1], strict=True):
+        _assert_lists_close([t.contiguous() for t in got], want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -354,8 +403,7 @@ def test_adam_capturable_master_runs_in_a_cuda_graph(ext: Any) -> None:
                 2048 * 32, _flag(), [_clone(t) for t in lists], *args
             )
         torch.cuda.current_stream().wait_stream(stream)
-    else:
-        step = step.float()  # the emulator replays launches only, not the int->float copy
+    assert not step.is_floating_point()  # the launcher's float copy of it is captured too
     captured = (*args[:4], step, *args[5:])
     graph = Graph()
     with graph:

@@ -16,13 +16,21 @@ import pytest
 import torch
 from torch import Tensor
 
-from _kernel_target import DEVICE, EMULATED, Graph, extension
+from _kernel_target import DEVICE, EMULATED, SMALL_SIZES, Graph, extension
 from amp_fused_ops import _reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.cuda_emulation]
 
-SIZES = (1, 7, 555, 33333) if EMULATED else (1, 7, 555, 33333, 2048 * 32 + 1)
-CHUNKS = (333, 2048 * 32)
+# AMP_EMULATION_SIZES=small: the small sizes and chunk only (see _kernel_target.py).
+if SMALL_SIZES:
+    SIZES: tuple[int, ...] = (1, 7, 555)
+elif EMULATED:
+    SIZES = (1, 7, 555, 33333)
+else:
+    SIZES = (1, 7, 555, 33333, 2048 * 32 + 1)
+CHUNKS = (333,) if SMALL_SIZES else (333, 2048 * 32)
+# Where inf/nan goes: past the first chunk of 333 of the last tensor.
+INJECT_AT = (2, 444) if SMALL_SIZES else (3, 1234)
 TOL = {
     torch.float32: {"rtol": 1e-5, "atol": 1e-6},
     torch.float16: {"rtol": 2 * 2.0**-10, "atol": 1e-5},
@@ -113,7 +121,7 @@ def test_adam_capturable_skips(ext: Any, entry: int, inject: float | None) -> No
         _tensors(torch.float32, 4, positive=True),
     ]
     if inject is not None:
-        lists[0][3][1234] = inject
+        lists[0][INJECT_AT[0]][INJECT_AT[1]] = inject
     before = [[t.clone() for t in ts] for ts in lists]
     flag = _flag(entry)
     ext.multi_tensor_adam_capturable(
@@ -210,7 +218,7 @@ def test_lamb_stages(
 def test_l2norm_mp(ext: Any, entry: int, inject: float | None) -> None:
     xs = _tensors(torch.bfloat16, 5)
     if inject is not None:
-        xs[3][7] = inject
+        xs[INJECT_AT[0]][7] = inject
     got_flag, want_flag = _flag(entry), _flag(entry)
     got = ext.multi_tensor_l2norm_mp(333, got_flag, [xs], True)
     want = _reference.multi_tensor_l2norm_mp(333, want_flag, [xs], True)

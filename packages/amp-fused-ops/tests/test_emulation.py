@@ -103,3 +103,131 @@ def test_counters_count_the_store_after_a_load_of_the_same_address(selftest):
     assert counts.launches == 1
     assert counts.bytes_read == counts.bytes_written == 4000
     assert counts.vector_bytes_read == counts.vector_bytes_written == 0
+
+
+# --- what the multi-tensor kernels read -------------------------------------------------------
+
+
+def _counted(run) -> _emulation.Counters:
+    if not torch.ops.amp_emu.counting():
+        pytest.skip("only the counting build counts bytes")
+    extension()
+    _emulation.reset_counters()
+    run()
+    return _emulation.counters()
+
+
+def test_scale_reads_its_inputs_only():
+    # 1000 fp16 in, 1000 fp32 out: the output is written, never read (vector part and tail).
+    x = torch.linspace(-4, 4, 1000, dtype=torch.float16)
+    out = torch.full((1000,), float("nan"))
+    flag = torch.zeros(1, dtype=torch.int32)
+    counts = _counted(lambda: extension().multi_tensor_scale(2048, flag, [[x], [out]], 0.5))
+    torch.testing.assert_close(out, x.float() * 0.5, rtol=0, atol=0)
+    assert (counts.bytes_read, counts.bytes_written) == (2000, 4000)
+
+
+def test_axpby_reads_x_and_y_only():
+    x, y = torch.linspace(-1, 1, 1001), torch.linspace(2, 3, 1001)
+    out = torch.full((1001,), float("nan"))
+    flag = torch.zeros(1, dtype=torch.int32)
+    counts = _counted(
+        lambda: extension().multi_tensor_axpby(2048, flag, [[x], [y], [out]], 2.0, -1.0, -1)
+    )
+    torch.testing.assert_close(out, 2.0 * x - y)
+    assert (counts.bytes_read, counts.bytes_written) == (8008, 4004)
+
+
+def test_master_adam_reads_no_half_params():
+    # 5 lists: fp16 grads, fp16 params (only written, from the masters), fp32 m, v, masters.
+    # Reads: the grads twice (the finiteness pass, then the step), m, v and the masters, plus
+    # the device scalars every thread reads once per chunk (one chunk here, 512 threads): the
+    # finiteness pass inv_scale (4 B), the step the noop flag, lr, inv_scale and step (16 B).
+    n = 4096
+    grads = [torch.linspace(-1, 1, n, dtype=torch.float16)]
+    params = [torch.full((n,), float("nan"), dtype=torch.float16)]
+    masters = [torch.linspace(0, 1, n)]
+    m, v = [torch.zeros(n)], [torch.zeros(n)]
+    flag = torch.zeros(1, dtype=torch.int32)
+    one = torch.ones(1)
+    counts = _counted(
+        lambda: extension().multi_tensor_adam_capturable_master(
+            n,
+            flag,
+            [grads, params, m, v, masters],
+            one * 1e-3,
+            0.9,
+            0.999,
+            1e-8,
+            one,
+            1,
+            1,
+            0.0,
+            one,
+        )
+    )
+    torch.testing.assert_close(params[0], masters[0].half(), rtol=0, atol=0)
+    assert counts.bytes_read == 2 * 2 * n + 3 * 4 * n + 512 * (4 + 16)
+    assert counts.bytes_written == 2 * n + 3 * 4 * n
+
+
+# --- capture and replay ----------------------------------------------------------------------
+
+
+def test_a_graph_holds_the_tensors_of_its_capture_until_reset():
+    # The launcher's outputs and scratch tensors are made during the capture; the recorded
+    # launches write them on replay, so the graph keeps them (as a CUDA graph's memory pool).
+    import gc
+    import weakref
+
+    ext = extension()
+    x = [torch.full((1000,), 2.0)]
+    flag = torch.zeros(1, dtype=torch.int32)
+    graph = _emulation.Graph()
+    with graph:
+        total, _ = ext.multi_tensor_l2norm(256, flag, [x], False)
+    held = weakref.ref(total)
+    del total
+    gc.collect()
+    assert held() is not None
+    x[0].fill_(3.0)
+    graph.replay()
+    torch.testing.assert_close(held(), torch.tensor([3.0 * 1000**0.5]))
+    graph.reset()
+    gc.collect()
+    assert held() is None
+
+
+def test_a_graph_replays_the_aten_ops_of_its_capture():
+    # An int step is copied to float32 by the launcher (an ATen op): replay copies the
+    # current value again, as a CUDA graph replays the copy kernel.
+    ext = extension()
+    n = 64
+
+    def run(graph_steps: list[int] | None) -> torch.Tensor:
+        grads = [torch.linspace(-1, 1, n)]
+        masters = [torch.linspace(0, 1, n)]
+        lists = [grads, [torch.zeros(n)], [torch.zeros(n)], [torch.zeros(n)], masters]
+        step = torch.ones(1, dtype=torch.int64)
+        args = (torch.full((1,), 0.1), 0.9, 0.999, 1e-8, step, 1, 1, 0.0, torch.ones(1))
+        flag = torch.zeros(1, dtype=torch.int32)
+        if graph_steps is None:  # eager, steps 1 then 2
+            for value in (1, 2):
+                step.fill_(value)
+                ext.multi_tensor_adam_capturable_master(n, flag, lists, *args)
+            return masters[0]
+        graph = _emulation.Graph()
+        with graph:
+            ext.multi_tensor_adam_capturable_master(n, flag, lists, *args)
+        for value in graph_steps:
+            step.fill_(value)
+            graph.replay()
+        return masters[0]
+
+    torch.testing.assert_close(run([1, 2]), run(None), rtol=0, atol=0)
+
+
+def test_a_host_sync_inside_a_capture_raises():
+    graph = _emulation.Graph()
+    with pytest.raises(RuntimeError, match="host synchronization"), graph:
+        torch.ones(1).add(1).item()

@@ -48,6 +48,7 @@ struct UnscaledNonfiniteOp {
 // or by UnscaledNonfiniteOp just before).
 struct AdamMasterOp {
   static constexpr unsigned kStores = 0b11110;
+  static constexpr unsigned kLoads = 0b11101;  // params are only written (from the masters)
   static constexpr int kReduce = 0;
   static constexpr bool kReduceMax = false;
   AdamScalars s;  // lr, bc1, bc2 filled in prepare()

@@ -6,8 +6,8 @@
 //   each block works on, into a TensorListMetadata passed by value as a kernel argument. One
 //   launch covers up to kMaxBlocks chunks of up to MaxTensors<Depth> tensors.
 // - One generic kernel (multi_tensor_kernel) runs one op functor per element: it loads the
-//   element of every list into float registers, calls the functor (fp32 math), and stores
-//   the lists the functor writes. The kernel is templated on the storage dtype of each list,
+//   element of every list the functor reads into float registers (not the lists it only
+//   writes), calls the functor (fp32 math), and stores the lists the functor writes. The kernel is templated on the storage dtype of each list,
 //   the functor is not: one functor per op serves every dtype combination.
 // - 16-byte vectorized loads and stores when every pointer of the chunk is aligned to the
 //   vector width, a scalar loop for the tail and for misaligned chunks.
@@ -298,6 +298,9 @@ __device__ __forceinline__ bool aligned(const void* p) {
 
 // The op functor interface (see the functors in the .cu files):
 //   static constexpr unsigned kStores;   bit l set: list l is written back
+//   static constexpr unsigned kLoads;    optional, bit l set: list l is read (default: every
+//                                        list); a list an op only writes (an output) is left
+//                                        out, its x[l] starts at 0 and is not read from memory
 //   static constexpr int kReduce;        0, 1 or 2 values reduced per chunk into partials
 //   static constexpr bool kReduceMax;    reduce with max (else sum)
 //   __device__ bool prepare(int tensor, const int* noop);   per block; false: skip the chunk
@@ -323,13 +326,45 @@ __device__ __forceinline__ bool should_store(const Op& op) {
   }
 }
 
-template <size_t I, int N, typename T, int Depth>
+// Which lists an op reads: its kLoads when it declares one, else every list.
+template <typename Op, typename = void>
+struct LoadMask {
+  static constexpr unsigned value = ~0u;
+};
+template <typename Op>
+struct LoadMask<Op, std::void_t<decltype(Op::kLoads)>> {
+  static constexpr unsigned value = Op::kLoads;
+};
+
+template <size_t I, typename Op>
+constexpr bool should_load() {
+  return ((LoadMask<Op>::value >> I) & 1u) != 0;
+}
+
+template <size_t I, int N, typename T, typename Op, int Depth>
 __device__ __forceinline__ void load_vector(float (&x)[N][Depth], void* const (&p)[Depth],
                                             int64_t i) {
-  const Vec<T, N> v = *reinterpret_cast<const Vec<T, N>*>(static_cast<const T*>(p[I]) + i);
+  if constexpr (should_load<I, Op>()) {
+    const Vec<T, N> v = *reinterpret_cast<const Vec<T, N>*>(static_cast<const T*>(p[I]) + i);
 #pragma unroll
-  for (int j = 0; j < N; ++j) {
-    x[j][I] = static_cast<float>(v.v[j]);
+    for (int j = 0; j < N; ++j) {
+      x[j][I] = static_cast<float>(v.v[j]);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      x[j][I] = 0.0f;
+    }
+  }
+}
+
+template <size_t I, typename T, typename Op, int Depth>
+__device__ __forceinline__ void load_scalar(float (&x)[Depth], void* const (&p)[Depth],
+                                            int64_t i) {
+  if constexpr (should_load<I, Op>()) {
+    x[I] = static_cast<float>(static_cast<const T*>(p[I])[i]);
+  } else {
+    x[I] = 0.0f;
   }
 }
 
@@ -368,7 +403,7 @@ __device__ __forceinline__ void run_chunk(void* const (&p)[sizeof...(Ts)], int64
     for (int64_t i = static_cast<int64_t>(threadIdx.x) * N; i < vector_end;
          i += static_cast<int64_t>(blockDim.x) * N) {
       float x[N][Depth];
-      (load_vector<I, N, Ts>(x, p, i), ...);
+      (load_vector<I, N, Ts, Op>(x, p, i), ...);
 #pragma unroll
       for (int j = 0; j < N; ++j) {
         op(x[j], acc, nonfinite);
@@ -378,7 +413,7 @@ __device__ __forceinline__ void run_chunk(void* const (&p)[sizeof...(Ts)], int64
   }
   for (int64_t i = vector_end + threadIdx.x; i < n; i += blockDim.x) {
     float x[Depth];
-    ((x[I] = static_cast<float>(static_cast<const Ts*>(p[I])[i])), ...);
+    (load_scalar<I, Ts, Op>(x, p, i), ...);
     op(x, acc, nonfinite);
     (store_scalar<I, Ts, Op>(op, x, p, i), ...);
   }
@@ -400,6 +435,8 @@ __global__ void __launch_bounds__(kBlockSize)
   constexpr int Depth = sizeof...(Ts);
   static_assert(Op::kReduce >= 0 && Op::kReduce <= 2 && (Op::kReduceMax || Op::kReduce >= 0),
                 "an op reduces 0, 1 or 2 values per chunk");
+  static_assert((~LoadMask<Op>::value & ~Op::kStores & ((1u << Depth) - 1u)) == 0,
+                "every list is read or written (a list an op neither loads nor stores)");
   using Index = std::index_sequence_for<Ts...>;
   const int local = meta.block_to_tensor[blockIdx.x];
   const int64_t begin = static_cast<int64_t>(meta.block_to_chunk[blockIdx.x]) * chunk_size;

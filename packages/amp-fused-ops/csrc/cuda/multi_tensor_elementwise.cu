@@ -13,6 +13,7 @@ namespace {
 // [ins, outs]: out = in * scale; flags inf/nan inputs.
 struct ScaleOp {
   static constexpr unsigned kStores = 0b10;
+  static constexpr unsigned kLoads = 0b01;  // the outputs are only written
   static constexpr int kReduce = 0;
   static constexpr bool kReduceMax = false;
   float scale;
@@ -27,6 +28,7 @@ struct ScaleOp {
 // [xs, ys, outs]: out = a * x + b * y; flags inf/nan in the checked inputs.
 struct AxpbyOp {
   static constexpr unsigned kStores = 0b100;
+  static constexpr unsigned kLoads = 0b011;  // the outputs are only written
   static constexpr int kReduce = 0;
   static constexpr bool kReduceMax = false;
   float a;

@@ -19,6 +19,7 @@ namespace {
 
 struct LambStage1ApexOp {
   static constexpr unsigned kStores = 0b11100;
+  static constexpr unsigned kLoads = 0b01111;  // the updates are only written
   static constexpr int kReduce = 0;
   static constexpr bool kReduceMax = false;
   const float* decays;

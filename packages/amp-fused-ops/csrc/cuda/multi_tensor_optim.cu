@@ -16,6 +16,7 @@ namespace {
 // [grads, params, momentum_bufs(, model_copies)]; skips every chunk when the flag is set.
 struct SgdOp {
   static constexpr unsigned kStores = 0b1110;
+  static constexpr unsigned kLoads = 0b0111;  // model_copies (list 3) are only written
   static constexpr int kReduce = 0;
   static constexpr bool kReduceMax = false;
   float weight_decay;
@@ -61,6 +62,7 @@ struct AdagradOp {
 // and the update; reduces ||p||^2 and ||update||^2 per chunk.
 struct LambStage1Op {
   static constexpr unsigned kStores = 0b11100;
+  static constexpr unsigned kLoads = 0b01111;  // the updates are only written
   static constexpr int kReduce = 2;
   static constexpr bool kReduceMax = false;
   float beta1;
