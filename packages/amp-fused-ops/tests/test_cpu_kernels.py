@@ -321,8 +321,10 @@ def _pair(n: int = 8) -> tuple[Tensor, Tensor]:
                                [torch.empty(2, 3, 4, 5)]]), "different memory layouts"),
         (lambda: (64, flag(), [[torch.randn(8, dtype=torch.float64)], [torch.empty(8)]]),
          "this list accepts float32, float16, bfloat16"),
+        # A tensor on another device: the dispatcher runs the kernel of that device (the
+        # highest-priority device of the arguments), and Meta has none.
         (lambda: (64, flag(), [[torch.randn(8, device="meta")], [torch.empty(8)]]),
-         "is on meta but noop_flag is on cpu"),
+         "is on meta but noop_flag is on cpu|with Meta tensors"),
     ],
 )  # fmt: skip
 def test_scale_preconditions_raise(ext: Any, make_args: Any, match: str) -> None:

@@ -183,7 +183,7 @@ def test_cuda_cache_key_follows_the_arch_list(
     assert not _loader._arch_covers("8.0;9.0+PTX", "8.6")
 
 
-@pytest.mark.skipif(not (CUDA_DIR / "bindings.cpp").exists(), reason="no csrc/cuda sources")
+@pytest.mark.skipif(not (CUDA_DIR / "ops_registration.cpp").exists(), reason="no csrc/cuda sources")
 def test_cuda_build_compiles_every_source_of_csrc_cuda(
     cuda_toolchain: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -3,7 +3,8 @@
 ATen's in-place ops bump a tensor's version whenever they write it (whether or not the values
 change); autograd compares versions to refuse a backward through a saved tensor that was
 modified since, and amp O1's weight-cast cache re-casts a weight whose version moved. The
-compiled kernels write through raw pointers, so their bindings must bump versions themselves.
+compiled kernels write through raw pointers, so their dispatcher wrappers must bump versions
+themselves.
 Checked here on the reference path and on the compiled CPU path, for every op that has both.
 """
 

@@ -12,7 +12,7 @@
 
 #include "../common/optim_math.h"
 #include "multi_tensor_apply.h"
-#include "multi_tensor_ops.h"
+#include "../common/multi_tensor_ops.h"
 
 namespace amp_fused_ops {
 namespace cpu {

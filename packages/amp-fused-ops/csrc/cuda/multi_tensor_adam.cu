@@ -4,7 +4,7 @@
 // reference's _adam_math), in float32.
 #include "../common/adam_math.h"
 #include "multi_tensor_apply.cuh"
-#include "multi_tensor_ops.h"
+#include "../common/multi_tensor_ops.h"
 
 namespace amp_fused_ops {
 namespace cuda {

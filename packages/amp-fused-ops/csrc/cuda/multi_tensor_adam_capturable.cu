@@ -8,7 +8,7 @@
 // writes nothing at all. Self-contained functors over multi_tensor_apply.cuh.
 #include "../common/adam_math.h"
 #include "multi_tensor_apply.cuh"
-#include "multi_tensor_ops.h"
+#include "../common/multi_tensor_ops.h"
 
 namespace amp_fused_ops {
 namespace cuda {

@@ -13,7 +13,7 @@
 // lamb_stage1_math / lamb_stage2_math, shared with the CPU kernels.
 #include "../common/optim_math.h"
 #include "multi_tensor_apply.cuh"
-#include "multi_tensor_ops.h"
+#include "../common/multi_tensor_ops.h"
 
 namespace amp_fused_ops {
 namespace cuda {

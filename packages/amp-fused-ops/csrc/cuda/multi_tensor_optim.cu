@@ -8,7 +8,7 @@
 #include "../common/norm_math.h"
 #include "../common/optim_math.h"
 #include "multi_tensor_apply.cuh"
-#include "multi_tensor_ops.h"
+#include "../common/multi_tensor_ops.h"
 
 namespace amp_fused_ops {
 namespace cuda {

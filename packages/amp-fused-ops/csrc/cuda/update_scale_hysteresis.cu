@@ -6,7 +6,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include "multi_tensor_ops.h"
+#include "../common/multi_tensor_ops.h"
 
 namespace amp_fused_ops {
 namespace cuda {

@@ -7,8 +7,10 @@ warp shuffles, ``__syncthreads``, launch checks). The sources are not changed: t
 rewrites each launch ``kernel<<<config>>>(args)`` into ``kernel % LaunchConfig(config)(args)``.
 
 The result is an extension whose ops take CPU tensors and run the GPU's code, thread by
-thread: the same module functions as the CUDA extension (``multi_tensor_adam`` ...), and
-the norm and SyncBN ops under ``torch.ops.amp_fused_ops_emu_ops``. Two builds:
+thread: the multi-tensor ops of the CUDA extension under ``torch.ops.amp_fused_ops_emu``
+(registered for the CPU dispatch key; :func:`load` returns them as a module with Apex's
+``amp_C`` signatures, as ``get_extension("cuda")`` does), and the norm and SyncBN ops under
+``torch.ops.amp_fused_ops_emu_ops``. Two builds:
 
 * ``"counting"`` (the default): every global-memory access of a kernel is counted (bytes
   read and written, and those that went through aligned 16-byte vector accesses), and
@@ -35,6 +37,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
 
+from amp_fused_ops import _amp_C
+
 __all__ = [
     "BUILDS",
     "Counters",
@@ -47,6 +51,8 @@ __all__ = [
 ]
 
 BUILDS = ("counting", "asan")
+OPS_NAMESPACE = "amp_fused_ops_emu"
+"""Namespace of the emulated multi-tensor ops (``AMP_FUSED_OPS_NS`` in csrc/emulation/amp_emu.h)."""
 CACHE_ENV = "AMP_FUSED_OPS_CACHE"
 _CSRC = Path(__file__).resolve().parent.parent.parent / "csrc"
 _LAUNCH = re.compile(r"<<<(.*?)>>>", re.DOTALL)
@@ -155,7 +161,7 @@ def load(build: str = "counting", *, verbose: bool = False) -> ModuleType:
     _, emulation = source_dirs()
     cflags, ldflags = _BUILD_FLAGS[build]
     start = time.perf_counter()
-    module = cpp_extension.load(
+    path = cpp_extension.load(
         name=f"amp_fused_ops_emulated_{build}",
         sources=_prepare_sources(build),
         extra_cflags=[
@@ -168,8 +174,11 @@ def load(build: str = "counting", *, verbose: bool = False) -> ModuleType:
         ],
         extra_ldflags=list(ldflags),
         build_directory=str(build_directory(build)),
+        is_python_module=False,
         verbose=verbose,
     )
+    # The "CUDA" kernels run on the CPU: Python numbers become float32 tensors, as for CUDA.
+    module = _amp_C.compiled_ops(OPS_NAMESPACE, "CPU", path, cpu_scalars=False)
     if verbose:
         print(f"emulated extension ({build}) ready in {time.perf_counter() - start:.1f} s")
     return module
@@ -331,7 +340,17 @@ class Graph:
             self.reset()
 
 
-def _replay_kind(func: Any, name: str) -> str:
+def _storages(tree: Any) -> set[int]:
+    """The storage addresses of the tensors in ``tree``."""
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    return {
+        t.untyped_storage().data_ptr() for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)
+    }
+
+
+def _replay_kind(func: Any, name: str, args: Any = (), out: Any = None) -> str:
     """How :meth:`Graph.replay` treats an op seen during a capture (see there)."""
     if func.namespace not in ("aten", "prims") or name.startswith(_NO_KERNEL_PREFIXES):
         # Other libraries' ops (the emulated norm ops): their launches were recorded as they
@@ -341,8 +360,15 @@ def _replay_kind(func: Any, name: str) -> str:
     if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
         return "in-place"
     if any(r.alias_info is not None for r in schema.returns):
-        return "held"  # a view
+        # A view, unless it returned new memory (`to` with another dtype: a copy kernel). The
+        # launchers of the multi-tensor ops run below autograd, where such ops come undecomposed.
+        return "held" if _storages(out) & _storages(args) else "out-of-place"
     return "out-of-place"
+
+
+def _cpu_keys(torch: Any) -> Any:
+    """The dispatch key set of the emulated kernels' registrations (CPU)."""
+    return torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 
 
 def _capture_mode_class() -> type:
@@ -361,8 +387,17 @@ def _capture_mode_class() -> type:
                     f"a host synchronization ({func}, e.g. .item()) during a capture: a CUDA "
                     "graph cannot capture it; keep the value on the device"
                 )
+            if func.namespace == OPS_NAMESPACE:
+                # An emulated multi-tensor op: run its kernel with this mode active, so that the
+                # ATen ops of its launcher are recorded between its launches.
+                import torch
+
+                with self:
+                    return func.redispatch(_cpu_keys(torch), *args, **kwargs)
             out = func(*args, **kwargs)
-            self.graph._record(_replay_kind(func, name), func, args, kwargs, out)
+            self.graph._record(
+                _replay_kind(func, name, (args, kwargs), out), func, args, kwargs, out
+            )
             return out
 
     return CaptureMode

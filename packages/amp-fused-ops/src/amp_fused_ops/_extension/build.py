@@ -81,12 +81,16 @@ def compile_extension(kind: str, build_dir: Path) -> ModuleType:
             if kind == "cuda":
                 module = _load_cuda(cpp_extension, sources, build_dir)
             else:
-                module = cpp_extension.load(
-                    name=MODULE_NAMES[kind],
-                    sources=sources,
-                    extra_cflags=list(flags.extra_cflags()),
-                    build_directory=str(build_dir),
-                    verbose=False,
+                module = _as_module(
+                    kind,
+                    cpp_extension.load(
+                        name=MODULE_NAMES[kind],
+                        sources=sources,
+                        extra_cflags=list(flags.extra_cflags()),
+                        build_directory=str(build_dir),
+                        is_python_module=False,
+                        verbose=False,
+                    ),
                 )
     except Exception as error:
         log = build_dir / FAILED
@@ -145,7 +149,7 @@ def _load_cuda(cpp_extension: Any, sources: list[str], build_dir: Path) -> Modul
     cpp_extension.CUDA_HOME = str(home)
     try:
         with _environment(CUDA_HOME=str(home), **{ARCH_ENV: arch_list}):
-            module: ModuleType = cpp_extension.load(
+            loaded = cpp_extension.load(
                 name=MODULE_NAMES["cuda"],
                 sources=sources,
                 extra_cflags=list(flags.CUDA_CFLAGS),
@@ -153,8 +157,23 @@ def _load_cuda(cpp_extension: Any, sources: list[str], build_dir: Path) -> Modul
                 extra_include_paths=toolkit.extra_cuda_include_paths(home),
                 build_directory=str(build_dir),
                 with_cuda=True,
+                is_python_module=False,
                 verbose=False,
             )
     finally:
         cpp_extension.CUDA_HOME = previous_home
-    return module
+    return _as_module("cuda", loaded)
+
+
+def _as_module(kind: str, loaded: Any) -> ModuleType:
+    """The module of ops of what ``cpp_extension.load`` returned.
+
+    The extensions are libraries of dispatcher ops, not Python modules: ``load`` (with
+    ``is_python_module=False``) loads the library, which registers its kernels, and returns
+    its path. A module passed in is returned as it is.
+    """
+    if isinstance(loaded, ModuleType):
+        return loaded
+    from . import lookup
+
+    return lookup.ops_module(kind, Path(str(loaded)))

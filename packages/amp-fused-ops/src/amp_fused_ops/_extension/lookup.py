@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 from pathlib import Path
@@ -14,6 +13,7 @@ from . import build, cache, lock, progress, record, toolkit
 from .record import DamagedBuildError
 from .settings import (
     DISABLE_ENV,
+    DISPATCH_KEYS,
     FAILED,
     MODULE_NAMES,
     PREBUILT_DIR,
@@ -40,14 +40,23 @@ def static_reason(kind: str) -> str | None:
 
 
 def import_compiled(path: Path) -> ModuleType:
-    """Import a compiled module by path (its init function is named after the file stem)."""
-    name = path.name.split(".")[0]
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import {path}: not a Python extension module")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """Load a compiled extension by path; return the module of its ops.
+
+    The library registers its kernels with the PyTorch dispatcher when it is loaded
+    (``torch.ops.load_library``); the kind is the file's stem (``amp_fused_ops_cpu`` ...).
+
+    Raises:
+        ImportError: If the file is not one of the extensions, or cannot be loaded.
+    """
+    stem = path.name.split(".")[0]
+    kinds = [kind for kind, name in MODULE_NAMES.items() if name == stem]
+    if not kinds:
+        raise ImportError(f"cannot load {path}: not an amp_fused_ops extension")
+    try:
+        torch.ops.load_library(str(path))
+    except (OSError, RuntimeError) as error:
+        raise ImportError(f"cannot load {path}: {error}") from error
+    return ops_module(kinds[0], path)
 
 
 def import_or_explain(path: Path) -> ModuleType:
@@ -59,6 +68,15 @@ def import_or_explain(path: Path) -> ModuleType:
             f"the compiled module {path} cannot be imported ({error}); delete {path.parent} "
             "and run `python -m amp_fused_ops build`"
         ) from error
+
+
+def ops_module(kind: str, path: Path) -> ModuleType:
+    """The module of the ops extension ``kind`` (loaded from ``path``) registered."""
+    from amp_fused_ops import _amp_C
+
+    return _amp_C.compiled_ops(
+        _amp_C.OPS_NAMESPACE, DISPATCH_KEYS[kind], path, cpu_scalars=kind == "cpu"
+    )
 
 
 def prebuilt_module_path(kind: str) -> Path | None:

@@ -19,6 +19,9 @@ DEFAULT_LOCK_TIMEOUT = 1800.0
 """Seconds a process waits for another one's build before it uses the reference path."""
 
 MODULE_NAMES = {"cpu": "amp_fused_ops_cpu", "cuda": "amp_fused_ops_cuda"}
+"""The shared library of each kind (its kernels register with the dispatcher on load)."""
+DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+"""The dispatch key each kind registers its kernels for."""
 MARKER = "amp_fused_ops_build.json"  # the build record, written once a build has finished
 FAILED = "amp_fused_ops_build_failed.log"  # written when a build failed
 LOCK = "amp_fused_ops.lock"  # flock'ed while building (torch's own baton is "lock")

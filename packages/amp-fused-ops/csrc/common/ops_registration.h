@@ -1,0 +1,237 @@
+// The dispatcher kernels of the multi-tensor ops of one backend: wrappers that take the
+// separate tensor lists of the schemas (ops_schema.h), call the backend's launcher
+// (multi_tensor_ops.h, Apex's `tensor_lists` signature) and bump the autograd version counters.
+//
+// Included by one source per backend (csrc/cpu/ops_registration.cpp,
+// csrc/cuda/ops_registration.cpp) after it defines AMP_FUSED_OPS_BACKEND (cpu or cuda: the
+// namespace of the launchers); that source registers the wrappers for its dispatch key with
+// register_multi_tensor_impls, plus its own multi_tensor_l2norm_mp.
+#pragma once
+
+#include <torch/csrc/autograd/variable.h>
+#include <torch/library.h>
+
+#include <initializer_list>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "multi_tensor_ops.h"
+#include "ops_schema.h"
+
+#ifndef AMP_FUSED_OPS_BACKEND
+#error "define AMP_FUSED_OPS_BACKEND (cpu or cuda) before including ops_registration.h"
+#endif
+
+namespace amp_fused_ops {
+namespace {
+
+namespace backend = ::amp_fused_ops::AMP_FUSED_OPS_BACKEND;
+using TensorLists = std::vector<std::vector<at::Tensor>>;
+using OptionalTensorList = std::optional<at::TensorList>;
+
+// The schemas are defined when the library is loaded, before its kernels are registered.
+const bool schemas_defined = (define_multi_tensor_schemas(AMP_FUSED_OPS_NS_NAME), true);
+
+// Apex's `tensor_lists` from the separate lists of a schema.
+TensorLists lists(std::initializer_list<at::TensorList> parts) {
+  TensorLists out;
+  out.reserve(parts.size());
+  for (const at::TensorList part : parts) out.emplace_back(part.begin(), part.end());
+  return out;
+}
+
+// --- autograd version counters ----------------------------------------------------------
+//
+// The kernels write through data pointers, which autograd does not see (and the dispatcher
+// bumps no version for a custom op's mutable arguments). As ATen's in-place ops do, every
+// wrapper bumps the version counter of each tensor its op writes in place (whether or not
+// values changed, e.g. a skipped step), so that backward through a graph that saved such a
+// tensor raises "modified by an inplace operation" and caches keyed on versions (amp O1's
+// weight casts) notice the change. The tensors each op writes are those the reference writes
+// (_reference*.py), the mutable arguments of its schema. Bumping is a host-side counter
+// increment: no device sync.
+
+void bump(const at::Tensor& t) {
+  if (t.defined()) torch::autograd::impl::bump_version(t);
+}
+
+void bump(at::TensorList tensors) {
+  for (const at::Tensor& t : tensors) bump(t);
+}
+
+// --- the wrappers, in the order of ops_schema.h ------------------------------------------
+
+void scale(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList ins,
+           at::TensorList outs, double scale) {
+  backend::multi_tensor_scale(chunk_size, noop_flag, lists({ins, outs}), scale);
+  bump(outs);
+  bump(noop_flag);
+}
+
+void axpby(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList xs, at::TensorList ys,
+           at::TensorList outs, double a, double b, int64_t arg_to_check) {
+  backend::multi_tensor_axpby(chunk_size, noop_flag, lists({xs, ys, outs}), a, b, arg_to_check);
+  bump(outs);
+  bump(noop_flag);
+}
+
+// per_tensor / use_nvlamb may be None in Apex's Python callers: None means false.
+std::tuple<at::Tensor, at::Tensor> l2norm(int64_t chunk_size, const at::Tensor& noop_flag,
+                                          at::TensorList xs, std::optional<bool> per_tensor) {
+  auto result =
+      backend::multi_tensor_l2norm(chunk_size, noop_flag, lists({xs}), per_tensor.value_or(false));
+  bump(noop_flag);
+  return result;
+}
+
+std::tuple<at::Tensor, at::Tensor> unscale_l2norm(int64_t chunk_size, const at::Tensor& noop_flag,
+                                                  at::TensorList xs, const at::Tensor& inv_scale,
+                                                  std::optional<bool> per_tensor) {
+  auto result = backend::multi_tensor_unscale_l2norm(chunk_size, noop_flag, lists({xs}),
+                                                     inv_scale, per_tensor.value_or(false));
+  bump(noop_flag);
+  return result;
+}
+
+void adam(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList grads,
+          at::TensorList params, at::TensorList exp_avgs, at::TensorList exp_avg_sqs, double lr,
+          double beta1, double beta2, double eps, int64_t step, int64_t mode,
+          int64_t bias_correction, double weight_decay) {
+  backend::multi_tensor_adam(chunk_size, noop_flag, lists({grads, params, exp_avgs, exp_avg_sqs}),
+                             lr, beta1, beta2, eps, step, mode, bias_correction, weight_decay);
+  bump(params);
+  bump(exp_avgs);
+  bump(exp_avg_sqs);
+}
+
+void adam_capturable(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList grads,
+                     at::TensorList params, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                     const at::Tensor& lr, double beta1, double beta2, double eps,
+                     const at::Tensor& step, int64_t mode, int64_t bias_correction,
+                     double weight_decay, const at::Tensor& inv_scale) {
+  backend::multi_tensor_adam_capturable(chunk_size, noop_flag,
+                                        lists({grads, params, exp_avgs, exp_avg_sqs}), lr, beta1,
+                                        beta2, eps, step, mode, bias_correction, weight_decay,
+                                        inv_scale);
+  bump(grads);
+  bump(params);
+  bump(exp_avgs);
+  bump(exp_avg_sqs);
+  bump(noop_flag);
+}
+
+void adam_capturable_master(int64_t chunk_size, const at::Tensor& noop_flag,
+                            at::TensorList grads, at::TensorList params, at::TensorList exp_avgs,
+                            at::TensorList exp_avg_sqs, at::TensorList masters,
+                            const at::Tensor& lr, double beta1, double beta2, double eps,
+                            const at::Tensor& step, int64_t mode, int64_t bias_correction,
+                            double weight_decay, const at::Tensor& inv_scale) {
+  backend::multi_tensor_adam_capturable_master(
+      chunk_size, noop_flag, lists({grads, params, exp_avgs, exp_avg_sqs, masters}), lr, beta1,
+      beta2, eps, step, mode, bias_correction, weight_decay, inv_scale);
+  bump(params);
+  bump(exp_avgs);
+  bump(exp_avg_sqs);
+  bump(masters);
+  bump(noop_flag);
+}
+
+void sgd(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList grads,
+         at::TensorList params, at::TensorList momentum_bufs,
+         const OptionalTensorList& model_copies, double weight_decay, double momentum,
+         double dampening, double lr, bool nesterov, bool first_run, bool wd_after_momentum,
+         double scale) {
+  TensorLists tensor_lists = model_copies.has_value()
+                                 ? lists({grads, params, momentum_bufs, *model_copies})
+                                 : lists({grads, params, momentum_bufs});
+  backend::multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, weight_decay, momentum,
+                            dampening, lr, nesterov, first_run, wd_after_momentum, scale);
+  bump(params);
+  // The momentum buffers are written only with momentum (as the reference).
+  if (momentum != 0.0) bump(momentum_bufs);
+  if (model_copies.has_value()) bump(*model_copies);
+}
+
+void adagrad(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList grads,
+             at::TensorList params, at::TensorList state_sums, double lr, double epsilon,
+             int64_t mode, double weight_decay) {
+  backend::multi_tensor_adagrad(chunk_size, noop_flag, lists({grads, params, state_sums}), lr,
+                                epsilon, mode, weight_decay);
+  bump(params);
+  bump(state_sums);
+}
+
+void lamb(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList grads,
+          at::TensorList params, at::TensorList exp_avgs, at::TensorList exp_avg_sqs, double lr,
+          double beta1, double beta2, double epsilon, int64_t step, int64_t bias_correction,
+          double weight_decay, int64_t grad_averaging, int64_t mode,
+          const at::Tensor& global_grad_norm, double max_grad_norm,
+          std::optional<bool> use_nvlamb) {
+  backend::multi_tensor_lamb(chunk_size, noop_flag, lists({grads, params, exp_avgs, exp_avg_sqs}),
+                             lr, beta1, beta2, epsilon, step, bias_correction, weight_decay,
+                             grad_averaging, mode, global_grad_norm, max_grad_norm,
+                             use_nvlamb.value_or(false));
+  bump(params);
+  bump(exp_avgs);
+  bump(exp_avg_sqs);
+  bump(noop_flag);
+}
+
+void novograd(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList grads,
+              at::TensorList params, at::TensorList exp_avgs, const at::Tensor& grad_norms,
+              double lr, double beta1, double beta2, double epsilon, int64_t step,
+              int64_t bias_correction, double weight_decay, int64_t grad_averaging, int64_t mode,
+              int64_t norm_type) {
+  backend::multi_tensor_novograd(chunk_size, noop_flag, lists({grads, params, exp_avgs}),
+                                 grad_norms, lr, beta1, beta2, epsilon, step, bias_correction,
+                                 weight_decay, grad_averaging, mode, norm_type);
+  bump(params);
+  bump(exp_avgs);
+  if (!grads.empty()) bump(grad_norms);
+  bump(noop_flag);
+}
+
+void lamb_stage1(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList grads,
+                 at::TensorList params, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                 at::TensorList updates, const at::Tensor& per_tensor_decay, int64_t step,
+                 double beta1, double beta2, double epsilon, const at::Tensor& global_grad_norm,
+                 double max_global_grad_norm) {
+  backend::multi_tensor_lamb_stage1(chunk_size, noop_flag,
+                                    lists({grads, params, exp_avgs, exp_avg_sqs, updates}),
+                                    per_tensor_decay, step, beta1, beta2, epsilon,
+                                    global_grad_norm, max_global_grad_norm);
+  bump(exp_avgs);
+  bump(exp_avg_sqs);
+  bump(updates);
+}
+
+void lamb_stage2(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList params,
+                 at::TensorList updates, const at::Tensor& per_tensor_param_norm,
+                 const at::Tensor& per_tensor_update_norm, double lr, double weight_decay,
+                 std::optional<bool> use_nvlamb) {
+  backend::multi_tensor_lamb_stage2(chunk_size, noop_flag, lists({params, updates}),
+                                    per_tensor_param_norm, per_tensor_update_norm, lr,
+                                    weight_decay, use_nvlamb.value_or(false));
+  bump(params);
+}
+
+// Registers the wrappers of every op both backends have; the caller adds the rest.
+void register_multi_tensor_impls(torch::Library& m) {
+  m.impl("multi_tensor_scale", TORCH_FN(scale));
+  m.impl("multi_tensor_axpby", TORCH_FN(axpby));
+  m.impl("multi_tensor_l2norm", TORCH_FN(l2norm));
+  m.impl("multi_tensor_unscale_l2norm", TORCH_FN(unscale_l2norm));
+  m.impl("multi_tensor_adam", TORCH_FN(adam));
+  m.impl("multi_tensor_adam_capturable", TORCH_FN(adam_capturable));
+  m.impl("multi_tensor_adam_capturable_master", TORCH_FN(adam_capturable_master));
+  m.impl("multi_tensor_sgd", TORCH_FN(sgd));
+  m.impl("multi_tensor_adagrad", TORCH_FN(adagrad));
+  m.impl("multi_tensor_lamb", TORCH_FN(lamb));
+  m.impl("multi_tensor_novograd", TORCH_FN(novograd));
+  m.impl("multi_tensor_lamb_stage1_cuda", TORCH_FN(lamb_stage1));
+  m.impl("multi_tensor_lamb_stage2_cuda", TORCH_FN(lamb_stage2));
+}
+
+}  // namespace
+}  // namespace amp_fused_ops

@@ -1,0 +1,147 @@
+"""The compiled multi-tensor ops are PyTorch dispatcher ops: ``torch.ops.amp_fused_ops.<op>``.
+
+One schema per op (``csrc/common/ops_schema.h``), Apex's tensor lists as separate arguments,
+the written ones mutable; the C++ CPU extension registers its kernels for the CPU dispatch key
+(the CUDA extension for CUDA). The extension module that ``get_extension`` returns keeps
+Apex's ``amp_C`` calling convention on top.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from _cpu_extension_helpers import child_env, load_from, session_cache
+from amp_fused_ops import _reference
+
+NAMESPACE = "amp_fused_ops"
+
+# op -> the arguments it writes in place (the lists the reference writes, and the noop flag
+# where the op may set it), as the schema must mark them.
+WRITTEN: dict[str, set[str]] = {
+    "multi_tensor_scale": {"noop_flag", "outs"},
+    "multi_tensor_axpby": {"noop_flag", "outs"},
+    "multi_tensor_l2norm": {"noop_flag"},
+    "multi_tensor_l2norm_mp": {"noop_flag"},
+    "multi_tensor_unscale_l2norm": {"noop_flag"},
+    "multi_tensor_adam": {"params", "exp_avgs", "exp_avg_sqs"},
+    "multi_tensor_adam_capturable": {"noop_flag", "grads", "params", "exp_avgs", "exp_avg_sqs"},
+    "multi_tensor_adam_capturable_master": {
+        "noop_flag",
+        "params",
+        "exp_avgs",
+        "exp_avg_sqs",
+        "masters",
+    },
+    "multi_tensor_sgd": {"params", "momentum_bufs", "model_copies"},
+    "multi_tensor_adagrad": {"params", "state_sums"},
+    "multi_tensor_lamb": {"noop_flag", "params", "exp_avgs", "exp_avg_sqs"},
+    "multi_tensor_novograd": {"noop_flag", "params", "exp_avgs", "grad_norms"},
+    "multi_tensor_lamb_stage1_cuda": {"exp_avgs", "exp_avg_sqs", "updates"},
+    "multi_tensor_lamb_stage2_cuda": {"params"},
+    "update_scale_hysteresis": {"current_scale", "growth_tracker", "hysteresis_tracker"},
+}
+
+
+@pytest.fixture(scope="module")
+def ext(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return load_from(session_cache(tmp_path_factory).cache)
+
+
+@pytest.mark.parametrize("name", sorted(WRITTEN))
+def test_the_schema_marks_what_the_op_writes(ext: Any, name: str) -> None:
+    schema = getattr(getattr(torch.ops, NAMESPACE), name).default._schema
+    written = {
+        a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write
+    }
+    assert written == WRITTEN[name]
+    if name != "update_scale_hysteresis":
+        assert [a.name for a in schema.arguments[:2]] == ["chunk_size", "noop_flag"]
+
+
+def test_cpu_kernels_are_registered_for_the_cpu_dispatch_key(ext: Any) -> None:
+    has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+    for name in WRITTEN:
+        on_cpu = has_kernel(f"{NAMESPACE}::{name}", "CPU")
+        # The loss-scale update has a CUDA kernel only: the module has no such attribute and
+        # amp_C takes the reference for CPU tensors.
+        assert on_cpu == (name != "update_scale_hysteresis"), name
+        assert hasattr(ext, name) == on_cpu, name
+
+
+def test_the_dispatcher_op_takes_the_lists_as_separate_arguments(ext: Any) -> None:
+    del ext  # loaded: the op is registered
+    g = torch.Generator().manual_seed(0)
+    ins = [torch.randn(n, generator=g) for n in (5, 3000)]
+    outs = [torch.empty_like(t) for t in ins]
+    flag = torch.zeros(1, dtype=torch.int32)
+    versions = [t._version for t in outs]
+    torch.ops.amp_fused_ops.multi_tensor_scale(2048, flag, ins, outs, 0.25)
+    expected = [torch.empty_like(t) for t in ins]
+    _reference.multi_tensor_scale(2048, torch.zeros(1, dtype=torch.int32), [ins, expected], 0.25)
+    for got, want in zip(outs, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert all(t._version > v for t, v in zip(outs, versions, strict=True))
+    assert flag.item() == 0
+
+
+def test_python_numbers_given_for_tensor_arguments_become_tensors(ext: Any) -> None:
+    xs = [torch.full((7,), 2.0), torch.full((3,), -1.0)]
+    flag = torch.zeros(1, dtype=torch.int32)
+    as_number = ext.multi_tensor_unscale_l2norm(2048, flag, [xs], 0.5, True)
+    as_keyword = ext.multi_tensor_unscale_l2norm(2048, flag, [xs], inv_scale=0.5, per_tensor=True)
+    as_tensor = ext.multi_tensor_unscale_l2norm(2048, flag, [xs], torch.tensor([0.5]), True)
+    # sqrt(7 * 1 + 3 * 0.25) and the per-tensor norms sqrt(7), sqrt(0.75)
+    want = (torch.tensor([7.75**0.5]), torch.tensor([7**0.5, 0.75**0.5]))
+    for result in (as_number, as_keyword, as_tensor):
+        torch.testing.assert_close(result[0], want[0])
+        torch.testing.assert_close(result[1], want[1])
+    with pytest.raises(TypeError, match="inv_scale must be a tensor or a number, got str"):
+        ext.multi_tensor_unscale_l2norm(2048, flag, [xs], "0.5", True)
+
+
+def test_sgd_takes_three_or_four_lists(ext: Any) -> None:
+    lists = [[torch.ones(4)] for _ in range(5)]
+    with pytest.raises(ValueError, match=r"expected 3 tensor lists \[grads, params, "):
+        ext.multi_tensor_sgd(2048, torch.zeros(1, dtype=torch.int32), lists, 0.0, 0.9, 0.0, 0.1,
+                             False, True, False, 1.0)  # fmt: skip
+    copies = [torch.zeros(4, dtype=torch.float16)]
+    grads, params, bufs = [torch.ones(4)], [torch.ones(4)], [torch.zeros(4)]
+    ext.multi_tensor_sgd(2048, torch.zeros(1, dtype=torch.int32), [grads, params, bufs, copies],
+                         0.0, 0.0, 0.0, 0.5, False, True, False, 1.0)  # fmt: skip
+    torch.testing.assert_close(copies[0], torch.full((4,), 0.5, dtype=torch.float16))
+
+
+_TWICE = """
+import sys, torch
+first, second = sys.argv[1:3]
+torch.ops.load_library(first)
+torch.ops.load_library(second)  # defines no schema twice
+ins, outs = [torch.ones(3)], [torch.zeros(3)]
+torch.ops.amp_fused_ops.multi_tensor_scale(64, torch.zeros(1, dtype=torch.int32), ins, outs, 3.0)
+print(outs[0].tolist())
+"""
+
+
+def test_a_second_library_with_the_same_ops_loads(
+    ext: Any, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The CPU and CUDA extensions both carry the schemas: the second one loaded reuses them."""
+    library = Path(ext.__file__)
+    copy = tmp_path / library.name
+    shutil.copy(library, copy)
+    result = subprocess.run(
+        [sys.executable, "-c", _TWICE, str(library), str(copy)],
+        env=child_env(session_cache(tmp_path_factory).cache),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[3.0, 3.0, 3.0]"
