@@ -21,8 +21,9 @@ one-element tensor (``lr``, ``step``, ``inv_scale``, ``global_grad_norm``) into 
 The preconditions on ``chunk_size`` and the scalar arguments (``mode``, ``bias_correction``,
 ``step`` ...) are one table, :data:`amp_fused_ops._preconditions.PRECONDITIONS`, checked here
 once before the kernel or the reference is picked: the same mistake gives the same
-``ValueError`` and message on every path. The per-tensor preconditions (sizes, dtypes, layouts,
-devices) are checked by each path, with the same exception types.
+``ValueError`` and message on every path. The per-tensor preconditions (list counts and
+lengths, sizes, dtypes, layouts, devices) are one C++ header, ``csrc/common/checks.h``, used by
+the CPU and CUDA kernels, and the reference raises the same exception with the same words.
 
 ``update_scale_hysteresis`` takes no tensor lists: it dispatches on the device of
 ``current_scale``.
@@ -53,6 +54,7 @@ import torch
 from torch import Tensor
 
 from amp_fused_ops import _preconditions, _reference
+from amp_fused_ops._reference_common import find_wrong_device
 
 __all__ = ["amp_C", "compiled_ops"]
 
@@ -198,14 +200,6 @@ _LIST_COUNTS: dict[str, tuple[int, ...]] = {
     "multi_tensor_lamb_stage2_cuda": (2,),
 }
 
-# What a wrong number of lists says (the launchers' words).
-_LIST_LAYOUTS = {
-    "multi_tensor_sgd": (
-        "3 tensor lists [grads, params, momentum_bufs] or 4 [grads, params, momentum_bufs, "
-        "model_copies]"
-    ),
-}
-
 # Tensor arguments that Apex's callers may give as Python numbers.
 _NUMBER_ARGUMENTS = frozenset({"lr", "step", "inv_scale", "global_grad_norm"})
 
@@ -231,7 +225,7 @@ def _apex_convention(name: str, overload: Any, cpu: bool) -> Callable[..., Any]:
     """``overload`` (separate list arguments) called as Apex's ``amp_C.<name>``."""
     counts = _LIST_COUNTS[name]
     most = max(counts)
-    layouts = _LIST_LAYOUTS.get(name, f"{counts[0]} tensor lists")
+    layouts = f"{' or '.join(map(str, counts))} tensor lists"
     arguments = overload._schema.arguments
     scalars = [argument.name for argument in arguments[2 + most :]]
     numbers = tuple(
@@ -263,7 +257,16 @@ def _apex_convention(name: str, overload: Any, cpu: bool) -> Callable[..., Any]:
                         name, argument, kwargs[argument], noop_flag, cpu
                     )
             args = tuple(args_list)
-        return overload(chunk_size, noop_flag, *lists, *args, **kwargs)
+        try:
+            return overload(chunk_size, noop_flag, *lists, *args, **kwargs)
+        except NotImplementedError:
+            # The dispatcher runs the kernel of the highest-priority device among the tensors;
+            # a tensor on a device with no kernel (meta, ...) ends here, before the kernel's
+            # own device check: raise that check's error instead.
+            wrong = find_wrong_device(name, noop_flag, tensor_lists)
+            if wrong is None:
+                raise
+            raise wrong from None
 
     op.__name__ = op.__qualname__ = name
     op.__doc__ = f"``torch.ops.{overload.namespace}.{name}`` with Apex's ``amp_C`` arguments."

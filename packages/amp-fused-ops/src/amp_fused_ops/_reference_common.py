@@ -109,11 +109,7 @@ def _check(
                 got = "None" if t is None else type(t).__name__
                 raise TypeError(f"{op}: tensor_lists[{i}][{j}] must be a tensor, got {got}")
             if t.device != device:
-                raise RuntimeError(
-                    f"{op}: tensor_lists[{i}][{j}] is on {t.device} but noop_flag is on "
-                    f"{device}; move all tensors of one call, noop_flag included, to the same "
-                    "device"
-                )
+                raise wrong_device_error(op, i, j, t, device)
             allowed = allowed_per_list[i]
             if t.dtype not in allowed:
                 raise ValueError(
@@ -128,6 +124,25 @@ def _check(
                     "position must have the same number of elements"
                 )
     return device
+
+
+def wrong_device_error(op: str, i: int, j: int, t: Tensor, device: torch.device) -> RuntimeError:
+    """The error for ``tensor_lists[i][j]`` not on the noop flag's ``device`` (checks.h's words)."""
+    return RuntimeError(
+        f"{op}: tensor_lists[{i}][{j}] is on {t.device} but noop_flag is on {device}; move all "
+        "tensors of one call, noop_flag included, to the same device"
+    )
+
+
+def find_wrong_device(op: str, noop_flag: Tensor, tensor_lists: TensorLists) -> RuntimeError | None:
+    """:func:`wrong_device_error` for the first tensor (position by position) that is not on
+    the noop flag's device, or None when every tensor is on it."""
+    for j in range(len(tensor_lists[0]) if tensor_lists else 0):
+        for i, tensors in enumerate(tensor_lists):
+            t = tensors[j] if j < len(tensors) else None
+            if isinstance(t, Tensor) and t.device != noop_flag.device:
+                return wrong_device_error(op, i, j, t, noop_flag.device)
+    return None
 
 
 def _check_state_dtype(op: str, tensor_lists: TensorLists, state: int, param: int) -> None:
