@@ -120,6 +120,35 @@ def _sgd(params: list[Tensor], bufs: list[Tensor], lists: int = 3) -> Callable[[
                                               False, False, False, 1.0)  # fmt: skip
 
 
+def _lamb(dtypes: tuple[torch.dtype, ...]) -> Callable[[Any], None]:
+    lists = [_l(8, dtype) for dtype in dtypes]
+    return lambda impl: impl.multi_tensor_lamb(64, _flag(), lists, 1e-3, 0.9, 0.999, 1e-6, 1, 1,
+                                               0.0, 1, 1, torch.ones(1), 1.0, False)  # fmt: skip
+
+
+def _novograd(dtypes: tuple[torch.dtype, ...]) -> Callable[[Any], None]:
+    lists = [_l(8, dtype) for dtype in dtypes]
+    return lambda impl: impl.multi_tensor_novograd(64, _flag(), lists, torch.ones(1), 1e-3, 0.9,
+                                                   0.98, 1e-8, 1, 1, 0.0, 1, 0, 2)  # fmt: skip
+
+
+def _lamb_stage1(dtypes: tuple[torch.dtype, ...]) -> Callable[[Any], None]:
+    lists = [_l(8, dtype) for dtype in dtypes]
+    return lambda impl: impl.multi_tensor_lamb_stage1_cuda(64, _flag(), lists, torch.zeros(1), 0,
+                                                           0.9, 0.999, 1e-6, torch.ones(1),
+                                                           1.0)  # fmt: skip
+
+
+def _lamb_stage2(dtypes: tuple[torch.dtype, ...]) -> Callable[[Any], None]:
+    lists = [_l(8, dtype) for dtype in dtypes]
+    return lambda impl: impl.multi_tensor_lamb_stage2_cuda(64, _flag(), lists, torch.ones(1),
+                                                           torch.ones(1), 0.1, 0.0,
+                                                           False)  # fmt: skip
+
+
+_H, _B, _F = torch.float16, torch.bfloat16, torch.float32
+
+
 def _adagrad(params: list[Tensor], sums: list[Tensor]) -> Callable[[Any], None]:
     grads = [torch.randn_like(p) for p in params]
     return lambda impl: impl.multi_tensor_adagrad(64, _flag(), [grads, params, sums], 1e-2,
@@ -178,6 +207,20 @@ SAME_MESSAGE: dict[str, tuple[Callable[[Any], None], type[Exception]]] = {
         ValueError),
     "adagrad bfloat16 sums for float32 params": (
         _adagrad([torch.randn(8)], [torch.zeros(8, dtype=torch.bfloat16)]), ValueError),
+    # The kernels read each list as the dtype of its first tensor.
+    "two dtypes in one list": (
+        lambda impl: impl.multi_tensor_scale(64, _flag(), [_l() + _l(8, torch.float16),
+                                                           _l() * 2], 1.0),
+        ValueError),
+    "lamb moments of two dtypes": (_lamb((_H, _H, _F, _H)), ValueError),
+    "lamb bfloat16 moments for float16 params": (_lamb((_H, _H, _B, _B)), ValueError),
+    "novograd float16 exp_avgs for float32 params": (_novograd((_F, _F, _H)), ValueError),
+    "lamb stage 1 moments of two dtypes": (_lamb_stage1((_H, _H, _F, _H, _F)), ValueError),
+    "lamb stage 1 bfloat16 moments for float16 params": (
+        _lamb_stage1((_H, _H, _B, _B, _F)), ValueError),
+    "lamb stage 1 bfloat16 updates for float16 params": (
+        _lamb_stage1((_H, _H, _F, _F, _B)), ValueError),
+    "lamb stage 2 float16 updates for bfloat16 params": (_lamb_stage2((_B, _H)), ValueError),
 }  # fmt: skip
 
 

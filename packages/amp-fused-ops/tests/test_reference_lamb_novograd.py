@@ -439,6 +439,152 @@ def test_novograd_rejects_bad_lists_and_grad_norms() -> None:
         _novograd(_lists(3), grad_norms=torch.zeros(1, device="meta"))
 
 
+def _typed(*dtypes: torch.dtype, n: int = 3) -> list[list[Tensor]]:
+    return [[torch.rand(n).to(dtype)] for dtype in dtypes]
+
+
+HALF, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
+
+
+def test_lamb_and_novograd_reject_two_dtypes_in_one_list() -> None:
+    """The compiled kernels read each list as the dtype of its first tensor (as Apex's do)."""
+    lists = _typed(FP32, FP32, FP32, FP32)
+    lists[0].append(torch.rand(3, dtype=HALF))
+    lists[1:] = [[*tensors, torch.rand(3)] for tensors in lists[1:]]
+    message = (
+        r"^multi_tensor_lamb: tensor_lists\[0\]\[1\] has dtype torch.float16 but "
+        r"tensor_lists\[0\]\[0\] has dtype torch.float32; the tensors of one list must share "
+        r"one dtype \(group them by dtype\)$"
+    )
+    with pytest.raises(ValueError, match=message):
+        _lamb(lists)
+    lists = _typed(BF16, BF16, FP32)
+    lists[0].append(torch.rand(3, dtype=BF16))
+    lists[1].append(torch.rand(3, dtype=BF16))
+    lists[2].append(torch.rand(3, dtype=BF16))
+    with pytest.raises(ValueError, match=r"tensor_lists\[2\]\[1\] has dtype torch.bfloat16 but"):
+        _novograd(lists)
+
+
+def test_lamb_state_lists_share_one_dtype() -> None:
+    message = (
+        r"^multi_tensor_lamb: tensor_lists\[3\]\[0\] has dtype torch.float16 but "
+        r"tensor_lists\[2\]\[0\] has dtype torch.float32; the optimizer state lists must "
+        r"share one dtype$"
+    )
+    with pytest.raises(ValueError, match=message):
+        _lamb(_typed(HALF, HALF, FP32, HALF))
+
+
+@pytest.mark.parametrize(
+    ("op", "dtypes", "state", "param"),
+    [
+        ("lamb", (HALF, HALF, BF16, BF16), 2, 1),
+        ("lamb", (FP32, FP32, HALF, HALF), 2, 1),
+        ("novograd", (BF16, BF16, HALF), 2, 1),
+        ("novograd", (FP32, FP32, BF16), 2, 1),
+    ],
+)
+def test_lamb_and_novograd_state_is_float32_or_the_params_dtype(
+    op: str, dtypes: tuple[torch.dtype, ...], state: int, param: int
+) -> None:
+    name = f"multi_tensor_{op}"
+    message = (
+        rf"^{name}: tensor_lists\[{state}\]\[0\] has dtype {dtypes[state]} but "
+        rf"tensor_lists\[{param}\]\[0\] has dtype {dtypes[param]}; optimizer state must be "
+        r"float32 or the params' dtype$"
+    )
+    call = _lamb if op == "lamb" else _novograd
+    with pytest.raises(ValueError, match=message):
+        call(_typed(*dtypes))
+
+
+@pytest.mark.parametrize("param_dtype", [HALF, BF16])
+@pytest.mark.parametrize("state_is_fp32", [True, False])
+def test_lamb_and_novograd_take_float32_or_param_dtype_state(
+    param_dtype: torch.dtype, state_is_fp32: bool
+) -> None:
+    state = FP32 if state_is_fp32 else param_dtype
+    lamb_lists = _typed(param_dtype, param_dtype, state, state)
+    _lamb(lamb_lists)
+    assert lamb_lists[2][0].dtype == state and lamb_lists[2][0].abs().sum() > 0
+    novograd_lists = _typed(param_dtype, param_dtype, state)
+    _novograd(novograd_lists, grad_norms=torch.ones(1))
+    assert novograd_lists[2][0].dtype == state
+
+
+def test_novograd_checks_the_state_before_grad_norms() -> None:
+    """The order of the compiled kernels: lists, then state, then grad_norms."""
+    with pytest.raises(ValueError, match="optimizer state must be float32 or the params' dtype"):
+        _novograd(_typed(HALF, HALF, BF16), grad_norms=torch.zeros(2))
+
+
+def _lamb_stage1(lists: list[list[Tensor]]) -> None:
+    amp_C.multi_tensor_lamb_stage1_cuda(
+        64, _flag(), lists, torch.zeros(len(lists[0])), 0, 0.9, 0.999, 1e-6, torch.ones(1), 1.0
+    )
+
+
+def _lamb_stage2(lists: list[list[Tensor]], norms: Tensor | None = None) -> None:
+    n = len(lists[0])
+    norms = torch.ones(n) if norms is None else norms
+    amp_C.multi_tensor_lamb_stage2_cuda(64, _flag(), lists, norms, torch.ones(n), 0.1, 0.0, False)
+
+
+@pytest.mark.parametrize(
+    ("dtypes", "message"),
+    [
+        (
+            (HALF, HALF, FP32, HALF, FP32),
+            r"^multi_tensor_lamb_stage1_cuda: tensor_lists\[3\]\[0\] has dtype torch.float16 "
+            r"but tensor_lists\[2\]\[0\] has dtype torch.float32; the optimizer state lists "
+            r"must share one dtype$",
+        ),
+        (
+            (HALF, HALF, BF16, BF16, FP32),
+            r"^multi_tensor_lamb_stage1_cuda: tensor_lists\[2\]\[0\] has dtype torch.bfloat16 "
+            r"but tensor_lists\[1\]\[0\] has dtype torch.float16; optimizer state must be "
+            r"float32 or the params' dtype$",
+        ),
+        (
+            (HALF, HALF, FP32, FP32, BF16),
+            r"^multi_tensor_lamb_stage1_cuda: tensor_lists\[4\]\[0\] has dtype torch.bfloat16 "
+            r"but tensor_lists\[1\]\[0\] has dtype torch.float16; optimizer state must be "
+            r"float32 or the params' dtype$",
+        ),
+    ],
+)
+def test_lamb_stage1_moments_and_updates_are_float32_or_the_params_dtype(
+    dtypes: tuple[torch.dtype, ...], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        _lamb_stage1(_typed(*dtypes))
+
+
+def test_lamb_stage1_takes_float32_moments_and_param_dtype_updates() -> None:
+    lists = _typed(HALF, BF16, FP32, FP32, BF16)
+    _lamb_stage1(lists)
+    assert lists[4][0].dtype == BF16 and lists[4][0].abs().sum() > 0
+
+
+def test_lamb_stage2_updates_are_float32_or_the_params_dtype() -> None:
+    message = (
+        r"^multi_tensor_lamb_stage2_cuda: tensor_lists\[1\]\[0\] has dtype torch.float16 but "
+        r"tensor_lists\[0\]\[0\] has dtype torch.bfloat16; optimizer state must be float32 "
+        r"or the params' dtype$"
+    )
+    with pytest.raises(ValueError, match=message):
+        _lamb_stage2(_typed(BF16, HALF))
+    # Checked before the norms, as the compiled kernels do.
+    with pytest.raises(ValueError, match="optimizer state must be float32"):
+        _lamb_stage2(_typed(BF16, HALF), norms=torch.ones(5))
+    for updates in (FP32, BF16):
+        lists = _typed(BF16, updates)
+        before = lists[0][0].clone()
+        _lamb_stage2(lists)
+        assert not torch.equal(lists[0][0], before)
+
+
 def test_empty_lists_do_nothing() -> None:
     _lamb([[], [], [], []])
     grad_norms = torch.ones(0)

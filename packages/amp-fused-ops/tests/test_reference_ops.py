@@ -604,6 +604,13 @@ def _scale_call(**overrides: object) -> Case:
             r"tensor_lists\[0\]\[0\] is on cpu but noop_flag is on meta",
         ),
         (_scale_call(noop_flag=0), TypeError, r"noop_flag must be a tensor, got int"),
+        (
+            _scale_call(tensor_lists=[[torch.ones(3), torch.ones(3).half()], [torch.empty(3)] * 2]),
+            ValueError,
+            r"^multi_tensor_scale: tensor_lists\[0\]\[1\] has dtype torch.float16 but "
+            r"tensor_lists\[0\]\[0\] has dtype torch.float32; the tensors of one list must "
+            r"share one dtype \(group them by dtype\)$",
+        ),
     ],
 )
 def test_scale_preconditions(call: Case, error: type[Exception], match: str) -> None:

@@ -10,9 +10,11 @@
 //   lists of different lengths                ValueError    tensor_lists[l] has K tensors ...
 //   a tensor on another device than noop_flag RuntimeError  tensor_lists[l][i] is on D ...
 //   a dtype the list does not accept          ValueError    tensor_lists[l][i] has dtype T; ...
+//   two dtypes in one list                    ValueError    ... the tensors of one list ...
 //   sizes differ at one position              ValueError    ... has K elements but ...
 //   two lists share memory at one position    ValueError    ... share memory; ...
 //   optimizer state of another dtype          ValueError    ... optimizer state must be ...
+//   state lists of different dtypes           ValueError    ... the optimizer state lists ...
 //
 // Dtypes and devices are printed as Python prints them (torch.float16, cuda:0). Layout checks
 // (dense, same strides at one position) belong to the compiled kernels only: the reference
@@ -159,9 +161,24 @@ inline void check_same_layout(const char* op, const at::Tensor& t, const at::Ten
                     "memory_format or call .contiguous() on both");
 }
 
+// The tensors of one list share one dtype: the kernels dispatch on the first tensor of each
+// list (as Apex's do), and the optimizers launch one call per (device, dtype) group.
+inline void check_list_dtypes(const char* op, const TensorLists& lists) {
+  for (size_t l = 0; l < lists.size(); ++l) {
+    for (size_t i = 1; i < lists[l].size(); ++i) {
+      const at::ScalarType type = lists[l][i].scalar_type();
+      const at::ScalarType first = lists[l][0].scalar_type();
+      TORCH_CHECK_VALUE(type == first, op, ": ", tensor_name(l, i), " has dtype ",
+                        dtype_name(type), " but ", tensor_name(l, 0), " has dtype ",
+                        dtype_name(first),
+                        "; the tensors of one list must share one dtype (group them by dtype)");
+    }
+  }
+}
+
 // The checks every op shares, after the extension's own check of noop_flag's device: lists,
 // then per position and list: defined, device, dtype (float32, float16, bfloat16), elements,
-// layout. Returns the number of tensors per list.
+// layout; then one dtype per list. Returns the number of tensors per list.
 inline size_t check_tensor_lists(const char* op, int64_t chunk_size,
                                  const at::Tensor& noop_flag, const TensorLists& lists,
                                  size_t depth) {
@@ -185,6 +202,7 @@ inline size_t check_tensor_lists(const char* op, int64_t chunk_size,
       for (size_t l = 1; l < depth; ++l) check_same_layout(op, lists[l][i], first, l, i);
     }
   }
+  check_list_dtypes(op, lists);
   return n;
 }
 
@@ -208,6 +226,22 @@ inline void check_state_dtype(const char* op, const TensorLists& lists, size_t s
                       dtype_name(s), " but ", tensor_name(param, i), " has dtype ",
                       dtype_name(p), "; optimizer state must be float32 or the params' dtype");
   }
+}
+
+// The optimizer state lists [first, last] share one dtype (the kernels read them as one
+// type), and that dtype is float32 or the dtype of the params (list `param`). Call after
+// check_tensor_lists (one dtype per list).
+inline void check_state_lists(const char* op, const TensorLists& lists, size_t first,
+                              size_t last, size_t param) {
+  if (lists[first].empty()) return;
+  const at::ScalarType state = lists[first][0].scalar_type();
+  for (size_t l = first + 1; l <= last; ++l) {
+    const at::ScalarType type = lists[l][0].scalar_type();
+    TORCH_CHECK_VALUE(type == state, op, ": ", tensor_name(l, 0), " has dtype ",
+                      dtype_name(type), " but ", tensor_name(first, 0), " has dtype ",
+                      dtype_name(state), "; the optimizer state lists must share one dtype");
+  }
+  check_state_dtype(op, lists, first, param);
 }
 
 // The lists `which` do not share memory at any position.

@@ -113,6 +113,7 @@ inline bool noop_is_set(const at::Tensor& noop_flag) {
 using checks::check_fp32_lists;
 using checks::check_no_overlap;
 using checks::check_state_dtype;
+using checks::check_state_lists;
 
 // The value of a one-element CPU tensor of any number dtype, as a double; `name` names the
 // argument in the messages.

@@ -63,6 +63,8 @@ void multi_tensor_lamb_stage1(int64_t chunk_size, const at::Tensor& noop_flag,
                               double max_global_grad_norm) {
   constexpr const char* op = "multi_tensor_lamb_stage1_cuda";
   check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 5);
+  check_state_lists(op, tensor_lists, 2, 3, 1);  // the moments
+  check_state_dtype(op, tensor_lists, 4, 1);      // the updates
   const auto& grads = tensor_lists[0];
   const std::vector<float> decay =
       per_tensor_values(op, "per_tensor_decay", per_tensor_decay, grads.size());
@@ -107,6 +109,7 @@ void multi_tensor_lamb_stage2(int64_t chunk_size, const at::Tensor& noop_flag,
                               double weight_decay, bool use_nvlamb) {
   constexpr const char* op = "multi_tensor_lamb_stage2_cuda";
   check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 2);
+  check_state_dtype(op, tensor_lists, 1, 0);  // the updates
   const auto& params = tensor_lists[0];
   const size_t n_tensors = params.size();
   const std::vector<float> param_norms =

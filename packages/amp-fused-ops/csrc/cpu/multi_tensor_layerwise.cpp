@@ -87,6 +87,7 @@ void multi_tensor_lamb(int64_t chunk_size, const at::Tensor& noop_flag,
   TORCH_CHECK_VALUE(mode == 0 || mode == 1, op,
                     ": mode must be 0 (L2 weight decay) or 1 (decoupled weight decay), got ", mode);
   check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 4);
+  check_state_lists(op, tensor_lists, 2, 3, 1);
   const float norm = static_cast<float>(scalar_value(op, "global_grad_norm", global_grad_norm));
   const float max_norm = static_cast<float>(max_grad_norm);
 
@@ -183,6 +184,7 @@ void multi_tensor_novograd(int64_t chunk_size, const at::Tensor& noop_flag,
   TORCH_CHECK_VALUE(norm_type == 0 || norm_type == 2, op,
                     ": norm_type must be 2 (L2 norm) or 0 (infinity norm), got ", norm_type);
   check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 3);
+  check_state_lists(op, tensor_lists, 2, 2, 1);
   const auto& grads = tensor_lists[0];
   const auto& params = tensor_lists[1];
   const auto& exp_avgs = tensor_lists[2];

@@ -91,28 +91,18 @@ static_assert(sizeof(TensorListMetadata<5>) <= 3584, "metadata too large for a k
 using checks::check_fp32_lists;
 using checks::check_no_overlap;
 using checks::check_state_dtype;
+using checks::check_state_lists;
 using checks::is_supported_float;
 
-// Checks the preconditions every op shares (csrc/common/checks.h) after the CUDA extension's
-// own: noop_flag on a CUDA device, and the tensors of one list share one dtype (group them by
-// dtype, as Apex's optimizers do). Returns the number of tensors per list.
+// Checks the preconditions every op shares (csrc/common/checks.h, one dtype per list included)
+// after the CUDA extension's own: noop_flag on a CUDA device. Returns the number of tensors per
+// list.
 inline size_t check_tensor_lists(const char* op, int64_t chunk_size, const at::Tensor& noop_flag,
                                  const TensorLists& lists, size_t depth) {
   TORCH_CHECK(noop_flag.defined() && noop_flag.is_cuda(), op,
               ": noop_flag must be a CUDA tensor for the CUDA extension, got device ",
               noop_flag.defined() ? noop_flag.device() : at::Device(at::kCPU));
-  const size_t n = checks::check_tensor_lists(op, chunk_size, noop_flag, lists, depth);
-  for (size_t l = 0; l < depth && n > 0; ++l) {
-    for (size_t i = 1; i < n; ++i) {
-      TORCH_CHECK_VALUE(lists[l][i].scalar_type() == lists[l][0].scalar_type(), op, ": ",
-                        checks::tensor_name(l, i), " has dtype ",
-                        checks::dtype_name(lists[l][i].scalar_type()), " but ",
-                        checks::tensor_name(l, 0), " has dtype ",
-                        checks::dtype_name(lists[l][0].scalar_type()),
-                        "; the tensors of one list must share one dtype (group them by dtype)");
-    }
-  }
-  return n;
+  return checks::check_tensor_lists(op, chunk_size, noop_flag, lists, depth);
 }
 
 // A one-element scalar argument (lr, step, inv_scale, ...) as a float32 tensor on `device`.

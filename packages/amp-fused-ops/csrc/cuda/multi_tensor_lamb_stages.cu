@@ -74,21 +74,6 @@ at::Tensor per_tensor_arg(const char* op, const char* name, const at::Tensor& va
   return value.contiguous();
 }
 
-// The state list(s) [first, last] must have dtype float32 or the params' (list `param`).
-void check_float_or_param(const char* op, const TensorListsArg& lists, size_t param,
-                          size_t first, size_t last, const char* what) {
-  const at::ScalarType param_type = lists[param][0].scalar_type();
-  const at::ScalarType state = lists[first][0].scalar_type();
-  for (size_t l = first; l <= last; ++l) {
-    TORCH_CHECK(lists[l][0].scalar_type() == state, op, ": list ", l, " has dtype ",
-                lists[l][0].scalar_type(), " but list ", first, " has dtype ", state,
-                "; the ", what, " lists must share one dtype");
-  }
-  TORCH_CHECK(state == at::kFloat || state == param_type, op, ": ", what, " (list ", first,
-              ") has dtype ", state, " but the params have dtype ", param_type,
-              "; the CUDA kernel takes float32 or the params' dtype there");
-}
-
 }  // namespace
 
 void multi_tensor_lamb_stage1(int64_t chunk_size, const at::Tensor& noop_flag,
@@ -101,8 +86,8 @@ void multi_tensor_lamb_stage1(int64_t chunk_size, const at::Tensor& noop_flag,
   if (n == 0) {
     return;
   }
-  check_float_or_param(op, tensor_lists, 1, 2, 3, "moment");
-  check_float_or_param(op, tensor_lists, 1, 4, 4, "update");
+  check_state_lists(op, tensor_lists, 2, 3, 1);  // the moments
+  check_state_dtype(op, tensor_lists, 4, 1);      // the updates
   const c10::cuda::CUDAGuard guard(noop_flag.device());
   const at::Device device = noop_flag.device();
   const at::Tensor decays = per_tensor_arg(op, "per_tensor_decay", per_tensor_decay, n, device);
@@ -156,7 +141,7 @@ void multi_tensor_lamb_stage2(int64_t chunk_size, const at::Tensor& noop_flag,
   if (n == 0) {
     return;
   }
-  check_float_or_param(op, tensor_lists, 0, 1, 1, "update");
+  check_state_dtype(op, tensor_lists, 1, 0);  // the updates
   const c10::cuda::CUDAGuard guard(noop_flag.device());
   const at::Device device = noop_flag.device();
   const at::Tensor param_norms =

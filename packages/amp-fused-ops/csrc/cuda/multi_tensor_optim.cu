@@ -177,20 +177,6 @@ void check_choice(const char* op, const char* name, int64_t value, int64_t a, in
                     value);
 }
 
-// The state list(s) [first, last] must share one dtype: float32 or the params'.
-void check_state(const char* op, const TensorListsArg& lists, size_t first, size_t last) {
-  const at::ScalarType param_type = lists[1][0].scalar_type();
-  const at::ScalarType state = lists[first][0].scalar_type();
-  for (size_t l = first; l <= last; ++l) {
-    TORCH_CHECK_VALUE(lists[l][0].scalar_type() == state, op, ": list ", l, " has dtype ",
-                      lists[l][0].scalar_type(), " but list ", first, " has dtype ", state,
-                      "; the optimizer state lists must share one dtype");
-  }
-  TORCH_CHECK_VALUE(state == at::kFloat || state == param_type, op, ": optimizer state (list ",
-                    first, ") has dtype ", state, " but the params have dtype ", param_type,
-                    "; keep the state in float32 (recommended) or in the params' dtype");
-}
-
 // Calls fn(TypeList<G, P, S>{}) with S float or P, as the state list's dtype says.
 template <typename Fn>
 void dispatch_grad_param_state(const char* op, const TensorListsArg& lists, size_t state_list,
@@ -281,7 +267,7 @@ void multi_tensor_lamb(int64_t chunk_size, const at::Tensor& noop_flag,
   if (n == 0) {
     return;
   }
-  check_state(op, tensor_lists, 2, 3);
+  check_state_lists(op, tensor_lists, 2, 3, 1);
   const c10::cuda::CUDAGuard guard(noop_flag.device());
   const auto options = noop_flag.options().dtype(at::kFloat);
   const at::Tensor norm = device_scalar(op, "global_grad_norm", global_grad_norm,
@@ -350,7 +336,7 @@ void multi_tensor_novograd(int64_t chunk_size, const at::Tensor& noop_flag,
   if (n == 0) {
     return;
   }
-  check_state(op, tensor_lists, 2, 2);
+  check_state_lists(op, tensor_lists, 2, 2, 1);
   TORCH_CHECK_VALUE(grad_norms.defined() && grad_norms.scalar_type() == at::kFloat &&
                   grad_norms.numel() == static_cast<int64_t>(n),
                     op, ": grad_norms must be a float32 tensor of ", n,

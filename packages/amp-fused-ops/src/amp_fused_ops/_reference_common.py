@@ -123,7 +123,24 @@ def _check(
                     f"tensor_lists[0][{j}] has {first.numel()}; tensors at the same "
                     "position must have the same number of elements"
                 )
+    _check_list_dtypes(op, tensor_lists)
     return device
+
+
+def _check_list_dtypes(op: str, tensor_lists: TensorLists) -> None:
+    """Raise ValueError unless the tensors of each list share one dtype.
+
+    The compiled kernels dispatch on the first tensor of each list, as Apex's do; the
+    optimizers launch one call per ``(device, dtype)`` group.
+    """
+    for i, tensors in enumerate(tensor_lists):
+        for j, t in enumerate(tensors[1:], start=1):
+            if t.dtype != tensors[0].dtype:
+                raise ValueError(
+                    f"{op}: tensor_lists[{i}][{j}] has dtype {t.dtype} but "
+                    f"tensor_lists[{i}][0] has dtype {tensors[0].dtype}; the tensors of one "
+                    "list must share one dtype (group them by dtype)"
+                )
 
 
 def wrong_device_error(op: str, i: int, j: int, t: Tensor, device: torch.device) -> RuntimeError:
@@ -158,6 +175,28 @@ def _check_state_dtype(op: str, tensor_lists: TensorLists, state: int, param: in
                 f"tensor_lists[{param}][{j}] has dtype {p.dtype}; optimizer state must be "
                 "float32 or the params' dtype"
             )
+
+
+def _check_state_lists(
+    op: str, tensor_lists: TensorLists, first: int, last: int, param: int
+) -> None:
+    """Raise ValueError unless the state lists ``first`` to ``last`` share one dtype, float32
+    or the dtype of the params (list ``param``).
+
+    Call after :func:`_check` (one dtype per list): the compiled kernels read all the state
+    lists as one type.
+    """
+    if not tensor_lists[first]:
+        return
+    state = tensor_lists[first][0].dtype
+    for i in range(first + 1, last + 1):
+        dtype = tensor_lists[i][0].dtype
+        if dtype != state:
+            raise ValueError(
+                f"{op}: tensor_lists[{i}][0] has dtype {dtype} but tensor_lists[{first}][0] "
+                f"has dtype {state}; the optimizer state lists must share one dtype"
+            )
+    _check_state_dtype(op, tensor_lists, first, param)
 
 
 def _check_no_overlap(op: str, tensor_lists: TensorLists, which: Sequence[int]) -> None:

@@ -25,6 +25,8 @@ from amp_fused_ops._reference_common import (
     _FP32_ONLY,
     TensorLists,
     _check,
+    _check_state_dtype,
+    _check_state_lists,
     _fp32,
     _raise_flag,
     _scalar,
@@ -123,6 +125,8 @@ def multi_tensor_lamb_stage1_cuda(
     device = _check(op, chunk_size, noop_flag, tensor_lists, names)
     if device is None:
         return
+    _check_state_lists(op, tensor_lists, 2, 3, 1)  # the moments
+    _check_state_dtype(op, tensor_lists, 4, 1)  # the updates
     grads, params, exp_avgs, exp_avg_sqs, updates = tensor_lists
     decay = _per_tensor(op, "per_tensor_decay", per_tensor_decay, len(grads), device)
     bc1 = 1.0 - beta1 ** (step + 1)
@@ -184,6 +188,7 @@ def multi_tensor_lamb_stage2_cuda(
     device = _check(op, chunk_size, noop_flag, tensor_lists, [("params", "updates")])
     if device is None:
         return
+    _check_state_dtype(op, tensor_lists, 1, 0)  # the updates
     params, updates = tensor_lists
     n = len(params)
     param_norms = _per_tensor(op, "per_tensor_param_norm", per_tensor_param_norm, n, device)
