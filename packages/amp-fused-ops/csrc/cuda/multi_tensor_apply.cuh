@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "../common/checks.h"
+#include "../common/norm_math.h"
 
 namespace amp_fused_ops {
 namespace cuda {
@@ -176,18 +177,11 @@ void dispatch_float_types(const char* op, const std::array<at::ScalarType, K>& t
 
 __device__ __forceinline__ bool is_finite(float x) { return isfinite(x); }
 
-// max that propagates NaN (as torch.max and torch.linalg.norm(ord=inf) do).
-__device__ __forceinline__ float nan_max(float a, float b) {
-  return (isnan(a) || isnan(b)) ? NAN : fmaxf(a, b);
-}
-
+// Two partials of a sum of squares (kMax false) or of a NaN-propagating max of |x| (kMax
+// true): the combination the CPU loops use too (csrc/common/norm_math.h).
 template <bool kMax>
 __device__ __forceinline__ float combine(float a, float b) {
-  if constexpr (kMax) {
-    return nan_max(a, b);
-  } else {
-    return a + b;
-  }
+  return math::combine_partials<kMax>(a, b);
 }
 
 // Reduces `value` over the block; the result is valid in thread 0. Uses `shared` (32 floats).
