@@ -57,8 +57,8 @@ def _check(
 
     Raises:
         TypeError: An argument has the wrong type.
-        ValueError: The lists have the wrong count or lengths, sizes mismatch, or the noop flag
-            or a dtype is not accepted.
+        ValueError: The lists have the wrong count or lengths, sizes mismatch, the noop flag or
+            a dtype is not accepted, or one list holds two dtypes.
         RuntimeError: A tensor is not on the noop flag's device.
 
     The messages are those of the compiled kernels (``csrc/common/checks.h``), mistake by
