@@ -104,8 +104,9 @@ def multi_tensor_lamb_stage1_cuda(
     Args:
         chunk_size: Elements per chunk (validated, otherwise unused).
         noop_flag: One-element int32 tensor; neither read nor written (inf/nan propagate).
-        tensor_lists: ``[grads, params, exp_avgs, exp_avg_sqs, updates]``; the moments (float32
-            or the params' dtype) and the updates (any float dtype) are written.
+        tensor_lists: ``[grads, params, exp_avgs, exp_avg_sqs, updates]``; the moments (one
+            dtype, float32 or the params') and the updates (float32 or the params' dtype) are
+            written.
         per_tensor_decay: Float32 tensor of one weight decay per tensor.
         step: Steps taken before this one.
         beta1: First-moment decay.
@@ -172,7 +173,8 @@ def multi_tensor_lamb_stage2_cuda(
     Args:
         chunk_size: Elements per chunk (validated, otherwise unused).
         noop_flag: One-element int32 tensor; neither read nor written (inf/nan propagate).
-        tensor_lists: ``[params, updates]``; params are written.
+        tensor_lists: ``[params, updates]`` (updates float32 or the params' dtype); params are
+            written.
         per_tensor_param_norm: Float32 tensor of one L2 norm per param (taken before stage 1).
         per_tensor_update_norm: Float32 tensor of one L2 norm per update.
         lr: Learning rate.
