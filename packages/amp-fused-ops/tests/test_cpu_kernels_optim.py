@@ -2,9 +2,10 @@
 
 The pure-PyTorch reference (``amp_fused_ops._reference``) is the oracle: both run on copies of
 the same inputs and must agree within the rounding of each output's dtype. To cover every
-dtype combination without one test per combination, one call carries a tensor list in which
-each position has its own combination of list dtypes, its own size (cycling through
-``SIZES``) and, at some positions, channels-last 4-D tensors; each test then runs with both
+dtype combination without one test per combination, the lists of a test hold, at each position,
+their own combination of list dtypes, their own size (cycling through ``SIZES``) and, at some
+positions, channels-last 4-D tensors; the ops take one dtype per list, so each op runs once
+per dtype combination (:func:`call`) on those positions, in place. Each test runs with both
 chunk sizes, so chunks cross tensor and tile boundaries.
 """
 
@@ -51,15 +52,17 @@ def make_lists(
     allowed: Sequence[Sequence[torch.dtype]],
     seed: int,
     init: Sequence[Callable[[Tensor], Tensor]] | None = None,
+    keep: Callable[[tuple[torch.dtype, ...]], bool] | None = None,
 ) -> Lists:
-    """One list per entry of ``allowed``; position k has the k-th dtype combination.
+    """One list per entry of ``allowed``; position k has the k-th dtype combination (of those
+    ``keep`` accepts, all by default).
 
     There are at least 9 positions (combinations repeat); every third holds channels-last 4-D
     tensors, the others 1-D tensors of the sizes of ``SIZES`` in turn (so positions 0, 1, 3,
     4, 6, 7 have 1, 7, 555, 33333, 65537 and 131072 elements). ``init[l]`` maps standard
     normal values to list l's values (float32).
     """
-    combos = list(itertools.product(*allowed))
+    combos = [c for c in itertools.product(*allowed) if keep is None or keep(c)]
     generator = torch.Generator().manual_seed(seed)
     lists: Lists = [[] for _ in allowed]
     n_flat = 0
@@ -96,12 +99,44 @@ def assert_lists_close(got: Lists, want: Lists, equal_nan: bool = False) -> None
             torch.testing.assert_close(a, b, equal_nan=equal_nan, **TOL[a.dtype])
 
 
+def by_dtypes(lists: Lists) -> list[list[int]]:
+    """The positions of ``lists`` grouped by their combination of dtypes, in order."""
+    groups: dict[tuple[torch.dtype, ...], list[int]] = {}
+    for k in range(len(lists[0])):
+        groups.setdefault(tuple(ts[k].dtype for ts in lists), []).append(k)
+    return list(groups.values())
+
+
+def pick(lists: Lists, positions: Sequence[int]) -> Lists:
+    """The tensors of ``lists`` at ``positions`` (the same tensors, not copies)."""
+    return [[ts[k] for k in positions] for ts in lists]
+
+
+def call(impl: Any, name: str, chunk: int, noop_flag: Tensor, lists: Lists, *args: Any,
+         per_tensor: int | None = None) -> list[Any]:  # fmt: skip
+    """Op ``name`` of ``impl`` once per dtype combination of ``lists`` (each list of a call holds
+    one dtype), in place, all with ``noop_flag``; the results, one per call.
+
+    ``args[per_tensor]`` is a tensor of one value per position (NovoGrad's norms): each call
+    takes the values of its positions, and what it writes there is copied back.
+    """
+    results = []
+    for positions in by_dtypes(lists):
+        call_args = list(args)
+        if per_tensor is not None:
+            call_args[per_tensor] = args[per_tensor][positions]
+        results.append(getattr(impl, name)(chunk, noop_flag, pick(lists, positions), *call_args))
+        if per_tensor is not None:
+            args[per_tensor][positions] = call_args[per_tensor]
+    return results
+
+
 def run_both(ext: Any, name: str, lists: Lists, *args: Any, noop: int = 0) -> tuple[Any, ...]:
     """Run op ``name`` of the extension and of the reference on copies of ``lists``."""
     runs = []
     for impl in (ext, _reference):
         copies, noop_flag = clone(lists), flag(noop)
-        result = getattr(impl, name)(CHUNKS[0], noop_flag, copies, *args)
+        result = call(impl, name, CHUNKS[0], noop_flag, copies, *args)
         runs.append((copies, noop_flag, result))
     return tuple(runs)
 
@@ -129,19 +164,22 @@ def test_unscale_l2norm_matches_reference(ext: Any, chunk: int, inject: float | 
         poke(xs[4], inject)
     inv_scale = torch.tensor([2.0**-7])
     flags = [flag(), flag()]
-    got = ext.multi_tensor_unscale_l2norm(chunk, flags[0], [xs], inv_scale, True)
-    want = _reference.multi_tensor_unscale_l2norm(chunk, flags[1], [xs], inv_scale, True)
+    got = call(ext, "multi_tensor_unscale_l2norm", chunk, flags[0], [xs], inv_scale, True)
+    want = call(_reference, "multi_tensor_unscale_l2norm", chunk, flags[1], [xs], inv_scale, True)
     assert flags[0].item() == flags[1].item() == (0 if inject is None else 1)
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, equal_nan=True)
+    assert len(got) == len(want) == len(DTYPES)
+    for got_norms, want_norms in zip(got, want, strict=True):
+        for a, b in zip(got_norms, want_norms, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, equal_nan=True)
 
 
 def test_unscale_l2norm_takes_a_number_and_none(ext: Any) -> None:
     (xs,) = make_lists([DTYPES], seed=2)
-    total, per = ext.multi_tensor_unscale_l2norm(2048, flag(), [xs], 0.5, None)
-    want, _ = _reference.multi_tensor_unscale_l2norm(2048, flag(), [xs], 0.5)
-    torch.testing.assert_close(total, want, rtol=1e-5, atol=0.0)
-    assert per.numel() == 0
+    got = call(ext, "multi_tensor_unscale_l2norm", 2048, flag(), [xs], 0.5, None)
+    want = call(_reference, "multi_tensor_unscale_l2norm", 2048, flag(), [xs], 0.5)
+    for (total, per), (want_total, _) in zip(got, want, strict=True):
+        torch.testing.assert_close(total, want_total, rtol=1e-5, atol=0.0)
+        assert per.numel() == 0
 
 
 def test_unscale_l2norm_overflowing_sum_flags(ext: Any) -> None:
@@ -178,8 +216,9 @@ def test_adam_capturable_master_matches_reference(ext: Any, chunk: int, mode: in
     lists = master_lists(seed=3)
     got, want = clone(lists), clone(lists)
     flags = [flag(), flag()]
-    ext.multi_tensor_adam_capturable_master(chunk, flags[0], got, *master_args(mode))
-    _reference.multi_tensor_adam_capturable_master(chunk, flags[1], want, *master_args(mode))
+    name = "multi_tensor_adam_capturable_master"
+    call(ext, name, chunk, flags[0], got, *master_args(mode))
+    call(_reference, name, chunk, flags[1], want, *master_args(mode))
     assert flags[0].item() == flags[1].item() == 0
     assert_lists_close(got, want)
     # The model copy is the new master rounded once.
@@ -204,17 +243,19 @@ def test_adam_capturable_master_number_arguments_no_bias_correction(ext: Any) ->
 def test_adam_capturable_master_skips(
     ext: Any, inject: float | None, inv_scale: float, noop: int
 ) -> None:
-    lists = master_lists(seed=5)
-    if inject is not None:
-        poke(lists[0][5], inject)
-    args = (*master_args(1)[:-1], torch.tensor([inv_scale]))
-    (got, f0, _), (want, f1, _) = run_both(ext, "multi_tensor_adam_capturable_master", lists,
-                                           *args, noop=noop)  # fmt: skip
-    assert f0.item() == f1.item() == 1
-    for tensors in (got, want):
-        for ts, before in zip(tensors, lists, strict=True):
-            for t, b in zip(ts, before, strict=True):
-                assert torch.equal(t, b) or (t.isnan() == b.isnan()).all()
+    # One call per dtype combination, each with its own flag: every call must skip.
+    for positions in by_dtypes(master_lists(seed=5)):
+        lists = pick(master_lists(seed=5), positions)
+        if inject is not None:
+            poke(lists[0][-1], inject)
+        args = (*master_args(1)[:-1], torch.tensor([inv_scale]))
+        (got, f0, _), (want, f1, _) = run_both(ext, "multi_tensor_adam_capturable_master",
+                                               lists, *args, noop=noop)  # fmt: skip
+        assert f0.item() == f1.item() == 1
+        for tensors in (got, want):
+            for ts, before in zip(tensors, lists, strict=True):
+                for t, b in zip(ts, before, strict=True):
+                    assert torch.equal(t, b) or (t.isnan() == b.isnan()).all()
 
 
 # --- multi_tensor_sgd ---------------------------------------------------------------------
@@ -246,8 +287,8 @@ def test_sgd_with_model_copies_matches_reference(ext: Any, case: str, chunk: int
     lists = state_lists([DTYPES] * 4, seed=6, init=[identity, identity, small, identity])
     got, want = clone(lists), clone(lists)
     flags = [flag(), flag()]
-    ext.multi_tensor_sgd(chunk, flags[0], got, *SGD_CASES[case])
-    _reference.multi_tensor_sgd(chunk, flags[1], want, *SGD_CASES[case])
+    call(ext, "multi_tensor_sgd", chunk, flags[0], got, *SGD_CASES[case])
+    call(_reference, "multi_tensor_sgd", chunk, flags[1], want, *SGD_CASES[case])
     assert flags[0].item() == flags[1].item() == 0
     assert_lists_close(got, want)
 
@@ -281,8 +322,9 @@ def test_adagrad_matches_reference(ext: Any, chunk: int, mode: int, weight_decay
     lists = state_lists([DTYPES] * 3, seed=9, init=[identity, identity, positive])
     got, want = clone(lists), clone(lists)
     flags = [flag(), flag()]
-    ext.multi_tensor_adagrad(chunk, flags[0], got, 0.1, 1e-10, mode, weight_decay)
-    _reference.multi_tensor_adagrad(chunk, flags[1], want, 0.1, 1e-10, mode, weight_decay)
+    call(ext, "multi_tensor_adagrad", chunk, flags[0], got, 0.1, 1e-10, mode, weight_decay)
+    call(_reference, "multi_tensor_adagrad", chunk, flags[1], want, 0.1, 1e-10, mode,
+         weight_decay)  # fmt: skip
     assert flags[0].item() == flags[1].item() == 0
     assert_lists_close(got, want)
 
@@ -305,6 +347,16 @@ def lamb_args(mode: int, weight_decay: float, nvlamb: bool | None, grad_norm: An
             max_grad_norm, nvlamb)  # fmt: skip
 
 
+def lamb_dtypes(combo: tuple[torch.dtype, ...]) -> bool:
+    """The moments (lists 2 and 3) share one dtype, float32 or the param's (list 1)."""
+    return combo[2] == combo[3] and combo[2] in (torch.float32, combo[1])
+
+
+def novograd_dtypes(combo: tuple[torch.dtype, ...]) -> bool:
+    """The first moment (list 2) is float32 or the param's dtype (list 1)."""
+    return combo[2] in (torch.float32, combo[1])
+
+
 LAMB_CASES = {
     "decoupled-clipped": lamb_args(1, 0.01, False, torch.tensor([5.0])),
     "l2-not-clipped": lamb_args(0, 0.01, None, torch.tensor([0.5]), grad_averaging=0),
@@ -317,17 +369,19 @@ LAMB_CASES = {
 @pytest.mark.parametrize("chunk", CHUNKS)
 @pytest.mark.parametrize("case", list(LAMB_CASES))
 def test_lamb_matches_reference(ext: Any, case: str, chunk: int) -> None:
-    lists = make_lists([DTYPES] * 4, seed=11, init=[identity, identity, small, positive])
+    lists = make_lists([DTYPES] * 4, seed=11, init=[identity, identity, small, positive],
+                       keep=lamb_dtypes)  # fmt: skip
     got, want = clone(lists), clone(lists)
     flags = [flag(), flag()]
-    ext.multi_tensor_lamb(chunk, flags[0], got, *LAMB_CASES[case])
-    _reference.multi_tensor_lamb(chunk, flags[1], want, *LAMB_CASES[case])
+    call(ext, "multi_tensor_lamb", chunk, flags[0], got, *LAMB_CASES[case])
+    call(_reference, "multi_tensor_lamb", chunk, flags[1], want, *LAMB_CASES[case])
     assert flags[0].item() == flags[1].item() == 0
     assert_lists_close(got, want)
 
 
 def test_lamb_zero_param_keeps_ratio_one_and_nan_flags(ext: Any) -> None:
-    lists = make_lists([DTYPES] * 4, seed=12, init=[identity, identity, small, positive])
+    lists = make_lists([DTYPES] * 4, seed=12, init=[identity, identity, small, positive],
+                       keep=lamb_dtypes)  # fmt: skip
     lists[1][1].zero_()  # ||p|| = 0: ratio 1
     lists[0][4][3] = math.nan  # nan update norm: flag set, nan propagates
     (got, f0, _), (want, f1, _) = run_both(ext, "multi_tensor_lamb", lists,
@@ -342,14 +396,16 @@ def test_lamb_zero_param_keeps_ratio_one_and_nan_flags(ext: Any) -> None:
 @pytest.mark.parametrize("chunk", CHUNKS)
 @pytest.mark.parametrize(("mode", "norm_type"), [(0, 2), (1, 2), (0, 0), (1, 0)])
 def test_novograd_matches_reference(ext: Any, chunk: int, mode: int, norm_type: int) -> None:
-    lists = make_lists([DTYPES] * 3, seed=13, init=[identity, identity, small])
+    lists = make_lists([DTYPES] * 3, seed=13, init=[identity, identity, small],
+                       keep=novograd_dtypes)  # fmt: skip
     norms = torch.rand(len(lists[0]), generator=torch.Generator().manual_seed(0)) + 0.5
     got, want = clone(lists), clone(lists)
     got_norms, want_norms = norms.clone(), norms.clone()
     flags = [flag(), flag()]
     args = (1e-2, 0.95, 0.98, 1e-8, 3, 1, 0.001, 1, mode, norm_type)
-    ext.multi_tensor_novograd(chunk, flags[0], got, got_norms, *args)
-    _reference.multi_tensor_novograd(chunk, flags[1], want, want_norms, *args)
+    call(ext, "multi_tensor_novograd", chunk, flags[0], got, got_norms, *args, per_tensor=0)
+    call(_reference, "multi_tensor_novograd", chunk, flags[1], want, want_norms, *args,
+         per_tensor=0)  # fmt: skip
     assert flags[0].item() == flags[1].item() == 0
     torch.testing.assert_close(got_norms, want_norms, rtol=1e-5, atol=0.0)
     assert_lists_close(got, want)
@@ -358,14 +414,15 @@ def test_novograd_matches_reference(ext: Any, chunk: int, mode: int, norm_type: 
 @pytest.mark.parametrize("norm_type", [2, 0])
 @pytest.mark.parametrize("bad", [math.inf, math.nan])
 def test_novograd_nonfinite_gradient_flags(ext: Any, norm_type: int, bad: float) -> None:
-    lists = make_lists([DTYPES] * 3, seed=14, init=[identity, identity, small])
+    lists = make_lists([DTYPES] * 3, seed=14, init=[identity, identity, small],
+                       keep=novograd_dtypes)  # fmt: skip
     poke(lists[0][5], bad)
     norms = torch.ones(len(lists[0]))
     runs = []
     for impl in (ext, _reference):
         copies, noop, n = clone(lists), flag(), norms.clone()
-        impl.multi_tensor_novograd(CHUNKS[0], noop, copies, n, 1e-2, 0.95, 0.98, 1e-8, 1, 0,
-                                   0.0, 0, 1, norm_type)  # fmt: skip
+        call(impl, "multi_tensor_novograd", CHUNKS[0], noop, copies, n, 1e-2, 0.95, 0.98, 1e-8,
+             1, 0, 0.0, 0, 1, norm_type, per_tensor=0)  # fmt: skip
         runs.append((copies, noop, n))
     assert runs[0][1].item() == runs[1][1].item() == 1
     torch.testing.assert_close(runs[0][2], runs[1][2], equal_nan=True, rtol=1e-5, atol=0.0)
