@@ -12,6 +12,7 @@ earlier one imported). ``torch.distributed`` finds a one-rank world in the envir
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import socket
@@ -70,7 +71,13 @@ def main(readme: Path) -> int:
         print(f"{readme}: example {number} of {len(examples)} ran")
     import torch.distributed as dist
 
+    # Drop what the examples made (a DistributedDataParallel model holds the process group and
+    # its reducer) before the group goes: left to interpreter teardown, gloo's threads can be
+    # destroyed while joinable ("terminate called without an active exception", exit -6).
+    namespace.clear()
+    gc.collect()
     if dist.is_available() and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
     return 0
 
