@@ -72,6 +72,27 @@ if not where.is_relative_to(venv):
 print(f"{name} {module.__version__} imports from its wheel")
 """
 
+# Checks that a built wheel and sdist carry the license: the file itself and the SPDX
+# expression in the metadata.
+_LICENSE_CHECK = """
+import pathlib, sys, tarfile, zipfile
+wheel, sdist, expected = (pathlib.Path(a) for a in sys.argv[1:4])
+text = expected.read_text()
+with zipfile.ZipFile(wheel) as z:
+    names = z.namelist()
+    meta = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    licenses = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+    if not licenses or z.read(licenses[0]).decode() != text:
+        sys.exit(f"{wheel.name} does not ship the LICENSE file")
+if "License-Expression: BSD-3-Clause" not in meta.splitlines():
+    sys.exit(f"{wheel.name} metadata declares no License-Expression: BSD-3-Clause")
+with tarfile.open(sdist) as t:
+    member = next((m for m in t.getmembers() if m.name.count("/") == 1 and m.name.endswith("/LICENSE")), None)
+    if member is None or t.extractfile(member).read().decode() != text:
+        sys.exit(f"{sdist.name} does not ship the LICENSE file")
+print(f"{wheel.name} and {sdist.name} ship the BSD-3-Clause LICENSE")
+"""
+
 # Loads the CUDA extension the `build cuda` command just compiled (from the same cache, no
 # second compile) and checks it has its ops: proves the module links and imports.
 _CUDA_IMPORT_CHECK = """
@@ -329,6 +350,10 @@ def build(session: nox.Session) -> None:
             external=True,
         )
         session.run(python, "-c", _WHEEL_IMPORT_CHECK, name, str(venv), external=True)
+        sdists = sorted(dist.glob(f"{name}-*.tar.gz"))
+        session.run(
+            "python", "-c", _LICENSE_CHECK, str(wheels[0]), str(sdists[0]), str(ROOT / "LICENSE")
+        )
         readme = ROOT / "packages" / package / "README.md"
         session.run(python, str(ROOT / ".ci" / "readme_examples.py"), str(readme), external=True)
 

@@ -13,7 +13,7 @@ for src in sorted(ROOT.glob("packages/*/src")):
 
 project = "the amp toolkit"
 author = "the amp toolkit contributors"
-copyright = "2025, the amp toolkit contributors"
+copyright = "2025-2026, the amp toolkit contributors (BSD 3-Clause License)"
 
 extensions = [
     "sphinx.ext.autodoc",
