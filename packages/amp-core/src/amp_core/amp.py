@@ -8,6 +8,8 @@ Groups:
       :func:`register_promote_function`, :func:`half_function`, :func:`float_function`,
       :func:`promote_function`, :func:`disable_casts`
     * toolkit additions: :func:`skipped_steps`, :func:`close`
+    * Apex compatibility: ``_amp_state``, a view of Apex's module-level state object (the
+      loss scalers, ``opt_properties`` ...) answered from the latest ``initialize`` call
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from ._apex_state import apex_state
 from ._casting import UserCast, disable_casts, make_cast_wrapper
 from ._frontend import initialize
 from ._handle import load_state_dict, master_params, scale_loss, skipped_steps, state_dict
@@ -43,6 +46,9 @@ __all__ = [
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+# Apex scripts read ``amp._amp_state`` (and ``from apex.amp import _amp_state``).
+_amp_state = apex_state
 
 
 def register_half_function(module: Any, function_name: str) -> None:

@@ -165,6 +165,11 @@ class _AmpC(types.ModuleType):
     multi_tensor_lamb_mp = staticmethod(_dispatching(_reference.multi_tensor_lamb_mp))
     update_scale_hysteresis = staticmethod(_dispatching_scaler(_reference.update_scale_hysteresis))
 
+    def __dir__(self) -> list[str]:
+        # The ops are attributes of the class, which a module's dir() does not look at: list
+        # them, so that help(), dir() and tab completion show every op.
+        return sorted(set(super().__dir__()) | set(getattr(self, "__all__", ())))
+
 
 amp_C = _AmpC(
     "amp_fused_ops.amp_C",
