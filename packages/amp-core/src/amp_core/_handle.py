@@ -11,6 +11,7 @@ import torch
 
 from ._opt_levels import OptLevel
 from ._optimizer import OptimizerAmpState, optimizer_state
+from ._scaler import LossScaler
 from ._state import AmpSession, registry
 
 __all__ = ["load_state_dict", "master_params", "scale_loss", "skipped_steps", "state_dict"]
@@ -26,7 +27,7 @@ _NOT_INITIALIZED = (
 
 def _optimizer_states(optimizers: Any) -> list[OptimizerAmpState]:
     items = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
-    states = []
+    states: list[OptimizerAmpState] = []
     for optimizer in items:
         state = optimizer_state(optimizer)
         if state is None:
@@ -35,7 +36,8 @@ def _optimizer_states(optimizers: Any) -> list[OptimizerAmpState]:
                 "return. Pass the optimizer(s) returned by amp.initialize."
             )
         state.require_open("amp.scale_loss")
-        states.append(state)
+        if state not in states:  # the same optimizer twice: once
+            states.append(state)
     return states
 
 
@@ -98,27 +100,50 @@ def scale_loss(
     check = (scaler.dynamic or owner.props.opt_level is not OptLevel.O0) and not (
         delay_overflow_check
     )
-
-    if not owner.props.master_weights and scaler.is_unit_static:
-        # Nothing to scale or copy (O0, O3): Apex's fast path, with the overflow check alone.
-        yield loss.float()
-        if not delay_unscale:
-            found_inf = torch.zeros((), dtype=torch.float32, device=loss.device)
-            for state in states:
-                state.end_unit_backward(scaler, found_inf, check=check)
-            if check:
-                for state in states:
-                    state.note_overflow_check(loss_id, found_inf)
+    # Nothing to scale or copy (O0, O3): Apex's fast path, with the overflow check alone.
+    unit = not owner.props.master_weights and scaler.is_unit_static
+    for state in states:  # every refusal before any state changes
+        state.check_block_entry()
+    scale = None if unit else scaler.scale_tensor(loss.device)
+    for state in states:
+        state.begin_backward(scaler, delay_unscale=delay_unscale, unit=unit)
+    try:
+        yield loss.float() if scale is None else loss.float() * scale
+    except BaseException:
+        # The gradients and the stage go back to what they were before the block.
+        for state in states:
+            state.abort_backward()
         if casting is not None:
             casting.clear_cache()
+        raise
+    try:
+        _finish_backward(
+            states, scaler, loss_id, loss.device, check, unit, delay_unscale, delay_overflow_check
+        )
+    finally:
+        if casting is not None:
+            casting.clear_cache()  # the weights are about to change
+
+
+def _finish_backward(
+    states: list[OptimizerAmpState],
+    scaler: LossScaler,
+    loss_id: int,
+    device: torch.device,
+    check: bool,
+    unit: bool,
+    delay_unscale: bool,
+    delay_overflow_check: bool,
+) -> None:
+    """``scale_loss`` exit: unscale (or defer), update the scale, note the overflow flags."""
+    found_inf = torch.zeros((), dtype=torch.float32, device=device)
+    if unit:
+        for state in states:
+            state.end_unit_backward(scaler, found_inf, check=check, delay_unscale=delay_unscale)
+        if check and not delay_unscale:
+            for state in states:
+                state.note_overflow_check(loss_id, found_inf)
         return
-
-    for state in states:
-        state.begin_backward(delay_unscale=delay_unscale)
-    scale = scaler.scale_tensor(loss.device)
-    yield loss.float() * scale
-
-    found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
     # A fused master-weight optimizer alone may take the scaled grads as they are: its
     # step unscales, checks and updates the scale (see _fused_master).
     defer_loss_id = loss_id if len(states) == 1 and not delay_overflow_check else None
@@ -128,7 +153,9 @@ def scale_loss(
             state.end_backward(
                 scaler,
                 found_inf,
+                loss_id=loss_id,
                 check=check,
+                update=not delay_overflow_check,
                 delay_unscale=delay_unscale,
                 defer_loss_id=defer_loss_id,
             )
@@ -140,8 +167,6 @@ def scale_loss(
         if check:
             for state in states:
                 state.note_overflow_check(loss_id, found_inf)
-    if casting is not None:
-        casting.clear_cache()  # the weights are about to change
 
 
 def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
