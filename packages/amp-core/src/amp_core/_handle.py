@@ -194,18 +194,25 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
         yield from group["params"]
 
 
-def _prefix(index: int) -> str:
-    """Key prefix of the ``index``-th live session: none for the first (Apex's format)."""
-    return "" if index == 0 else f"session{index}."
+def _prefixed_sessions() -> list[tuple[str, AmpSession]]:
+    """The live sessions with their key prefix: none for the latest ``amp.initialize`` call
+    (Apex's format), ``session<k>.`` for the ``k``-th call before it."""
+    sessions = registry.live_sessions()
+    last = len(sessions) - 1
+    return [
+        ("" if index == last else f"session{last - index}.", session)
+        for index, session in enumerate(sessions)
+    ]
 
 
 def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
     """The loss scalers of every live ``amp.initialize`` call, as Apex's ``amp.state_dict``.
 
-    A single call (the usual case) gives Apex's format. When ``amp.initialize`` was called
-    several times (once per model) and the optimizers of the earlier calls are still in use,
-    the scalers of the ``i``-th call (``i >= 1``, in call order) follow under the keys
-    ``"session<i>.loss_scaler<j>"``, so that no model's scale is lost.
+    The latest call owns Apex's keys ``"loss_scaler<j>"`` (a single call, the usual case,
+    gives Apex's format). When ``amp.initialize`` was called several times (once per model)
+    and the optimizers of earlier calls are still in use, the scalers of the ``k``-th call
+    before the latest follow under the keys ``"session<k>.loss_scaler<j>"``, so that no
+    model's scale is lost.
 
     Returns:
         ``{"loss_scaler0": {"loss_scale": float, "unskipped": int}, ...}``.
@@ -219,15 +226,21 @@ def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
     if registry.current is None:
         raise RuntimeError("amp.state_dict() was called before amp.initialize().")
     out: dict[str, Any] = {} if destination is None else destination
-    for index, session in enumerate(registry.live_sessions()):
+    for prefix, session in _prefixed_sessions():
         for idx, scaler in enumerate(session.scalers):
-            out[f"{_prefix(index)}loss_scaler{idx}"] = scaler.state_dict()
+            out[f"{prefix}loss_scaler{idx}"] = scaler.state_dict()
     return out
 
 
 def load_state_dict(state: dict[str, Any]) -> None:
-    """Restore the loss scalers saved by :func:`state_dict` into the live ``amp.initialize``
-    calls (one per saved call, in call order, each with as many losses as were saved).
+    """Restore the loss scalers saved by :func:`state_dict`.
+
+    As in Apex, the keys ``"loss_scaler<j>"`` load into the latest ``amp.initialize`` call,
+    which must have as many losses as were saved; ``"session<k>.loss_scaler<j>"`` load into
+    the ``k``-th live call before it. Earlier live calls that the checkpoint has no keys for
+    keep their scalers: a checkpoint saved by one call loads into the latest call of a
+    process that called ``amp.initialize`` before (for another model, or for the model
+    being resumed) without deleting those objects.
 
     Every entry is validated before anything is loaded: an error leaves every scaler as it was.
     A scale outside ``[min_loss_scale, max_loss_scale]`` of the new call is brought within it
@@ -238,9 +251,9 @@ def load_state_dict(state: dict[str, Any]) -> None:
             Apex).
         TypeError: ``state`` is not a dict, or a field has the wrong type (a scale that is not
             a number, a count that is not an int).
-        ValueError: a missing or extra loss scaler (the saved
-            number of calls or of ``num_losses`` differs from this run's), a missing or unknown
-            field, a loss scale of 0, negative, inf or nan, or a negative count.
+        ValueError: a missing or extra loss scaler (a call saved with another ``num_losses``,
+            or more calls saved than are live), a missing or unknown field, a loss scale of 0,
+            negative, inf, nan or beyond float32, or a negative count.
     """
     if registry.current is None:
         raise RuntimeError("amp.load_state_dict() was called before amp.initialize().")
@@ -258,32 +271,30 @@ def load_state_dict(state: dict[str, Any]) -> None:
             + ", ".join(f'"{k}"' for k in unexpected)
             + ". amp.load_state_dict takes the dict returned by amp.state_dict()."
         )
-    sessions = registry.live_sessions()
-    expected = [
-        (f"{_prefix(index)}loss_scaler{idx}", scaler)
-        for index, session in enumerate(sessions)
-        if session.props.enabled
-        for idx, scaler in enumerate(session.scalers)
-    ]
-    ignored = {  # a disabled call (enabled=False) keeps nothing and ignores its entries
-        _prefix(index) for index, session in enumerate(sessions) if not session.props.enabled
-    }
-    wanted = {key for key, _ in expected}
-    missing = [key for key in wanted if key not in state]
-    extra = [
-        key
-        for key in state
-        if key not in wanted and (key.rsplit("loss_scaler", 1)[0] not in ignored)
-    ]
+    sessions = _prefixed_sessions()
+    saved_prefixes = {key.rsplit("loss_scaler", 1)[0] for key in state}
+    expected: list[tuple[str, LossScaler]] = []
+    wanted: set[str] = set()
+    for prefix, session in sessions:
+        keys = [f"{prefix}loss_scaler{idx}" for idx in range(len(session.scalers))]
+        if prefix and prefix not in saved_prefixes:
+            continue  # an earlier call the checkpoint does not cover keeps its scalers
+        wanted.update(keys)
+        if not session.props.enabled:  # a disabled call keeps nothing, ignores its entries
+            wanted.update(k for k in state if k.startswith(prefix or "loss_scaler"))
+            continue
+        expected.extend(zip(keys, session.scalers, strict=True))
+    missing = [key for key, _ in expected if key not in state]
+    extra = [key for key in state if key not in wanted]
     if missing or extra:
-        counts = [len(s.scalers) for s in sessions]
+        counts = [len(s.scalers) for _, s in sessions]
         raise ValueError(
             f"amp.load_state_dict: the checkpoint does not match the loss scalers of this run "
             f"(missing {sorted(missing)}, unexpected {sorted(extra)}). This run has "
-            f"{len(sessions)} live amp.initialize call(s) with num_losses {counts}; a "
-            "checkpoint loads into a run that calls amp.initialize as the run that saved it "
-            "did (same number of calls, in the same order, with the same num_losses). Calls "
-            "whose optimizers are still referenced count as live: delete them first."
+            f"{len(sessions)} live amp.initialize call(s) with num_losses {counts} (in call "
+            'order). The keys "loss_scaler<j>" load into the latest call, which must have the '
+            'saved num_losses; "session<k>.loss_scaler<j>" into the k-th live call before it. '
+            "Call amp.initialize with the num_losses of the run that saved the checkpoint."
         )
     checked = [
         (scaler, scaler.check_state_dict(state[key], f'state_dict["{key}"]'))
