@@ -540,8 +540,18 @@ class OptimizerAmpState:
 
 
 def _amp_step(optimizer: Any, closure: Callable[[], Any] | None = None) -> Any:
+    # What the wrapper of a torch LR scheduler records (a skipped step is a step to it).
+    optimizer._opt_called = True
     state = optimizer_state(optimizer)
     return state._step(closure) if state else class_method(optimizer, "step")(closure)
+
+
+# torch's LR schedulers wrap `optimizer.step` to see whether it ran before their own step(),
+# and warn when `optimizer.step` lacks their mark (it was replaced after the scheduler was
+# built: amp.initialize after the scheduler, the usual order of Apex scripts). amp's step
+# records the call itself (`_opt_called` above), so it carries the mark: a scheduler built
+# before or after amp.initialize then warns only when it would without amp.
+_amp_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
 
 
 def _amp_zero_grad(optimizer: Any, set_to_none: bool = True) -> None:
