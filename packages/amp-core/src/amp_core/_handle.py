@@ -57,6 +57,24 @@ def scale_loss(
     scale, a gradient holding an inf or a nan (before or after unscaling) makes the next
     ``optimizer.step()`` a no-op; a dynamic scale is lowered too (not below its floor).
 
+    Inside the block the backward's gradients arrive alone: the gradients accumulated by
+    earlier backwards of the step are held aside and added back on exit.
+
+    * **An exception in the block** (raised by the backward, e.g. out of memory, or by the
+      code in the block) propagates, and leaves the gradients of the optimizer(s) as they
+      were before the block: those the failed backward made are dropped, those held aside
+      are put back, and the step is where it was (a fused O2 optimizer's pending gradients
+      are unscaled into place first, as :func:`master_params` does). A loop that skips a bad
+      micro-batch keeps accumulating the others exactly.
+    * **optimizer.step()** of an optimizer passed here is refused inside the block
+      (``RuntimeError``: the gradients are not unscaled yet); call it after the block.
+      Stepping another optimizer inside the block is fine.
+    * **Nested blocks** for the same optimizer are refused (``RuntimeError``), as Apex did not
+      support them; blocks for different optimizers may nest.
+    * ``optimizer.zero_grad()`` inside the block drops the held gradients too.
+    * Gradients left scaled by a ``delay_unscale`` backward of another ``loss_id`` are
+      unscaled by their own loss scale (and its scale updated) when this block starts.
+
     Args:
         loss: The loss tensor.
         optimizers: The optimizer, or list of optimizers, returned by ``amp.initialize``
@@ -68,12 +86,14 @@ def scale_loss(
         delay_overflow_check: Unscale, but neither update the scale nor skip a step.
 
     Raises:
-        RuntimeError: before ``amp.initialize``, or for an optimizer it did not return.
+        RuntimeError: before ``amp.initialize``, for an optimizer it did not return, or for an
+            optimizer already inside another ``scale_loss`` block.
         ValueError: for a ``loss_id`` out of range.
 
     Example:
         >>> with amp.scale_loss(loss, optimizer) as scaled_loss:
         ...     scaled_loss.backward()
+        >>> optimizer.step()  # after the block
     """
     session = registry.current
     if session is None:
