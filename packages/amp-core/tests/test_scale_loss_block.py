@@ -344,3 +344,18 @@ def test_a_delayed_loss_finished_under_another_loss_id_keeps_its_weight(opt_leve
     ref_opt.step()
     _check_close(_weights(model), _weights(ref), CHAIN_TOL[half])
     assert amp.skipped_steps(opt) == 1
+
+
+@pytest.mark.parametrize("half", HALF_DTYPES)
+@pytest.mark.parametrize("opt_level, kind", OPTIMIZERS)
+def test_a_delayed_backward_after_an_unscaled_one_keeps_the_unscaled_gradients(
+    opt_level, kind, half
+):
+    """Unscaled, then delayed, then finishing backwards: each unscaled exactly once."""
+    scale = {} if opt_level in ("O0", "O3") else {"loss_scale": "dynamic"}
+    model, opt, ref, _ = _setup(opt_level, half, kind, **scale)
+    for seed, delay in ((0, False), (1, True), (2, False)):
+        with amp.scale_loss(_loss(model, seed), opt, delay_unscale=delay) as scaled:
+            scaled.backward()
+        _loss(ref, seed).backward()
+    _check_close(_grads(opt), [p.grad for p in ref.parameters()], _tol(opt_level, half))

@@ -63,9 +63,10 @@ def scale_loss(
     * **An exception in the block** (raised by the backward, e.g. out of memory, or by the
       code in the block) propagates, and leaves the gradients of the optimizer(s) as they
       were before the block: those the failed backward made are dropped, those held aside
-      are put back, and the step is where it was (a fused O2 optimizer's pending gradients
-      are unscaled into place first, as :func:`master_params` does). A loop that skips a bad
-      micro-batch keeps accumulating the others exactly.
+      are put back, and the step is where it was. (Entering the block first unscales into
+      place the gradients a fused O2 step left pending, as :func:`master_params` does, and
+      those a ``delay_unscale`` backward of another ``loss_id`` left scaled: that stays.) A
+      loop that skips a bad micro-batch keeps accumulating the others exactly.
     * **optimizer.step()** of an optimizer passed here is refused inside the block
       (``RuntimeError``: the gradients are not unscaled yet); call it after the block.
       Stepping another optimizer inside the block is fine.
