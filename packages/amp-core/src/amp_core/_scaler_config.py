@@ -64,7 +64,7 @@ def check_scale(value: Any, where: str) -> float:
     return scale
 
 
-def _as_float(value: numbers.Real) -> float:
+def _as_float(value: Any) -> float:
     """``float(value)``, with an integer too large for a float as +-inf (not OverflowError)."""
     try:
         return float(value)
@@ -87,10 +87,11 @@ def check_count(value: Any, where: str, *, minimum: int = 0, maximum: int | None
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{where} must be an int, got {type(value).__name__} {_show(value)}.")
-    if value < minimum or (maximum is not None and value > maximum):
+    count = int(value)
+    if count < minimum or (maximum is not None and count > maximum):
         bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
         raise ValueError(f"{where} must be an int {bounds}, got {_show(value)}.")
-    return int(value)
+    return count
 
 
 def _real(value: Any, name: str) -> float:
