@@ -113,10 +113,12 @@ class Block:
 
 
 def _add_grad(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """``new + old`` for two gradients of one param, in place in one of them."""
-    if new.is_sparse and not old.is_sparse:
-        return old.add_(new)
-    return new.add_(old)
+    """``old + new`` for two gradients of one param, in place in ``old`` as autograd
+    accumulates (the tensor a param held stays its gradient), or in ``new`` when only ``new``
+    is dense."""
+    if old.is_sparse and not new.is_sparse:
+        return new.add_(old)
+    return old.add_(new)
 
 
 class OptimizerAmpState:
