@@ -143,6 +143,7 @@ class OrdinaryPath(StepPath):
                 pairs += self.weights.adopt_group(group, self.optimizer.state, sources)
             else:
                 self.weights.direct_params.extend(group["params"])
+                _match_state_dtypes(group["params"], self.optimizer.state)
         return pairs
 
     def step(
@@ -167,6 +168,19 @@ class OrdinaryPath(StepPath):
 
     def remove(self) -> None:
         pass  # the masters stay in the param groups
+
+
+def _match_state_dtypes(params: list[Tensor], state: Any) -> None:
+    """Give the optimizer state of params cast by ``amp.initialize`` (O3) their new dtype, as
+    ``Optimizer.load_state_dict`` does: state loaded before ``initialize`` (a resumed run)
+    then steps as the state the run that saved it had (the step counter is left alone)."""
+    for param in params:
+        entry = state.get(param) if param.is_floating_point() else None
+        if not entry:
+            continue
+        for key, value in entry.items():
+            if key != "step" and torch.is_tensor(value) and value.is_floating_point():
+                entry[key] = value.to(dtype=param.dtype)
 
 
 class FusedPath(StepPath):
