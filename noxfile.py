@@ -371,6 +371,11 @@ def _documented_installs() -> dict[str, list[str]]:
     missing = [package for package in PACKAGES if package not in commands]
     if missing:
         raise SystemExit(f"README.md shows no `{prefix}<package>` line for {missing}")
+    # Each package's README shows the same line in its "Install" section.
+    for package, words in commands.items():
+        readme = ROOT / "packages" / package / "README.md"
+        if f"\n{shlex.join(words)}\n" not in readme.read_text().replace('"', "'"):
+            raise SystemExit(f"{readme} does not show `{shlex.join(words)}` as README.md does")
     return commands
 
 
@@ -447,7 +452,7 @@ def wheel_prebuilt(session: nox.Session) -> None:
     _install(session, "build", "hatchling", "virtualenv", "twine", "ninja")
     kinds = ["cpu"]
     env = {
-        "AMP_FUSED_OPS_CACHE": str(Path(session.create_tmp()) / "kernel-build-cache"),
+        "AMP_FUSED_OPS_CACHE": str(Path(session.create_tmp()).resolve() / "kernel-build-cache"),
         "MAX_JOBS": os.environ.get("MAX_JOBS", str(os.cpu_count() or 1)),
     }
     cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
@@ -473,7 +478,7 @@ def wheel_prebuilt(session: nox.Session) -> None:
         session.error(f"expected one platform wheel in {PREBUILT_WHEELHOUSE}, found {wheels}")
     session.run("python", "-m", "twine", "check", "--strict", str(wheels[0]))
 
-    tmp = Path(session.create_tmp())
+    tmp = Path(session.create_tmp()).resolve()
     venv = tmp / "prebuilt-check"
     python = _fresh_virtualenv(session, venv)
     command = ["pip", "install", "--find-links", "dist/prebuilt", "amp-fused-ops"]
