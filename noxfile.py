@@ -379,6 +379,17 @@ def _documented_installs() -> dict[str, list[str]]:
     return commands
 
 
+def _documented_git_installs() -> list[list[str]]:
+    """The ``pip install "<package> @ git+$REPO#subdirectory=..."`` lines of README.md, in order."""
+    commands = []
+    for line in (ROOT / "README.md").read_text().splitlines():
+        if line.startswith("pip install ") and "git+$REPO#subdirectory=" in line:
+            commands.append(
+                shlex.split(line.split("#", 1)[0] + "#" + line.split("#", 1)[1].split()[0])
+            )
+    return commands
+
+
 def _fresh_virtualenv(session: nox.Session, venv: Path) -> str:
     """A new virtualenv at ``venv`` with torch linked in; returns its python."""
     shutil.rmtree(venv, ignore_errors=True)
@@ -430,7 +441,32 @@ def build(session: nox.Session) -> None:
         session.run(python, checks, "imports", name, str(venv), external=True)
         readme = ROOT / "packages" / package / "README.md"
         session.run(python, str(CI_DIR / "readme_examples.py"), str(readme), external=True)
+    _check_git_installs(session, venvs / "from-git")
     session.log(f"wheelhouse ready: {WHEELHOUSE} ({len(files)} files)")
+
+
+def _check_git_installs(session: nox.Session, venv: Path) -> None:
+    """Run README.md's git+ install lines, in their order, with this repository as ``$REPO``.
+
+    pip clones the repository, so this installs the last commit (not uncommitted changes).
+    """
+    commands = _documented_git_installs()
+    installed = {re.split(r"[\[ @]", command[-1], maxsplit=1)[0] for command in commands}
+    if installed != set(PACKAGES):
+        session.error(f"README.md's git+ install lines cover {sorted(installed)}, not {PACKAGES}")
+    if not (ROOT / ".git").exists():
+        session.log("not a git checkout: the git+ install lines of README.md are not tried")
+        return
+    python = _fresh_virtualenv(session, venv)
+    repo = ROOT.as_uri()
+    for command in commands:
+        command = [word.replace("$REPO", repo) for word in command]
+        session.log(f"{shlex.join(command)} (the README's git+ line, REPO={repo})")
+        session.run(python, "-m", *command, silent=True, external=True)
+    for name in IMPORT_NAMES.values():
+        session.run(
+            python, str(CI_DIR / "wheel_checks.py"), "imports", name, str(venv), external=True
+        )
 
 
 @nox.session
