@@ -353,6 +353,11 @@ def lint(session: nox.Session) -> None:
     session.run("python", "-m", "mypy", *SRC_DIRS)
 
 
+def _shell_words(line: str) -> list[str]:
+    """The words of a shell command line of the README, without its trailing ``# comment``."""
+    return shlex.split(re.sub(r"\s+#\s.*$", "", line))
+
+
 def _documented_installs() -> dict[str, list[str]]:
     """The wheelhouse install command of each package, as README.md's "Install" shows it.
 
@@ -364,7 +369,7 @@ def _documented_installs() -> dict[str, list[str]]:
     prefix = "pip install --find-links dist "
     for line in (ROOT / "README.md").read_text().splitlines():
         if line.startswith(prefix):
-            words = shlex.split(line.split("#", 1)[0])
+            words = _shell_words(line)
             requirement = words[-1]
             name = re.split(r"[\[<>=!~ ;@]", requirement, maxsplit=1)[0]
             commands[name] = words
@@ -384,9 +389,7 @@ def _documented_git_installs() -> list[list[str]]:
     commands = []
     for line in (ROOT / "README.md").read_text().splitlines():
         if line.startswith("pip install ") and "git+$REPO#subdirectory=" in line:
-            commands.append(
-                shlex.split(line.split("#", 1)[0] + "#" + line.split("#", 1)[1].split()[0])
-            )
+            commands.append(_shell_words(line))
     return commands
 
 
