@@ -6,8 +6,9 @@ the first session installs one into nox's cache folder (``.nox/.cache/torch/...`
 later session links to that. That install is the CPU build on machines without an NVIDIA
 driver; ``AMP_TORCH_BUILD=cuda`` picks the CUDA build, and ``AMP_TORCH`` names any other
 requirement or a local wheel. ``cuda_build`` keeps its own CUDA torch (``AMP_CUDA_TORCH``).
-Our own packages are always installed from this checkout (editable, without dependencies),
-never from an index.
+The test sessions install our packages from this checkout (editable, without dependencies),
+never from an index; ``build`` installs them from the wheelhouse it writes (``dist/``) and from
+this repository's git URL, with the exact commands README.md shows.
 """
 
 from __future__ import annotations
@@ -233,13 +234,19 @@ def _without_toolkit(session: nox.Session, site: Path) -> Path:
     return view
 
 
-def _link_torch(session: nox.Session, python: str = "python") -> Path:
+def _link_torch(
+    session: nox.Session, python: str = "python", *, hide_toolkit: bool = False
+) -> Path:
     """Make torch importable by ``python`` (a virtualenv's interpreter) without installing it.
 
     A ``.pth`` file in the virtualenv's site-packages appends torch's site folder to
     ``sys.path``, after the virtualenv's own packages, which therefore take precedence.
+    ``hide_toolkit`` links a view of that folder without the toolkit's own packages (for the
+    virtualenvs that install them from the wheelhouse or from git).
     """
-    site = _without_toolkit(session, _torch_site(session))
+    site = _torch_site(session)
+    if hide_toolkit:
+        site = _without_toolkit(session, site)
     (_site_packages(python, session) / TORCH_PTH).write_text(f"{site}\n")
     return site
 
@@ -398,7 +405,7 @@ def _fresh_virtualenv(session: nox.Session, venv: Path) -> str:
     shutil.rmtree(venv, ignore_errors=True)
     session.run("python", "-m", "virtualenv", "--quiet", str(venv), silent=True)
     python = str(venv / ("Scripts" if os.name == "nt" else "bin") / "python")
-    _link_torch(session, python)
+    _link_torch(session, python, hide_toolkit=True)
     return python
 
 
