@@ -445,9 +445,8 @@ def build(session: nox.Session) -> None:
         )
         venv = venvs / package
         python = _fresh_virtualenv(session, venv)
-        command = installs[package]
-        session.log(f"{package}: {shlex.join(command)} (in a fresh virtualenv)")
-        session.run(python, "-m", *command, silent=True, external=True)
+        session.log(f"{package}: README.md's install command, in a fresh virtualenv")
+        session.run(python, "-m", *installs[package], silent=True, external=True)
         session.run(python, checks, "imports", name, str(venv), external=True)
         readme = ROOT / "packages" / package / "README.md"
         session.run(python, str(CI_DIR / "readme_examples.py"), str(readme), external=True)
@@ -469,9 +468,9 @@ def _check_git_installs(session: nox.Session, venv: Path) -> None:
         return
     python = _fresh_virtualenv(session, venv)
     repo = ROOT.as_uri()
+    session.log(f"README.md's git+ install lines, in their order, with REPO={repo}")
     for command in commands:
         command = [word.replace("$REPO", repo) for word in command]
-        session.log(f"{shlex.join(command)} (the README's git+ line, REPO={repo})")
         session.run(python, "-m", *command, silent=True, external=True)
     for name in IMPORT_NAMES.values():
         session.run(
@@ -530,7 +529,7 @@ def wheel_prebuilt(session: nox.Session) -> None:
     command = ["pip", "install", "--find-links", "dist/prebuilt", "amp-fused-ops"]
     if f"{shlex.join(command)}\n" not in (ROOT / "README.md").read_text():
         session.error(f"README.md does not show `{shlex.join(command)}` on a line of its own")
-    session.log(f"{shlex.join(command)} (in a fresh virtualenv)")
+    session.log("README.md's install command, in a fresh virtualenv")
     session.run(python, "-m", *command, silent=True, external=True)
     empty_cache = tmp / "empty-kernel-cache"
     shutil.rmtree(empty_cache, ignore_errors=True)

@@ -150,12 +150,19 @@ def render(data: dict[str, Any]) -> str:
         "|---|---|---|---|",
     ]
     for entry in data["rows"]:
+        if not entry.get("time") and entry.get("seconds") is None:
+            continue  # a row no run has filled yet
         wall = entry.get("time") or f"{entry['seconds']} s"
         measured = f"{entry['date']}, load {entry['load']}; {entry['source']}"
         command = entry.get("label") or f"`{entry['command']}`"
         lines.append(f"| {command} | {wall} | {measured} | {entry['what']} |")
-    machines = sorted({entry["machine"] for entry in data["rows"]})
-    lines += ["", "Machine: " + "; ".join(machines) + "."]
+    sources: dict[str, set[str]] = {}
+    for entry in data["rows"]:
+        if entry.get("time") or entry.get("seconds") is not None:
+            sources.setdefault(entry["machine"], set()).add(entry["source"])
+    lines.append("")
+    for name, how in sorted(sources.items()):
+        lines.append(f"- {', '.join(sorted(how))}: {name}.")
     return "\n".join(lines)
 
 
