@@ -417,6 +417,8 @@ def build(session: nox.Session) -> None:
     requires a CUDA build of torch. Then every package is installed into a fresh virtualenv
     (torch linked in) with exactly the command README.md shows, ``pip install --find-links
     dist <package>``, imported from there, and the Python examples of its README are run.
+    Last, README.md's ``git+`` install lines run in their order in one more virtualenv, with
+    this repository as ``$REPO`` (pip clones it: that tries the last commit).
     """
     _link_torch(session)
     _install(session, "build", "hatchling", "virtualenv", "twine")
