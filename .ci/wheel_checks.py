@@ -27,6 +27,7 @@ import sys
 import tarfile
 import time
 import zipfile
+from typing import NoReturn
 
 # A requirement on an NVIDIA package (nvidia-*, cuda-*) or on a CUDA build of torch (+cu...).
 _CUDA_REQUIREMENT = re.compile(r"^(nvidia-|cuda-|torch\b.*\+cu\d)", re.IGNORECASE)
@@ -99,7 +100,7 @@ def check_first_use(venv: pathlib.Path) -> int:
 
     from amp_fused_ops import _loader, amp_C, multi_tensor_applier
 
-    def no_compile(*args: object, **kwargs: object) -> None:
+    def no_compile(*args: object, **kwargs: object) -> NoReturn:
         raise AssertionError("the extension was about to be compiled on first use")
 
     _loader._compile = no_compile  # any compile attempt fails the check
