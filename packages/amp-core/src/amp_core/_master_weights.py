@@ -13,7 +13,14 @@ takes its step through this module, so the rules are written once:
 * a step is skipped, leaving every param and the optimizer state as they were, when the
   gradients overflowed; otherwise the optimizer steps and the model is refreshed from the
   masters (:meth:`MasterWeights.step`). An optimizer that keeps the masters itself and steps
-  them in one fused pass skips on the device instead (:func:`fused_master_step`).
+  them in one fused pass skips on the device instead (:func:`fused_master_step`);
+* the master is the truth of its weight, and an in-place edit of the half param (``fill_``,
+  ``copy_``, ``nn.init``) made since the masters were last written into the model is taken
+  into the master before the master is read or stepped (:meth:`MasterWeights.take_model_edits`):
+  the version counters of the half params tell which ones may have changed, and within those,
+  the elements whose half value no longer equals the rounded master take the edited value;
+* :meth:`MasterWeights.release` gives the param groups back their model params (float32, with
+  the masters' values) when amp's wrapping is removed.
 """
 
 from __future__ import annotations
@@ -77,6 +84,8 @@ class MasterWeights:
         self.model_params: list[Tensor] = []
         self.masters: list[Tensor] = []
         self.direct_params: list[Tensor] = list(direct_params)
+        # The half params' version counters when the masters were last written into them.
+        self._versions: list[int] = []
         # The direct params' gradients from before the current scaled backward (unscaled).
         self._stash: list[Tensor | None] = []
 
@@ -90,6 +99,7 @@ class MasterWeights:
         """Record a master made elsewhere (by a fused master-weight optimizer)."""
         self.model_params.append(model_param)
         self.masters.append(master)
+        self._versions.append(model_param._version)
 
     def adopt_param(
         self,
@@ -230,6 +240,73 @@ class MasterWeights:
         with torch.no_grad():
             for dst, src in by_device.values():
                 torch._foreach_copy_(dst, src)
+        self.note_model_versions()
+
+    def note_model_versions(self) -> None:
+        """Remember the half params' version counters: they hold the masters' values now."""
+        self._versions = [p._version for p in self.model_params]
+
+    def take_model_edits(self) -> None:
+        """Take in-place edits of the half params into their masters.
+
+        A half param whose version counter moved since the masters were last written into the
+        model was changed by something else (``nn.init.zeros_``, ``fill_``, ``copy_`` under
+        ``no_grad``, a data-parallel broadcast). Its master then takes the edited value where the
+        half value differs from the rounded master, and keeps its full precision elsewhere, so
+        that the edit is neither reverted by the next step nor missing from ``state_dict()``.
+
+        Raises:
+            RuntimeError: A half param's shape no longer matches its master's (its ``.data``
+                was replaced by a tensor of another shape).
+        """
+        if len(self._versions) != len(self.model_params):
+            self._versions += [-1] * (len(self.model_params) - len(self._versions))
+        changed = False
+        with torch.no_grad():
+            for index, (param, master) in enumerate(self.pairs()):
+                if param._version == self._versions[index]:
+                    continue
+                changed = True
+                if param.shape != master.shape:
+                    raise RuntimeError(
+                        f"A parameter of shape {tuple(param.shape)} has an fp32 master weight "
+                        f"of shape {tuple(master.shape)}: its data was replaced by a tensor of "
+                        "another shape after amp.initialize. Change a model's shapes before "
+                        "amp.initialize, or call amp.close(), change the model, build a new "
+                        "optimizer and call amp.initialize again."
+                    )
+                edited = param.detach()
+                differs = edited != master.detach().to(edited.dtype)
+                master.copy_(torch.where(differs, edited.to(master.dtype), master.detach()))
+        if changed:
+            self.note_model_versions()
+
+    def release(self, optimizer: Any) -> None:
+        """Give ``optimizer``'s param groups back the model params in place of their masters.
+
+        Each half param takes its master's value as float32 (where nothing did so before), and
+        the optimizer state moves from the master back to the param, as it is (float32). After
+        this the optimizer steps the model's own params, as plain PyTorch does, and there are
+        no masters left here.
+        """
+        self.take_model_edits()
+        by_master = {id(m): p for p, m in self.pairs()}
+        with torch.no_grad():
+            for param, master in self.pairs():
+                if param.dtype in HALF_DTYPES:
+                    param.data = master.detach().clone()
+        for group in optimizer.param_groups:
+            params = group["params"]
+            for index, master in enumerate(params):
+                param = by_master.get(id(master))
+                if param is None:
+                    continue
+                params[index] = param
+                if master in optimizer.state:
+                    optimizer.state[param] = optimizer.state.pop(master)
+        # No masters any more: the model params are stepped directly.
+        self.direct_params = [*self.model_params, *self.direct_params]
+        self.model_params, self.masters, self._versions = [], [], []
 
     def step(self, optimizer_step: Callable[[], T], *, overflow: bool) -> T | None:
         """The step, or its skip: the one place that decides.
@@ -242,6 +319,7 @@ class MasterWeights:
             What ``optimizer_step`` returned, or ``None`` when the step was skipped (nothing
             stepped, nothing copied: every param and the optimizer state stay as they were).
         """
+        self.take_model_edits()
         if overflow:
             return None
         result = optimizer_step()

@@ -165,6 +165,7 @@ class AmpRegistry:
 
     def __init__(self) -> None:
         self.current: AmpSession | None = None
+        self.closed = False  # amp.close() ran, and no initialize since
         self.casting: O1Casting | None = None
         self.registrations = _Registrations(self)
         self._sessions: list[weakref.ref[AmpSession]] = []
@@ -190,6 +191,7 @@ class AmpRegistry:
             logger.info("Switching off the O1 casting that was active before amp.initialize.")
             self.switch_off_casting()
         self.current = session
+        self.closed = False
         self._sessions = [ref for ref in self._sessions if ref() is not None]
         if session is not None:
             self._sessions.append(weakref.ref(session))
@@ -207,6 +209,7 @@ class AmpRegistry:
                 del obj.__dict__["_amp_state"]
         self._records = []
         self.current = None
+        self.closed = True
         self._sessions = []
 
     def _alive(self) -> list[AmpSession]:

@@ -116,7 +116,8 @@ class StepPath(abc.ABC):
 
     @abc.abstractmethod
     def remove(self) -> None:
-        """Undo what the path did to the optimizer (the masters stay in the groups)."""
+        """Undo what the path did to the optimizer: the model params, holding their masters'
+        values as float32, are what it steps afterwards."""
 
 
 class OrdinaryPath(StepPath):
@@ -166,7 +167,8 @@ class OrdinaryPath(StepPath):
         return StepOutcome(result, skipped=overflow, checks=checks if overflow else [])
 
     def remove(self) -> None:
-        pass  # the masters stay in the param groups
+        if self.master_weights:
+            self.weights.release(self.optimizer)
 
 
 class FusedPath(StepPath):
@@ -223,6 +225,17 @@ class FusedPath(StepPath):
     ) -> StepOutcome:
         if closure is not None:
             raise RuntimeError(CLOSURE_UNSUPPORTED)
+        self.weights.take_model_edits()
+        outcome = self._step(deferred, checks, read_overflow)
+        self.weights.note_model_versions()  # the fused step wrote the model
+        return outcome
+
+    def _step(
+        self,
+        deferred: Deferred | None,
+        checks: list[tuple[int, Tensor]],
+        read_overflow: OverflowReader,
+    ) -> StepOutcome:
         optimizer: Any = self.optimizer
         if deferred is None:  # grads already unscaled into place (or none at all)
             found_inf = combined_flag(checks)
@@ -252,4 +265,6 @@ class FusedPath(StepPath):
         return None
 
     def remove(self) -> None:
+        # The optimizer is told to drop its masters after the model params took their values.
+        self.weights.release(self.optimizer)
         self.optimizer.amp_disable_fused_master_weights()  # type: ignore[attr-defined]
