@@ -41,6 +41,11 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 T = TypeVar("T")
 
 
+def _stamp(param: Tensor) -> tuple[int, int]:
+    """What changes when a tensor is written in place or its ``.data`` is replaced."""
+    return param._version, param.data_ptr()
+
+
 class GradUnscaler(Protocol):
     """What unscales gradients: :class:`~amp_core.LossScaler` and the legacy scalers."""
 
@@ -84,8 +89,8 @@ class MasterWeights:
         self.model_params: list[Tensor] = []
         self.masters: list[Tensor] = []
         self.direct_params: list[Tensor] = list(direct_params)
-        # The half params' version counters when the masters were last written into them.
-        self._versions: list[int] = []
+        # The half params' stamps (_stamp) when the masters were last written into them.
+        self._versions: list[tuple[int, int]] = []
         # The direct params' gradients from before the current scaled backward (unscaled).
         self._stash: list[Tensor | None] = []
 
@@ -99,7 +104,7 @@ class MasterWeights:
         """Record a master made elsewhere (by a fused master-weight optimizer)."""
         self.model_params.append(model_param)
         self.masters.append(master)
-        self._versions.append(model_param._version)
+        self._versions.append(_stamp(model_param))
 
     def adopt_param(
         self,
@@ -243,15 +248,16 @@ class MasterWeights:
         self.note_model_versions()
 
     def note_model_versions(self) -> None:
-        """Remember the half params' version counters: they hold the masters' values now."""
-        self._versions = [p._version for p in self.model_params]
+        """Remember the half params' stamps: they hold the masters' values now."""
+        self._versions = [_stamp(p) for p in self.model_params]
 
     def take_model_edits(self) -> None:
         """Take in-place edits of the half params into their masters.
 
-        A half param whose version counter moved since the masters were last written into the
-        model was changed by something else (``nn.init.zeros_``, ``fill_``, ``copy_`` under
-        ``no_grad``, a data-parallel broadcast). Its master then takes the edited value where the
+        A half param whose version counter moved, or whose ``.data`` was replaced, since the
+        masters were last written into the model was changed by something else
+        (``nn.init.zeros_``, ``fill_``, ``copy_`` under ``no_grad``, ``param.data = ...``, a
+        data-parallel broadcast). Its master then takes the edited value where the
         half value differs from the rounded master, and keeps its full precision elsewhere, so
         that the edit is neither reverted by the next step nor missing from ``state_dict()``.
 
@@ -260,11 +266,11 @@ class MasterWeights:
                 was replaced by a tensor of another shape).
         """
         if len(self._versions) != len(self.model_params):
-            self._versions += [-1] * (len(self.model_params) - len(self._versions))
+            self._versions += [(-1, -1)] * (len(self.model_params) - len(self._versions))
         changed = False
         with torch.no_grad():
             for index, (param, master) in enumerate(self.pairs()):
-                if param._version == self._versions[index]:
+                if _stamp(param) == self._versions[index]:
                     continue
                 changed = True
                 if param.shape != master.shape:
@@ -285,9 +291,10 @@ class MasterWeights:
         """Give ``optimizer``'s param groups back the model params in place of their masters.
 
         Each half param takes its master's value as float32 (where nothing did so before), and
-        the optimizer state moves from the master back to the param, as it is (float32). After
-        this the optimizer steps the model's own params, as plain PyTorch does, and there are
-        no masters left here.
+        the optimizer state moves from the master back to the param, as it is (float32); half
+        state of a param that is no longer half is widened to the param's dtype. After this the
+        optimizer steps the model's own params, as plain PyTorch does, and there are no masters
+        left here.
         """
         self.take_model_edits()
         by_master = {id(m): p for p, m in self.pairs()}
@@ -307,6 +314,15 @@ class MasterWeights:
         # No masters any more: the model params are stepped directly.
         self.direct_params = [*self.model_params, *self.direct_params]
         self.model_params, self.masters, self._versions = [], [], []
+        # A param widened back from half (O3's, by amp.close()) gets its half state widened too.
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                state = optimizer.state.get(param)
+                if not state or param.dtype in HALF_DTYPES:
+                    continue
+                for key, value in state.items():
+                    if torch.is_tensor(value) and value.dtype in HALF_DTYPES:
+                        state[key] = value.to(param.dtype)
 
     def step(self, optimizer_step: Callable[[], T], *, overflow: bool) -> T | None:
         """The step, or its skip: the one place that decides.

@@ -167,8 +167,7 @@ class OrdinaryPath(StepPath):
         return StepOutcome(result, skipped=overflow, checks=checks if overflow else [])
 
     def remove(self) -> None:
-        if self.master_weights:
-            self.weights.release(self.optimizer)
+        self.weights.release(self.optimizer)
 
 
 class FusedPath(StepPath):
