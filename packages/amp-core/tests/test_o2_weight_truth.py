@@ -284,10 +284,13 @@ def test_an_edit_that_keeps_the_half_value_keeps_the_master(half):
 
 @pytest.mark.parametrize("half", HALF_DTYPES)
 def test_replacing_a_param_data_with_another_shape_names_the_fix(half):
-    model, opt = _init(tiny_mlp(), "O2", half)
+    model, _ = _init(tiny_mlp(), "O2", half)
     model[2].weight.data = torch.zeros(5, 8, dtype=half)  # a new layer's weight
     with pytest.raises(RuntimeError, match=r"shape \(5, 8\).*amp\.close\(\)"):
         model.state_dict()
+    amp.close()  # the fix the message gives: the model keeps the new weight, in float32
+    assert model[2].weight.dtype == torch.float32 and model[2].weight.shape == (5, 8)
+    assert not model[2].weight.detach().any()
 
 
 # ---------------------------------------------------------------- close

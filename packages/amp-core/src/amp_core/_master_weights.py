@@ -34,7 +34,13 @@ from torch import Tensor
 from ._fused_master import FusedMasterWeightOptimizer
 from ._scaler import LossScaler
 
-__all__ = ["GradUnscaler", "MasterWeights", "fused_master_step", "read_overflow"]
+__all__ = [
+    "GradUnscaler",
+    "MasterWeights",
+    "fused_master_step",
+    "match_state_dtypes",
+    "read_overflow",
+]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -251,7 +257,7 @@ class MasterWeights:
         """Remember the half params' stamps: they hold the masters' values now."""
         self._versions = [_stamp(p) for p in self.model_params]
 
-    def take_model_edits(self) -> None:
+    def take_model_edits(self, *, strict: bool = True) -> None:
         """Take in-place edits of the half params into their masters.
 
         A half param whose version counter moved, or whose ``.data`` was replaced, since the
@@ -261,9 +267,14 @@ class MasterWeights:
         half value differs from the rounded master, and keeps its full precision elsewhere, so
         that the edit is neither reverted by the next step nor missing from ``state_dict()``.
 
+        Args:
+            strict: Raise for a half param whose shape no longer matches its master's (its
+                ``.data`` was replaced by a tensor of another shape); else leave that master
+                as it is (amp.close() then gives the param back as it is).
+
         Raises:
-            RuntimeError: A half param's shape no longer matches its master's (its ``.data``
-                was replaced by a tensor of another shape).
+            RuntimeError: With ``strict``, a half param's shape no longer matches its
+                master's.
         """
         if len(self._versions) != len(self.model_params):
             self._versions += [(-1, -1)] * (len(self.model_params) - len(self._versions))
@@ -274,6 +285,8 @@ class MasterWeights:
                     continue
                 changed = True
                 if param.shape != master.shape:
+                    if not strict:
+                        continue
                     raise RuntimeError(
                         f"A parameter of shape {tuple(param.shape)} has an fp32 master weight "
                         f"of shape {tuple(master.shape)}: its data was replaced by a tensor of "
@@ -296,11 +309,11 @@ class MasterWeights:
         optimizer steps the model's own params, as plain PyTorch does, and there are no masters
         left here.
         """
-        self.take_model_edits()
+        self.take_model_edits(strict=False)
         by_master = {id(m): p for p, m in self.pairs()}
         with torch.no_grad():
             for param, master in self.pairs():
-                if param.dtype in HALF_DTYPES:
+                if param.dtype in HALF_DTYPES and param.shape == master.shape:
                     param.data = master.detach().clone()
         for group in optimizer.param_groups:
             params = group["params"]
@@ -315,14 +328,9 @@ class MasterWeights:
         self.direct_params = [*self.model_params, *self.direct_params]
         self.model_params, self.masters, self._versions = [], [], []
         # A param widened back from half (O3's, by amp.close()) gets its half state widened too.
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                state = optimizer.state.get(param)
-                if not state or param.dtype in HALF_DTYPES:
-                    continue
-                for key, value in state.items():
-                    if torch.is_tensor(value) and value.dtype in HALF_DTYPES:
-                        state[key] = value.to(param.dtype)
+        match_state_dtypes(
+            optimizer.state, [p for g in optimizer.param_groups for p in g["params"]]
+        )
 
     def step(self, optimizer_step: Callable[[], T], *, overflow: bool) -> T | None:
         """The step, or its skip: the one place that decides.
@@ -341,6 +349,24 @@ class MasterWeights:
         result = optimizer_step()
         self.copy_to_model()
         return result
+
+
+def match_state_dtypes(optimizer_state: MutableMapping[Any, Any], params: Iterable[Tensor]) -> None:
+    """Cast the floating optimizer state of each param to the param's dtype (but ``"step"``),
+    as ``torch.optim.Optimizer.load_state_dict`` does: after amp changed a param's dtype (O3's
+    cast at ``amp.initialize``, the widening at ``amp.close()``), a torch optimizer steps it."""
+    for param in params:
+        state = optimizer_state.get(param)
+        if not state or not param.is_floating_point():
+            continue
+        for key, value in state.items():
+            if (
+                key != "step"
+                and torch.is_tensor(value)
+                and value.is_floating_point()
+                and value.dtype != param.dtype
+            ):
+                state[key] = value.to(param.dtype)
 
 
 def read_overflow(

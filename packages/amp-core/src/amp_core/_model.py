@@ -193,10 +193,11 @@ class ModelAmpState:
                     found[param] = master  # type: ignore[index]
         return found
 
-    def take_model_edits(self) -> None:
-        """Take in-place edits of the model's half params into their masters."""
+    def take_model_edits(self, *, strict: bool = True) -> None:
+        """Take in-place edits of the model's half params into their masters (see
+        :meth:`MasterWeights.take_model_edits`)."""
         for weights in self._weights:
-            weights.take_model_edits()
+            weights.take_model_edits(strict=strict)
 
     # -- copies ------------------------------------------------------------------------------
 
@@ -270,7 +271,7 @@ class ModelAmpState:
     def restore_dtypes(self) -> None:
         """Give every tensor the cast changed its dtype from before the cast: the master's value
         for a param with a master (after taking in-place edits), the widened value otherwise."""
-        self.take_model_edits()
+        self.take_model_edits(strict=False)
         masters = self.masters
         with torch.no_grad():
             for qualified, module, name, is_param in self.plan:
@@ -280,6 +281,8 @@ class ModelAmpState:
                     continue
                 if is_param:
                     master = masters.get(tensor)
+                    if master is not None and master.shape != tensor.shape:
+                        master = None  # its data was replaced: the model's value stands
                     source = master.detach() if master is not None else tensor.data
                     tensor.data = source.to(original, copy=True)
                 else:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._master_weights import MasterWeights, fused_master_step
+from ._master_weights import HALF_DTYPES, MasterWeights, fused_master_step, match_state_dtypes
 from ._scaler import LossScaler
 
 __all__ = [
@@ -144,6 +144,9 @@ class OrdinaryPath(StepPath):
                 pairs += self.weights.adopt_group(group, self.optimizer.state, sources)
             else:
                 self.weights.direct_params.extend(group["params"])
+                # Params O3 cast: their existing state follows (as a torch load would).
+                half = [p for p in group["params"] if p.dtype in HALF_DTYPES]
+                match_state_dtypes(self.optimizer.state, half)
         return pairs
 
     def step(
