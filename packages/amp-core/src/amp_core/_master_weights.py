@@ -317,13 +317,13 @@ class MasterWeights:
                     param.data = master.detach().clone()
         for group in optimizer.param_groups:
             params = group["params"]
-            for index, master in enumerate(params):
-                param = by_master.get(id(master))
-                if param is None:
+            for index, held in enumerate(params):
+                model_param = by_master.get(id(held))
+                if model_param is None:
                     continue
-                params[index] = param
-                if master in optimizer.state:
-                    optimizer.state[param] = optimizer.state.pop(master)
+                params[index] = model_param
+                if held in optimizer.state:
+                    optimizer.state[model_param] = optimizer.state.pop(held)
         # No masters any more: the model params are stepped directly.
         self.direct_params = [*self.model_params, *self.direct_params]
         self.model_params, self.masters, self._versions = [], [], []

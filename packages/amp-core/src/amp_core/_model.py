@@ -3,10 +3,20 @@
 Every change is made through PyTorch's module hooks and recorded on the model's
 :class:`ModelAmpState` (``model._amp_state``), so :meth:`ModelAmpState.remove` undoes it.
 
-State dicts: the model's ``state_dict()`` holds fp32 tensors for everything amp cast: the fp32
-master weights where the optimizer keeps them, otherwise the cast tensor widened back. Loading a
+One truth per weight: under O2 the fp32 master (stepped by the optimizer) is the truth of a
+half param, and the hooks find it through the model at call time (``model._amp_state``, then the
+optimizers' :class:`~amp_core._master_weights.MasterWeights`), so a copy of the model reaches its
+own record, never the original's masters.
+
+State dicts: the model's ``state_dict()`` holds fp32 tensors for everything amp cast, under every
+name of a shared (tied) param: the fp32 master weights where the optimizer keeps them (in-place
+edits of the half params taken in first), otherwise the cast tensor widened back. Loading a
 state dict writes the master weights too, so that a resumed O2 run is bitwise identical to an
-uninterrupted one, and checkpoints move freely between opt levels and plain fp32 models.
+uninterrupted one, and checkpoints move freely between opt levels and plain fp32 models. A deep
+copy or an unpickled copy has no masters and exports its own tensors as they are.
+
+:meth:`ModelAmpState.remove` (``amp.close()``) gives every cast tensor its dtype from before the
+cast back, with the master's value where there is one.
 """
 
 from __future__ import annotations
@@ -355,12 +365,16 @@ def model_master_weights(model: nn.Module) -> dict[nn.Parameter, torch.Tensor]:
 
     Under O2 the optimizer steps fp32 copies of the model's half params and writes them back
     after each step; this gives those copies (for a wrapper that must keep them in sync, such as
-    a data-parallel broadcast). Empty for a model ``amp.initialize`` did not return, or whose
-    optimizer keeps no masters (O0, O1, O3).
+    a data-parallel broadcast), with in-place edits of the half params taken in first. Empty for
+    a model ``amp.initialize`` did not return (a deep copy of one included), or whose optimizer
+    keeps no masters (O0, O1, O3), or after ``amp.close()``.
 
     Example:
         >>> masters = model_master_weights(model)
         >>> [masters[p] for p in model.parameters() if p in masters]
     """
     state = model_state(model)
-    return {} if state is None else dict(state.masters)
+    if state is None:
+        return {}
+    state.take_model_edits()
+    return state.masters

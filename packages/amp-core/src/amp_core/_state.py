@@ -23,8 +23,10 @@ Lifecycle:
 * ``amp.close()`` (:meth:`AmpRegistry.close`) undoes every patch of every ``initialize`` call
   whose objects are alive: the O1 casting, the ``step`` / ``zero_grad`` / ``add_param_group``
   wrappers of the optimizers, the hooks of the models, and their ``_amp_state`` records (the
-  registry holds them by weak references). Afterwards no session is current, and the same
-  model and optimizer may be passed to ``amp.initialize`` again.
+  registry holds them by weak references); the models' cast tensors go back to their dtypes
+  and the optimizers step the models' params again. Afterwards no session is current
+  (``closed`` says why), and the same model and optimizer may be passed to ``amp.initialize``
+  again.
 * Function registrations last for the process. A registered module is held by a weak reference
   (a strong one for objects that cannot be weakly referenced), so that registering a function
   never keeps a module alive; a registration whose module is gone is dropped.
