@@ -56,6 +56,16 @@ def _reference(model, opt_level, half):
     return twin.to(half) if opt_level == "O3" else twin
 
 
+def _cast_plain(model, opt, dtype):
+    """Cast a plain model and its optimizer's floating state but ``step`` (as
+    ``Optimizer.load_state_dict`` casts state to its param's dtype)."""
+    model.to(dtype)
+    for state in opt.state.values():
+        for key, value in state.items():
+            if key != "step" and torch.is_tensor(value) and value.is_floating_point():
+                state[key] = value.to(dtype)
+
+
 def _tol(opt_level, half):
     return dict(rtol=1e-5, atol=1e-6) if opt_level == "O0" else CHAIN_TOL[half]
 
@@ -309,11 +319,7 @@ def test_after_close_plain_pytorch_training_goes_on(opt_level, half, opt_cls):
         _plain_step(reference, ref_opt, seed)
     truth = model.state_dict()
     amp.close()
-    reference.float()  # as close() widens an O3 model and its optimizer's half state
-    for state in ref_opt.state.values():
-        for key, value in state.items():
-            if value.dtype in (torch.float16, torch.bfloat16):
-                state[key] = value.float()
+    _cast_plain(reference, ref_opt, torch.float32)  # as close() widens an O3 model
     # Back in float32, holding the truth amp kept, and stepped by the optimizer.
     for name, p in model.named_parameters():
         assert p.dtype == torch.float32, name
@@ -325,19 +331,23 @@ def test_after_close_plain_pytorch_training_goes_on(opt_level, half, opt_cls):
     _assert_close_state(model.state_dict(), reference.state_dict(), opt_level, half)
 
 
+@pytest.mark.parametrize("opt_cls", OPTIMIZERS)
 @pytest.mark.parametrize("second", LEVELS)
 @pytest.mark.parametrize("half", HALF_DTYPES)
 @pytest.mark.parametrize("first", LEVELS)
-def test_close_then_initialize_again_trains(first, half, second):
+def test_close_then_initialize_again_trains(first, half, second, opt_cls):
     model = tiny_mlp()
-    reference = fp32_copy(model)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    model, opt = _init(model, first, half, momentum=0.9)
+    reference = _reference(model, first, half)
+    ref_opt = opt_cls(reference.parameters(), lr=0.1)
+    model, opt = _init(model, first, half, opt_cls)
     for seed in range(2):
         _amp_step(model, opt, seed)
         _plain_step(reference, ref_opt, seed)
     amp.close()
+    _cast_plain(reference, ref_opt, torch.float32)  # as close() widens an O3 model
     model, opt = amp.initialize(model, opt, opt_level=second, half_dtype=half, verbosity=0)
+    if second == "O3":  # O3 trains the half weights, with the optimizer's state in half
+        _cast_plain(reference, ref_opt, half)
     for seed in range(2, 5):
         _amp_step(model, opt, seed)
         _plain_step(reference, ref_opt, seed)

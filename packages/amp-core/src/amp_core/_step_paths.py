@@ -74,6 +74,13 @@ def combined_flag(checks: list[tuple[int, Tensor]]) -> Tensor | None:
     return total
 
 
+def _state_follows_param_dtype(optimizer: Any) -> bool:
+    """Whether ``optimizer`` steps a param with state of the param's dtype only: torch's own
+    optimizers do (their ``load_state_dict`` casts state so); the toolkit's fused optimizers
+    keep float32 state for half params and are left alone."""
+    return type(optimizer).__module__.split(".")[:2] == ["torch", "optim"]
+
+
 class StepPath(abc.ABC):
     """How one optimizer's masters are made and its step is taken.
 
@@ -144,9 +151,10 @@ class OrdinaryPath(StepPath):
                 pairs += self.weights.adopt_group(group, self.optimizer.state, sources)
             else:
                 self.weights.direct_params.extend(group["params"])
-                # Params O3 cast: their existing state follows (as a torch load would).
-                half = [p for p in group["params"] if p.dtype in HALF_DTYPES]
-                match_state_dtypes(self.optimizer.state, half)
+                if _state_follows_param_dtype(self.optimizer):
+                    # Params O3 cast: their existing state follows (as a torch load casts it).
+                    half = [p for p in group["params"] if p.dtype in HALF_DTYPES]
+                    match_state_dtypes(self.optimizer.state, half)
         return pairs
 
     def step(
