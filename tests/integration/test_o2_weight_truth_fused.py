@@ -89,7 +89,7 @@ def test_fused_adam_keeps_an_in_place_edit(opt_level: str, half: torch.dtype, ki
     for seed in range(2):
         _amp_step(model, opt, seed)
         _plain_step(reference, ref_opt, seed)
-    before = model.state_dict()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     for m in (model, reference):
         with torch.no_grad():
             if kind == "zeros_":
@@ -120,7 +120,7 @@ def test_fused_adam_trains_in_plain_pytorch_after_close(opt_level: str, half: to
     for seed in range(2):
         _amp_step(model, opt, seed)
         _plain_step(reference, ref_opt, seed)
-    truth = model.state_dict()
+    truth = {k: v.clone() for k, v in model.state_dict().items()}
     amp.close()
     reference.float()  # close() widens an O3 model (FusedAdam's state is float32 already)
     for name, p in model.named_parameters():

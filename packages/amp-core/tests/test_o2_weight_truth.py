@@ -255,7 +255,7 @@ def test_an_in_place_edit_after_initialize_is_kept_and_exported(opt_level, half,
     for seed in range(2):
         _amp_step(model, opt, seed)
         _plain_step(reference, ref_opt, seed)
-    before = model.state_dict()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     _edit(kind, model[2].weight)
     _edit(kind, reference[2].weight)
     # Seen by state_dict() at once: the edited elements take the edit, the others keep the
@@ -283,10 +283,24 @@ def test_an_edit_that_keeps_the_half_value_keeps_the_master(half):
     model, opt = _init(tiny_mlp(), "O2", half)
     for seed in range(2):
         _amp_step(model, opt, seed)
-    before = model.state_dict()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.clone())
+    after = model.state_dict()
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
+
+
+@pytest.mark.parametrize("half", HALF_DTYPES)
+def test_widening_the_model_is_not_an_edit(half):
+    """``model.float()`` replaces each param's data by its widened half value: the masters keep
+    their full precision (only a changed value is an edit)."""
+    model, opt = _init(tiny_mlp(), "O2", half)
+    for seed in range(2):
+        _amp_step(model, opt, seed)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.float()
     after = model.state_dict()
     for key, value in before.items():
         assert torch.equal(after[key], value), key
@@ -317,7 +331,7 @@ def test_after_close_plain_pytorch_training_goes_on(opt_level, half, opt_cls):
     for seed in range(2):
         _amp_step(model, opt, seed)
         _plain_step(reference, ref_opt, seed)
-    truth = model.state_dict()
+    truth = {k: v.clone() for k, v in model.state_dict().items()}
     amp.close()
     _cast_plain(reference, ref_opt, torch.float32)  # as close() widens an O3 model
     # Back in float32, holding the truth amp kept, and stepped by the optimizer.

@@ -47,9 +47,13 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 T = TypeVar("T")
 
 
-def _stamp(param: Tensor) -> tuple[int, int]:
-    """What changes when a tensor is written in place or its ``.data`` is replaced."""
-    return param._version, param.data_ptr()
+_Stamp = tuple[int, int, torch.dtype]
+
+
+def _stamp(param: Tensor) -> _Stamp:
+    """What changes when a tensor is written in place or its ``.data`` is replaced, and the
+    dtype it had then."""
+    return param._version, param.data_ptr(), param.dtype
 
 
 class GradUnscaler(Protocol):
@@ -96,7 +100,7 @@ class MasterWeights:
         self.masters: list[Tensor] = []
         self.direct_params: list[Tensor] = list(direct_params)
         # The half params' stamps (_stamp) when the masters were last written into them.
-        self._versions: list[tuple[int, int]] = []
+        self._versions: list[_Stamp] = []
         # The direct params' gradients from before the current scaled backward (unscaled).
         self._stash: list[Tensor | None] = []
 
@@ -276,12 +280,10 @@ class MasterWeights:
             RuntimeError: With ``strict``, a half param's shape no longer matches its
                 master's.
         """
-        if len(self._versions) != len(self.model_params):
-            self._versions += [(-1, -1)] * (len(self.model_params) - len(self._versions))
         changed = False
         with torch.no_grad():
-            for index, (param, master) in enumerate(self.pairs()):
-                if _stamp(param) == self._versions[index]:
+            for (param, master), noted in zip(self.pairs(), self._versions, strict=True):
+                if _stamp(param) == noted:
                     continue
                 changed = True
                 if param.shape != master.shape:
@@ -294,8 +296,11 @@ class MasterWeights:
                         "amp.initialize, or call amp.close(), change the model, build a new "
                         "optimizer and call amp.initialize again."
                     )
-                edited = param.detach()
-                differs = edited != master.detach().to(edited.dtype)
+                # Compared where the master lives, in the dtype the param had when the masters
+                # were written into it (a model moved or widened since is no edit).
+                edited = param.detach().to(master.device)
+                written = noted[2]
+                differs = edited.to(written) != master.detach().to(written)
                 master.copy_(torch.where(differs, edited.to(master.dtype), master.detach()))
         if changed:
             self.note_model_versions()
