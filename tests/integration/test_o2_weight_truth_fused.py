@@ -148,3 +148,40 @@ def test_fused_adam_after_close_and_a_new_initialize(half: torch.dtype, second: 
         _amp_step(model, opt, seed)
         _plain_step(reference, ref_opt, seed)
     _assert_close_states(model.state_dict(), reference.state_dict(), "O2", half)
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Linear(4, 4, bias=False)
+        self.head = nn.Linear(4, 4, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.emb(x)))
+
+
+@pytest.mark.parametrize("half", HALF_DTYPES)
+def test_fused_adam_tied_weight_exports_its_master_under_both_names(half: torch.dtype) -> None:
+    model = _Tied()
+    reference = copy.deepcopy(model)
+    reference.head.weight = reference.emb.weight
+    ref_opt = _adam(reference)
+    model, opt = amp.initialize(model, _adam(model), opt_level="O2", half_dtype=half, verbosity=0)
+    for seed in range(3):
+        x, y = _batch(seed)
+        y = torch.cat([y, y[:, :1]], dim=1)
+        opt.zero_grad()
+        with amp.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        ref_opt.zero_grad()
+        F.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+    exported = model.state_dict()
+    (master,) = [m for m in amp.master_params(opt)]
+    assert exported["emb.weight"].dtype == torch.float32
+    assert torch.equal(exported["emb.weight"], master.detach())
+    assert torch.equal(exported["head.weight"], master.detach())
+    _assert_close_states(exported, reference.state_dict(), "O2", half)
