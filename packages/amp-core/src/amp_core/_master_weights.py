@@ -280,12 +280,15 @@ class MasterWeights:
             RuntimeError: With ``strict``, a half param's shape no longer matches its
                 master's.
         """
-        changed = False
+        stamps = [_stamp(p) for p in self.model_params]
+        if stamps == self._versions:
+            return  # the usual case: nothing wrote the model since the masters did
         with torch.no_grad():
-            for (param, master), noted in zip(self.pairs(), self._versions, strict=True):
-                if _stamp(param) == noted:
+            for (param, master), noted, now in zip(
+                self.pairs(), self._versions, stamps, strict=True
+            ):
+                if now == noted:
                     continue
-                changed = True
                 if param.shape != master.shape:
                     if not strict:
                         continue
@@ -302,8 +305,7 @@ class MasterWeights:
                 written = noted[2]
                 differs = edited.to(written) != master.detach().to(written)
                 master.copy_(torch.where(differs, edited.to(master.dtype), master.detach()))
-        if changed:
-            self.note_model_versions()
+        self._versions = stamps
 
     def release(self, optimizer: Any) -> None:
         """Give ``optimizer``'s param groups back the model params in place of their masters.
