@@ -68,12 +68,13 @@ def test_scale_loss_after_remove_names_the_fix():
     model, opt = _init("O2")
     state = optimizer_state(opt)
     assert state is not None
-    state.remove()
-    assert state.stage is Stage.CLOSED
     x, y = batch(0)
+    loss = F.mse_loss(model(x).float(), y)
+    state.remove()  # the model params go back into the groups as fp32
+    assert state.stage is Stage.CLOSED
     with (
         pytest.raises(RuntimeError, match=r"amp wrapping was removed.*latest amp\.initialize"),
-        amp.scale_loss(F.mse_loss(model(x).float(), y), opt),
+        amp.scale_loss(loss, opt),
     ):
         pass
 

@@ -202,6 +202,8 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
         >>> torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm=1.0)
     """
     state = optimizer_state(optimizer)
+    if state is not None:
+        state.weights.take_model_edits()  # the masters follow in-place edits of the model
     if state is not None and state.fused:
         # The fused path keeps the masters in the optimizer: give their unscaled fp32 grads.
         state.materialize()
@@ -245,6 +247,12 @@ def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
         first runs Python's garbage collector, to drop the calls whose objects are gone.
     """
     if registry.current is None:
+        if registry.closed:
+            raise RuntimeError(
+                "amp.state_dict() was called after amp.close(), which ended every "
+                "amp.initialize call: there is no loss scaler to save. Save amp.state_dict() "
+                "before amp.close(), or call amp.initialize again first."
+            )
         raise RuntimeError("amp.state_dict() was called before amp.initialize().")
     out: dict[str, Any] = {} if destination is None else destination
     for prefix, session in _prefixed_sessions():

@@ -525,9 +525,8 @@ class OptimizerAmpState:
             )
         assert self._original_add_param_group is not None  # only wrapped when there is one
         self._original_add_param_group(param_group)
-        new = self.path.adopt_groups([self.optimizer.param_groups[-1]], {})
-        for state in self.model_states:
-            state.masters.update(cast(list[tuple[nn.Parameter, torch.Tensor]], new))
+        # The models find the new masters here (ModelAmpState.masters looks them up).
+        self.path.adopt_groups([self.optimizer.param_groups[-1]], {})
 
     def remove(self) -> None:
         """Restore ``step``, ``zero_grad`` and ``add_param_group`` (master weights stay in the
