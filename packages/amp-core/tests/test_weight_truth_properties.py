@@ -5,7 +5,8 @@ or Adam) and a plain PyTorch twin trained on the same batches with the same opti
 while amp runs at O0, O1 or O2 (and after ``amp.close()``), the half dtype while amp runs at O3
 (which trains the half weights themselves). Then a seeded random sequence of operations
 (:data:`OPERATIONS`: steps, deep copies, in-place edits, checkpoint round trips, close and a new
-``amp.initialize`` at a random level) runs, and after each one:
+``amp.initialize`` at a random level, a step whose second micro-batch raises inside
+``amp.scale_loss``) runs, and after each one:
 
 * ``state_dict()`` of the model and the twin's agree, and so do their forward outputs (within
   the rounding of the half model);
@@ -206,6 +207,41 @@ def op_checkpoint(world: World, rng: random.Random) -> None:
         amp.load_state_dict(ckpt["amp"])
 
 
+def op_failed_microbatch(world: World, rng: random.Random) -> None:
+    """A step of two micro-batches whose second raises inside ``amp.scale_loss`` (before or
+    after its backward) and is skipped by the loop: the step takes the first one's gradients,
+    as plain PyTorch does for a batch that failed before its backward."""
+    x, y = batch(world.next_seed(), din=4, dout=4)
+    bad_x, bad_y = batch(world.next_seed(), din=4, dout=4)
+    world.opt.zero_grad()
+    loss = F.mse_loss(world.model(x).float(), y)
+    skipped = 0
+    if world.level is None:
+        loss.backward()
+        world.opt.step()
+    else:
+        with amp.scale_loss(loss, world.opt) as scaled:
+            scaled.backward()
+        after_backward = rng.random() < 0.5
+        bad_loss = F.mse_loss(world.model(bad_x).float(), bad_y)
+        with (
+            pytest.raises(RuntimeError, match="bad batch"),
+            amp.scale_loss(bad_loss, world.opt) as scaled,
+        ):
+            if after_backward:
+                scaled.backward()
+            raise RuntimeError("bad batch")
+        before = amp.skipped_steps(world.opt)
+        world.opt.step()
+        skipped = amp.skipped_steps(world.opt) - before
+    if skipped:
+        return
+    world.twin_opt.zero_grad()
+    dtype = next(world.twin.parameters()).dtype
+    F.mse_loss(world.twin(x.to(dtype)).float(), y).backward()
+    world.twin_opt.step()
+
+
 def op_close(world: World, rng: random.Random) -> None:
     """amp.close(); then plain PyTorch training, or amp.initialize again at a random level."""
     if world.level is not None:
@@ -223,6 +259,7 @@ OPERATIONS: dict[str, tuple[Callable[[World, random.Random], None], float]] = {
     "edit": (op_edit, 1.5),
     "checkpoint": (op_checkpoint, 1.0),
     "close": (op_close, 1.0),
+    "failed_microbatch": (op_failed_microbatch, 1.0),
 }
 
 
