@@ -225,8 +225,10 @@ def _check_overlap(
       written tensors (at one position or two), a written tensor and an input at another
       position. Tensors that are only read may share memory.
 
-    The first offending pair in order of address is named, as ``check_overlap`` of
-    ``csrc/common/checks.h`` does, with its words.
+    A tensor spans the memory from its first to its last element (two interleaved strided
+    views count as overlapping: the kernels take dense tensors only). The first offending pair
+    in order of address is named, as ``check_overlap`` of ``csrc/common/checks.h`` does, with
+    its words.
     """
     allowed = {frozenset(pair) for pair in in_place}
     spans = []

@@ -130,7 +130,8 @@ def multi_tensor_adam(
 
     Raises:
         ValueError: Malformed lists, sizes, dtypes, noop flag, mode or bias_correction; a
-            step below 1 with bias correction; lists that share memory at one position.
+            step below 1 with bias correction; a written tensor that shares
+            memory with another tensor of the call.
         RuntimeError: Tensors on different devices.
     """
     op = "multi_tensor_adam"
