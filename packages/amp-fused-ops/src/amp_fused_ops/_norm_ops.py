@@ -278,8 +278,8 @@ def saves_output(memory_efficient: bool, weight: Tensor | None) -> bool:
     The trick divides ``out - bias`` by the weight: a column whose weight is zero has lost its
     normalized value (its output is the bias alone), and the gradients of the input and of that
     weight need it. Then the input is saved instead, as without ``memory_efficient``, and every
-    gradient is exact. The same holds under ``torch.compile``, where the weight's values are not
-    known when the graph is traced.
+    gradient is exact. So it is where the weight's values are unknown: under ``torch.compile``
+    (and other tracing) and on the meta device.
 
     .. note::
         With ``memory_efficient`` and a weight, the forward reads ``(weight == 0).any()`` on the
@@ -296,8 +296,8 @@ def saves_output(memory_efficient: bool, weight: Tensor | None) -> bool:
         return False
     if weight is None:
         return True
-    # Traced (torch.compile, AOT autograd, opcheck): the values are not known, save the input.
-    if torch.compiler.is_compiling() or is_fake(weight):
+    # Traced (torch.compile, AOT autograd, opcheck) or meta: the values are not known.
+    if torch.compiler.is_compiling() or is_fake(weight) or weight.device.type == "meta":
         return False
     return not bool((weight == 0).any())
 
