@@ -651,6 +651,7 @@ EMULATION_TESTS = [
     "packages/amp-fused-ops/tests/test_cuda_kernels_apex_ops.py",
     "packages/amp-fused-ops/tests/test_emulated_norm_syncbn_kernels.py",
     "packages/amp-fused-ops/tests/test_error_types.py",
+    "packages/amp-fused-ops/tests/test_overlap_checks.py",
     "packages/amp-fused-ops/tests/test_adam_semantics.py",
 ]
 

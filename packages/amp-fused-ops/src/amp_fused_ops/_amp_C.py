@@ -22,8 +22,9 @@ The preconditions on ``chunk_size`` and the scalar arguments (``mode``, ``bias_c
 ``step`` ...) are one table, :data:`amp_fused_ops._preconditions.PRECONDITIONS`, checked here
 once before the kernel or the reference is picked: the same mistake gives the same
 ``ValueError`` and message on every path. The per-tensor preconditions (list counts and
-lengths, sizes, dtypes, layouts, devices) are one C++ header, ``csrc/common/checks.h``, used by
-the CPU and CUDA kernels, and the reference raises the same exception with the same words.
+lengths, sizes, dtypes, layouts, devices, written tensors that share memory with another) are
+one C++ header, ``csrc/common/checks.h``, used by the CPU and CUDA kernels, and the reference
+raises the same exception with the same words.
 
 ``update_scale_hysteresis`` takes no tensor lists: it dispatches on the device of
 ``current_scale``.
