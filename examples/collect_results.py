@@ -59,7 +59,7 @@ EXAMPLES_RUN = (
         "imagenet",
         "ImageNet-style ResNet (synthetic, 10 classes)",
         "imagenet/main_amp.py",
-        ("--smoke", "--epochs", "4", "--train-size", "2048", "--noise", "3.0"),
+        ("--smoke", "--epochs", "4", "--train-size", "2048", "--val-size", "512", "--noise", "3.0"),
         "top1",
         True,
         "images/s",

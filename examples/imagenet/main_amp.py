@@ -476,7 +476,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.smoke:
         smoke = {
             "arch": "resnet_tiny", "epochs": 3, "batch_size": 32, "image_size": 16,
-            "num_classes": 10, "train_size": 1024, "val_size": 512, "workers": 0, "lr": 0.2,
+            "num_classes": 10, "train_size": 512, "val_size": 256, "workers": 0, "lr": 0.2,
         }  # fmt: skip
         for key, value in smoke.items():  # flags given explicitly win
             if parser.get_default(key) == getattr(args, key):

@@ -154,6 +154,12 @@ def test_imagenet_torchrun_two_ranks_syncbn() -> None:
             "--sync_bn",
             "--threads",
             "1",
+            # Each rank sees half the images: the single-process smoke size would leave a rank
+            # with too few steps to pass 40 % top-1 reliably.
+            "--train-size",
+            "1024",
+            "--val-size",
+            "512",
         ]
     )
     assert "world 2" in out, out
