@@ -248,22 +248,42 @@ def test_build_force_starts_from_an_empty_folder(
     assert calls == [["amp_fused_ops.lock", "amp_fused_ops.lock.json"]]
 
 
+def test_build_command_force_replaces_an_overwritten_module(
+    build: SessionBuild,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from amp_fused_ops.__main__ import main
+
+    cache, module = copy_cache(build, tmp_path)
+    damage(module, "overwrite")
+    monkeypatch.setenv(_loader.CACHE_ENV, str(cache))
+    calls: list[list[str]] = []
+    fake_build(calls, monkeypatch)
+    assert main(["build", "cpu", "--force"]) == 0
+    assert f"cpu extension: built {module}" in capsys.readouterr().out
+    assert calls == [["amp_fused_ops.lock", "amp_fused_ops.lock.json"]]  # from an empty folder
+    record = json.loads((module.parent / MARKER).read_text())
+    assert record["size"] == len(b"freshly built") and record["file"] == module.name
+
+
 @pytest.mark.slow
 @needs_tools
 def test_damaged_module_recovers_for_real(build: SessionBuild, tmp_path: Path) -> None:
-    # The first op of a process compiles a truncated module again and runs on it ...
+    # The first op of a process compiles a truncated module again, from an emptied folder,
+    # and runs on it. One real compile: `build --force` empties the folder and compiles the
+    # same way (test_build_command_force_replaces_an_overwritten_module).
     cache, module = copy_cache(build, tmp_path)
     damage(module, "truncate")
     report = first_op(cache)
     assert report["compiled"], report["messages"]
     assert any("compiling it again from scratch" in m for m in warnings_of(report))
-    # ... and `build --force` replaces a module whose code was overwritten.
-    damage(module, "overwrite")
-    forced = cli(cache, "build", "cpu", "--force")
-    assert forced.returncode == 0, (forced.stdout, forced.stderr)
-    assert f"cpu extension: built {module}" in forced.stdout
-    again = first_op(cache)
+    # The next process loads the rebuilt module: no compile, no warning.
+    again = first_op(cache, "_loader._compile = None")
     assert again["compiled"] and not warnings_of(again)
+    record = json.loads((module.parent / MARKER).read_text())
+    assert module.stat().st_size == record["size"]
 
 
 # --- a stuck builder does not hang the others -----------------------------------------------
