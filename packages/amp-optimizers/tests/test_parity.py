@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from _registry import (
+from _amp_optimizers_helpers import (
     DEVICES,
     NO_GRAD,
     SPECS,
