@@ -598,7 +598,8 @@ def gpu_tests(session: nox.Session) -> None:
     if not _cuda_available(session):
         session.skip("CUDA not available")
     _install(session, "pytest")
-    # Import from the source folders, as on GPU machines without an index (see GPU.md):
+    # Import from the source folders, as on GPU machines without an index (docs/design.rst,
+    # "Testing CUDA code"):
     # nothing else needs installing there.
     env = {"PYTHONPATH": os.pathsep.join(str(ROOT / src) for src in SRC_DIRS)}
     paths = [folder for folder in ("packages", "tests") if (ROOT / folder).is_dir()]

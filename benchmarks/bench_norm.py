@@ -60,7 +60,7 @@ ELEMENTS_MOVED = 5  # per element of x: read x, write y, read dy, read x, write 
 # Alive at once, per element of x: x, dy, y, dx and the grad path's temporaries (fp32 on the
 # PyTorch path), with allocator slack.
 MEMORY_ELEMENTS = 12
-GOAL = 1.0  # ours / torch, bf16 (DESIGN.md, "Numbers that define done")
+GOAL = 1.0  # ours / torch, bf16 (docs/design.rst, "Performance goals")
 GOAL_BANDWIDTH = 0.8  # of the copy bandwidth, on large rows
 
 
@@ -202,7 +202,7 @@ def run_case(
 
 
 def goals(cases: Sequence[CaseResult]) -> dict[str, float | bool | None]:
-    """The DESIGN goals on the bf16 cases: worst ratio to torch, best share of bandwidth."""
+    """docs/design.rst's goals on the bf16 cases: worst ratio to torch, best bandwidth share."""
     ours = [
         (c, r) for c in cases if c.dtype == "bfloat16" for r in c.results if r.variant == "ours"
     ]

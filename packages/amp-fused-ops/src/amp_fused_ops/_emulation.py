@@ -1,6 +1,6 @@
 """The CUDA kernels of ``csrc/cuda`` compiled for the CPU through the emulation layer.
 
-DESIGN decision 9: no GPU is available to this project in practice, so every ``.cu`` file
+docs/design.rst, decision 9: no GPU is available to this project's CI, so every ``.cu`` file
 of ``csrc/cuda`` is also compiled as C++ for the CPU, against the CPU build of torch, with
 ``csrc/emulation/amp_emu.h`` force-included (CUDA's keywords, threads of a block as fibers,
 warp shuffles, ``__syncthreads``, launch checks). The sources are not changed: the build only
