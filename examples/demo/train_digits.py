@@ -250,9 +250,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def train_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor
-) -> Tensor:
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor) -> Tensor:
     """One amp training step; returns the (unscaled) loss."""
     logits = model(x)  # (B, 10); amp returns fp32 under O2/O3
     loss = F.cross_entropy(logits.float(), y)
