@@ -1,4 +1,4 @@
-"""The digits demo's outputs: the terminal table, the three-panel figure, JSON, the README record."""
+"""The digits demo's outputs: the terminal table, the three-panel figure, JSON, the README block."""
 
 from __future__ import annotations
 
@@ -179,7 +179,7 @@ def plot(report: Report, out: Path) -> None:
     for r in results:
         style = {"color": COLORS.get(r.level), **STYLES.get(r.level, {"marker": "o"})}
         epochs = range(1, len(r.epoch_losses) + 1)
-        ax_loss.plot(epochs, r.epoch_losses, label=labels[r.level], **style)  # type: ignore[arg-type]
+        ax_loss.plot(epochs, r.epoch_losses, label=labels[r.level], **style)
     ax_loss.set(xlabel="epoch", ylabel="mean training loss", yscale="log", title="loss")
     ax_loss.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
     ax_loss.legend(title="level (test accuracy)", fontsize=9)

@@ -24,6 +24,7 @@ Exits with status 1 when O1 or O2 ends more than 1 accuracy point below O0.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import multiprocessing
 import sys
@@ -41,8 +42,8 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules below
 
-import digits_report  # noqa: E402
-from digits_measure import (  # noqa: E402
+import digits_report
+from digits_measure import (
     HeldMemory,
     LevelTiming,
     SavedForBackward,
@@ -53,7 +54,7 @@ from digits_measure import (  # noqa: E402
     unresolved_pairs,
 )
 
-from amp_core import amp  # noqa: E402
+from amp_core import amp
 
 LOG = logging.getLogger("train_digits")
 
@@ -103,7 +104,7 @@ class LevelResult:
     epoch_losses: list[float] = field(default_factory=list)
     epoch_seconds: list[float] = field(default_factory=list)
     timing: LevelTiming | None = None  # filled in once every round has run
-    held: HeldMemory = HeldMemory(0, 0, 0)
+    held: HeldMemory = field(default_factory=lambda: HeldMemory(0, 0, 0))
     saved_bytes: int = 0  # what autograd saves for backward, one batch
     step_peak_bytes: int = 0  # held + saved, at the step's largest checkpoint
     cuda_peak_bytes: int | None = None  # torch.cuda.max_memory_allocated over the timed steps
@@ -434,10 +435,8 @@ class LevelProcess:
 
     def close(self) -> None:
         if self._process.is_alive():
-            try:
+            with contextlib.suppress(OSError):  # the process may be gone already
                 self._conn.send(("stop", ()))
-            except OSError:
-                pass
         self._process.join(timeout=30)
         if self._process.is_alive():
             self._process.terminate()
