@@ -56,6 +56,7 @@ class Report:
     load: tuple[float | None, float | None]  # 1-minute load average before and after
     seconds: float  # wall time of the whole run
     figure: Path
+    command: str = ""  # the arguments the run was started with
 
     def title(self) -> str:
         return (
@@ -158,8 +159,15 @@ def format_table(report: Report) -> str:
         row += f"{r.loss_scale:>11g}{r.skipped:>8d}"
         lines.append(row)
     lines.append(report.timing_note())
-    lines.append(f"figure: {report.figure} (numbers: {report.figure.with_suffix('.json')})")
+    figure = shown_path(report.figure)
+    lines.append(f"figure: {figure} (numbers: {figure.with_suffix('.json')})")
     return "\n".join(lines)
+
+
+def shown_path(path: Path) -> Path:
+    """``path`` relative to the working directory when it lies below it, else absolute."""
+    path = path.resolve()
+    return path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
 
 
 def plot(report: Report, out: Path) -> None:
@@ -280,7 +288,7 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_jsonable(v) for v in value]
     if isinstance(value, Path):
-        return str(value)
+        return str(shown_path(value))
     return value
 
 
@@ -308,6 +316,9 @@ def record(report: Report, readme: Path) -> None:
         [
             RECORD_BEGIN,
             f"![loss, step time and memory per opt level]({figure})",
+            "",
+            f"Command: `nox -s demo -- {report.command}`"
+            f" (runs `python examples/demo/train_digits.py {report.command}`).",
             "",
             f"Machine: {report.machine.describe()}; {report.half_dtype}; "
             + (f"{report.load_note()}; " if report.load_note() else "")

@@ -30,7 +30,7 @@ import multiprocessing
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -451,13 +451,12 @@ def rotated(items: Sequence[str], shift: int) -> list[str]:
 
 def interleave(
     workers: dict[str, LevelProcess], rounds: int, run: Callable[[LevelProcess], Any]
-) -> list[dict[str, Any]]:
-    """``rounds`` rounds; in each, ``run`` once per level, in rotating order."""
+) -> Iterator[dict[str, Any]]:
+    """``rounds`` rounds, each yielded when done; in each, ``run`` once per level, in rotating
+    order."""
     levels = list(workers)
-    results = []
     for r in range(rounds):
-        results.append({level: run(workers[level]) for level in rotated(levels, r)})
-    return results
+        yield {level: run(workers[level]) for level in rotated(levels, r)}
 
 
 def run_levels(args: argparse.Namespace, config: RunConfig) -> tuple[list[LevelResult], Any]:
@@ -477,8 +476,13 @@ def run_levels(args: argparse.Namespace, config: RunConfig) -> tuple[list[LevelR
         for level, worker in workers.items():
             results[level].accuracy = worker.call("accuracy")
         LOG.info("timing: %d rounds of %d steps per level", args.rounds, args.steps)
-        interleave(workers, 1, lambda w: w.call("timed_steps", args.steps))  # warm-up, dropped
-        rounds = interleave(workers, args.rounds, lambda w: w.call("timed_steps", args.steps))
+        for _ in interleave(workers, 1, lambda w: w.call("timed_steps", args.steps)):
+            pass  # the warm-up round, dropped
+        rounds = []
+        for row in interleave(workers, args.rounds, lambda w: w.call("timed_steps", args.steps)):
+            rounds.append(row)
+            times = ", ".join(f"{level} {row[level] * 1e3:.1f}" for level in workers)
+            LOG.info("round %d/%d ms per step: %s", len(rounds), args.rounds, times)
         baseline = "O0" if "O0" in workers else next(iter(workers))
         for level, timing in summarize_rounds(rounds, baseline).items():
             results[level].timing = timing
@@ -536,6 +540,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         load=(load_before, load_average()),
         seconds=time.perf_counter() - started,
         figure=args.out,
+        command=" ".join(sys.argv[1:] if argv is None else argv),
     )
     digits_report.plot(report, args.out)
     print(digits_report.format_table(report))
