@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import logging
 import multiprocessing
 import sys
@@ -522,9 +523,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         loss_scale=args.loss_scale,
         threads=args.threads,
     )
+    # Both optional packages are checked here, before minutes of training, not at their use.
+    split = load_split(args.seed, torch.device("cpu"))  # stops with the fix without sklearn
+    if importlib.util.find_spec("matplotlib") is None:
+        raise SystemExit(
+            "the demo draws its figure with matplotlib, which is missing; install it with "
+            "`pip install matplotlib`, or run `nox -s demo`"
+        )
     load_before = load_average()
     started = time.perf_counter()
-    LOG.info("levels %s on %s (%s), one process each", " ".join(args.levels), device, half_dtype)
+    LOG.info(
+        "digits: %d train / %d test images; levels %s on %s (%s), one process each",
+        len(split.y_train),
+        len(split.y_test),
+        " ".join(args.levels),
+        device,
+        half_dtype,
+    )
     results, (rounds, baseline, threads) = run_levels(args, config)
     report = digits_report.Report(
         results=results,
