@@ -6,8 +6,9 @@ the first session installs one into nox's cache folder (``.nox/.cache/torch/...`
 later session links to that. That install is the CPU build on machines without an NVIDIA
 driver; ``AMP_TORCH_BUILD=cuda`` picks the CUDA build, and ``AMP_TORCH`` names any other
 requirement or a local wheel. ``cuda_build`` keeps its own CUDA torch (``AMP_CUDA_TORCH``).
-Our own packages are always installed from this checkout (editable, without dependencies),
-never from an index.
+The test sessions install our packages from this checkout (editable, without dependencies),
+never from an index; ``build`` installs them from the wheelhouse it writes (``dist/``) and from
+this repository's git URL, with the exact commands README.md shows.
 """
 
 from __future__ import annotations
@@ -16,10 +17,14 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
+import logging
 import os
 import platform
+import re
+import shlex
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import nox
@@ -38,39 +43,36 @@ TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 SYSTEM_SITE = ["--system-site-packages"]
 CUDA_SOURCE_DIR = ROOT / "packages" / "amp-fused-ops" / "csrc" / "cuda"
 TORCH_PTH = "_amp_toolkit_torch.pth"
-# Extras a package's README example needs, installed with its wheel in `nox -s build`.
-README_EXTRAS = {"amp-parallel": "[amp]"}
+CI_DIR = ROOT / ".ci"
+# The wheelhouse `nox -s build` writes: every wheel and sdist, installable with
+# `pip install --find-links dist <package>` (README.md, "Install").
+WHEELHOUSE = ROOT / "dist"
+# The amp-fused-ops wheel with prebuilt kernels that `nox -s wheel_prebuilt` writes.
+PREBUILT_WHEELHOUSE = WHEELHOUSE / "prebuilt"
+# The CUDA architectures a prebuilt wheel's CUDA kernels are compiled for (when the machine can
+# compile them), unless TORCH_CUDA_ARCH_LIST says otherwise.
+PREBUILT_CUDA_ARCHS = "8.0;9.0;10.0+PTX"
 
 nox.options.sessions = ["lint", "tests"]
 nox.options.reuse_existing_virtualenvs = True
 
-# Fails unless every amp_* module resolves to this checkout's packages/ folder, so that a
-# sibling package pulled from an index (or installed elsewhere) cannot stand in for ours.
-# find_spec locates a module without importing it.
-_CHECKOUT_GUARD = """
-import importlib.util, pathlib, sys
-root = pathlib.Path(sys.argv[1]).resolve()
-bad = []
-for name in sys.argv[2:]:
-    spec = importlib.util.find_spec(name)
-    origin = pathlib.Path(spec.origin).resolve() if spec and spec.origin else None
-    if origin is None or not origin.is_relative_to(root):
-        bad.append(f"{name} -> {origin}")
-if bad:
-    sys.exit(f"these modules do not come from {root}: " + ", ".join(bad))
-print(f"checkout guard: all amp_* modules come from {root}")
-"""
 
-# Imports one package in a fresh virtualenv and checks it came from the wheel installed there.
-_WHEEL_IMPORT_CHECK = """
-import importlib, pathlib, sys
-name, venv = sys.argv[1], pathlib.Path(sys.argv[2]).resolve()
-module = importlib.import_module(name)
-where = pathlib.Path(module.__file__).resolve()
-if not where.is_relative_to(venv):
-    sys.exit(f"{name} was imported from {where}, not from the wheel installed in {venv}")
-print(f"{name} {module.__version__} imports from its wheel")
-"""
+class _DropNoise(logging.Filter):
+    """Drop nox's "uv binary not found." line: the sessions use virtualenv and pip, not uv."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "uv binary not found."
+
+
+logging.getLogger("nox").addFilter(_DropNoise())
+
+# torch warns "Failed to initialize NumPy" on import when numpy is missing (the shared torch
+# install has none; nothing in the toolkit needs it): silenced in every command a session runs.
+_NUMPY_WARNING = "ignore:Failed to initialize NumPy:UserWarning"
+if _NUMPY_WARNING not in os.environ.get("PYTHONWARNINGS", ""):
+    os.environ["PYTHONWARNINGS"] = ",".join(
+        filter(None, [os.environ.get("PYTHONWARNINGS"), _NUMPY_WARNING])
+    )
 
 # Loads the CUDA extension the `build cuda` command just compiled (from the same cache, no
 # second compile) and checks it has its ops: proves the module links and imports.
@@ -142,7 +144,7 @@ def _shared_torch(session: nox.Session) -> Path:
         return target
     partial = target.with_name(target.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    size = "several GB with the CUDA libraries" if label == "cuda" else "a few hundred MB"
+    size = "several GB with the CUDA libraries" if label == "cuda" else "about 880 MB"
     session.log(
         f"installing torch ({label} build, {size}) once into {target}, for every session; "
         "set AMP_TORCH_BUILD=cuda for the CUDA build, or AMP_TORCH to a requirement or a wheel"
@@ -172,8 +174,18 @@ def _shared_torch(session: nox.Session) -> Path:
 
 def _site_packages(python: str, session: nox.Session) -> Path:
     code = "import sysconfig; print(sysconfig.get_path('purelib'))"
-    output = session.run(python, "-c", code, silent=True, external=True)
+    output = session.run(python, "-c", code, silent=True, external=True, log=False)
     return Path(str(output).strip().splitlines()[-1])
+
+
+_LOGGED: set[str] = set()
+
+
+def _log_once(session: nox.Session, message: str) -> None:
+    """Log ``message`` the first time only (a session links torch into several virtualenvs)."""
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        session.log(message)
 
 
 def _torch_site(session: nox.Session) -> Path:
@@ -181,28 +193,87 @@ def _torch_site(session: nox.Session) -> Path:
     site = None if _explicit_torch_choice() else _host_torch_site()
     if site is None:
         return _shared_torch(session)
-    session.log(f"reusing torch {importlib.metadata.version('torch')} from {site}")
+    _log_once(session, f"reusing torch {importlib.metadata.version('torch')} from {site}")
     return site
 
 
-def _link_torch(session: nox.Session, python: str = "python") -> Path:
+# A file or folder of a site folder that belongs to one of the toolkit's own distributions
+# (a module, its .dist-info, the .pth of an editable install).
+_TOOLKIT_ENTRY = re.compile(
+    r"^(?:__editable__\.|_)?(?:" + "|".join(IMPORT_NAMES.values()) + r")(?:$|[-.])"
+)
+
+
+def _without_toolkit(session: nox.Session, site: Path) -> Path:
+    """``site``, or a view of it without the toolkit's own packages when it holds some.
+
+    The Python running nox may have the toolkit installed next to torch (e.g. editable from
+    another checkout). Linked as is, pip would take those for installed and skip the wheels or
+    the checkout under test, and the sessions could import them. The view is a folder of
+    symbolic links to every other entry of ``site``, named after its entries (so a changed
+    site gets a new view).
+    """
+    entries = sorted(entry.name for entry in site.iterdir())
+    hidden = [name for name in entries if _TOOLKIT_ENTRY.match(name)]
+    if not hidden:
+        return site
+    digest = hashlib.sha256(repr((str(site), entries)).encode()).hexdigest()[:12]
+    view = (Path(session.cache_dir) / "torch-site-views" / digest).resolve()
+    if not view.is_dir():
+        partial = view.with_name(f"{digest}.{os.getpid()}.partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        for name in entries:
+            if name not in hidden:
+                (partial / name).symlink_to(site / name)
+        try:
+            partial.rename(view)
+        except OSError:  # another session made the same view meanwhile
+            shutil.rmtree(partial, ignore_errors=True)
+    _log_once(session, f"hiding the toolkit packages installed next to torch: {', '.join(hidden)}")
+    return view
+
+
+def _link_torch(
+    session: nox.Session, python: str = "python", *, hide_toolkit: bool = False
+) -> Path:
     """Make torch importable by ``python`` (a virtualenv's interpreter) without installing it.
 
     A ``.pth`` file in the virtualenv's site-packages appends torch's site folder to
     ``sys.path``, after the virtualenv's own packages, which therefore take precedence.
+    ``hide_toolkit`` links a view of that folder without the toolkit's own packages (for the
+    virtualenvs that install them from the wheelhouse or from git).
     """
     site = _torch_site(session)
+    if hide_toolkit:
+        site = _without_toolkit(session, site)
     (_site_packages(python, session) / TORCH_PTH).write_text(f"{site}\n")
     return site
+
+
+def _install(session: nox.Session, *args: str) -> None:
+    """``session.install``, showing pip's progress when the virtualenv is new.
+
+    A reused virtualenv has the requirements already (pip checks them in a second or two,
+    silently); a new one downloads them, which can take a minute: pip's output is shown then.
+    """
+    if getattr(session.virtualenv, "_reused", False):
+        session.install(*args)
+        return
+    start = time.perf_counter()
+    session.install("--progress-bar", "on", *args, silent=False)
+    session.log(f"installed {' '.join(args)} in {time.perf_counter() - start:.0f} s")
 
 
 def _install_checkout(session: nox.Session, *requirements: str) -> None:
     """Install all five packages from this checkout, after torch and ``requirements``."""
     _link_torch(session)
-    session.install("hatchling", *requirements)
+    _install(session, "hatchling", *requirements)
     editables = [arg for package in PACKAGES for arg in ("-e", f"packages/{package}")]
     session.install("--no-deps", "--no-build-isolation", *editables)
-    session.run("python", "-c", _CHECKOUT_GUARD, str(ROOT / "packages"), *IMPORT_NAMES.values())
+    session.run(
+        "python", str(CI_DIR / "checkout_guard.py"), str(ROOT / "packages"), *IMPORT_NAMES.values()
+    )
 
 
 def _has_test_files(folder: Path) -> bool:
@@ -283,61 +354,202 @@ def slow_tests(session: nox.Session, package: str) -> None:
 def lint(session: nox.Session) -> None:
     """Check lint, formatting and types: ruff check, ruff format --check, mypy on each src/."""
     _link_torch(session)  # mypy reads torch's annotations
-    session.install("ruff", "mypy")
+    _install(session, "ruff", "mypy")
     session.run("python", "-m", "ruff", "check", ".")
     session.run("python", "-m", "ruff", "format", "--check", ".")
     session.run("python", "-m", "mypy", *SRC_DIRS)
 
 
+def _shell_words(line: str) -> list[str]:
+    """The words of a shell command line of the README, without its trailing ``# comment``."""
+    return shlex.split(re.sub(r"\s+#\s.*$", "", line))
+
+
+def _documented_installs() -> dict[str, list[str]]:
+    """The wheelhouse install command of each package, as README.md's "Install" shows it.
+
+    Every line of README.md that starts with ``pip install --find-links dist `` is one; the
+    build session runs exactly that command (with the virtualenv's pip), so the README cannot
+    show a command that does not work.
+    """
+    commands: dict[str, list[str]] = {}
+    prefix = "pip install --find-links dist "
+    for line in (ROOT / "README.md").read_text().splitlines():
+        if line.startswith(prefix):
+            words = _shell_words(line)
+            requirement = words[-1]
+            name = re.split(r"[\[<>=!~ ;@]", requirement, maxsplit=1)[0]
+            commands[name] = words
+    missing = [package for package in PACKAGES if package not in commands]
+    if missing:
+        raise SystemExit(f"README.md shows no `{prefix}<package>` line for {missing}")
+    # Each package's README shows the same line in its "Install" section.
+    for package, words in commands.items():
+        readme = ROOT / "packages" / package / "README.md"
+        if f"\n{shlex.join(words)}\n" not in readme.read_text().replace('"', "'"):
+            raise SystemExit(f"{readme} does not show `{shlex.join(words)}` as README.md does")
+    return commands
+
+
+def _documented_git_installs() -> list[list[str]]:
+    """The ``pip install "<package> @ git+$REPO#subdirectory=..."`` lines of README.md, in order."""
+    commands = []
+    for line in (ROOT / "README.md").read_text().splitlines():
+        if line.startswith("pip install ") and "git+$REPO#subdirectory=" in line:
+            commands.append(_shell_words(line))
+    return commands
+
+
+def _fresh_virtualenv(session: nox.Session, venv: Path) -> str:
+    """A new virtualenv at ``venv`` with torch linked in; returns its python."""
+    shutil.rmtree(venv, ignore_errors=True)
+    session.run("python", "-m", "virtualenv", "--quiet", str(venv), silent=True)
+    python = str(venv / ("Scripts" if os.name == "nt" else "bin") / "python")
+    _link_torch(session, python, hide_toolkit=True)
+    return python
+
+
 @nox.session
 def build(session: nox.Session) -> None:
-    """Build each package's sdist and wheel into dist/, then install, import and try each wheel.
+    """Build the wheelhouse dist/ (five wheels and sdists), check it, try each wheel alone.
 
-    Every wheel is installed alone in a fresh virtualenv (torch linked in, siblings only from
-    dist/, no index), imported, and the Python examples of its README are run there.
+    ``twine check`` passes on every file; each wheel and sdist ships the LICENSE; no wheel
+    requires a CUDA build of torch. Then every package is installed into a fresh virtualenv
+    (torch linked in) with exactly the command README.md shows, ``pip install --find-links
+    dist <package>``, imported from there, and the Python examples of its README are run.
+    Last, README.md's ``git+`` install lines run in their order in one more virtualenv, with
+    this repository as ``$REPO`` (pip clones it: that tries the last commit).
     """
-    session.install("build", "hatchling", "virtualenv")
-    dist = ROOT / "dist"
-    shutil.rmtree(dist, ignore_errors=True)
+    _link_torch(session)
+    _install(session, "build", "hatchling", "virtualenv", "twine")
+    installs = _documented_installs()
+    shutil.rmtree(WHEELHOUSE, ignore_errors=True)
     for package in PACKAGES:
+        session.log(f"building the sdist and wheel of {package}")
         session.run(
-            "python", "-m", "build", "--no-isolation", "--outdir", str(dist), f"packages/{package}"
+            "python", "-m", "build", "--no-isolation", "--outdir", str(WHEELHOUSE),
+            f"packages/{package}", silent=True,
+        )  # fmt: skip
+    files = sorted(str(path) for path in WHEELHOUSE.glob("*") if path.is_file())
+    session.run("python", "-m", "twine", "check", "--strict", *files)
+    checks = str(CI_DIR / "wheel_checks.py")
+    wheels = {name: sorted(WHEELHOUSE.glob(f"{name}-*.whl")) for name in IMPORT_NAMES.values()}
+    for name, found in wheels.items():
+        if len(found) != 1:
+            session.error(f"expected one wheel of {name} in {WHEELHOUSE}, found {found}")
+    session.run("python", checks, "metadata", *(str(w[0]) for w in wheels.values()))
+
+    venvs = Path(session.create_tmp()) / "wheel-checks"
+    for package, name in IMPORT_NAMES.items():
+        sdist = next(WHEELHOUSE.glob(f"{name}-*.tar.gz"))
+        session.run(
+            "python", checks, "license", str(wheels[name][0]), str(sdist), str(ROOT / "LICENSE")
+        )
+        venv = venvs / package
+        python = _fresh_virtualenv(session, venv)
+        session.log(f"{package}: README.md's install command, in a fresh virtualenv")
+        session.run(python, "-m", *installs[package], silent=True, external=True)
+        session.run(python, checks, "imports", name, str(venv), external=True)
+        readme = ROOT / "packages" / package / "README.md"
+        session.run(python, str(CI_DIR / "readme_examples.py"), str(readme), external=True)
+    _check_git_installs(session, venvs / "from-git")
+    session.log(f"wheelhouse ready: {WHEELHOUSE} ({len(files)} files)")
+
+
+def _check_git_installs(session: nox.Session, venv: Path) -> None:
+    """Run README.md's git+ install lines, in their order, with this repository as ``$REPO``.
+
+    pip clones the repository, so this installs the last commit (not uncommitted changes).
+    """
+    commands = _documented_git_installs()
+    installed = {re.split(r"[\[ @]", command[-1], maxsplit=1)[0] for command in commands}
+    if installed != set(PACKAGES):
+        session.error(f"README.md's git+ install lines cover {sorted(installed)}, not {PACKAGES}")
+    if not (ROOT / ".git").exists():
+        session.log("not a git checkout: the git+ install lines of README.md are not tried")
+        return
+    python = _fresh_virtualenv(session, venv)
+    repo = ROOT.as_uri()
+    session.log(f"README.md's git+ install lines, in their order, with REPO={repo}")
+    for command in commands:
+        command = [word.replace("$REPO", repo) for word in command]
+        session.run(python, "-m", *command, silent=True, external=True)
+    for name in IMPORT_NAMES.values():
+        session.run(
+            python, str(CI_DIR / "wheel_checks.py"), "imports", name, str(venv), external=True
         )
 
-    checks = Path(session.create_tmp()) / "wheel-checks"
-    bin_dir = "Scripts" if os.name == "nt" else "bin"
-    for package, name in IMPORT_NAMES.items():
-        wheels = sorted(dist.glob(f"{name}-*.whl"))
-        if len(wheels) != 1:
-            session.error(f"expected one wheel of {package} in {dist}, found {wheels}")
-        venv = checks / package
-        shutil.rmtree(venv, ignore_errors=True)
-        session.run("python", "-m", "virtualenv", "--quiet", str(venv))
-        python = str(venv / bin_dir / "python")
-        _link_torch(session, python)
-        requirement = f"{wheels[0]}{README_EXTRAS.get(package, '')}"
-        session.run(
-            python,
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--no-index",
-            "--find-links",
-            str(dist),
-            requirement,
-            external=True,
+
+@nox.session
+def wheel_prebuilt(session: nox.Session) -> None:
+    """Build the amp-fused-ops wheel with its kernels compiled in, and check its first use.
+
+    Writes dist/prebuilt/amp_fused_ops-<version>-<python>-<platform>.whl with the C++ CPU
+    kernels (``AMP_FUSED_OPS_BUILD_EXT=cpu``) and, where torch is a CUDA build and nvcc is
+    found, the CUDA kernels for ``TORCH_CUDA_ARCH_LIST`` (default 8.0;9.0;10.0+PTX). The
+    wheel requires the exact torch it was built with. The compile is kept in the session's
+    folder, so running the session again packs the same build without compiling.
+
+    Then the wheel is installed into a fresh virtualenv with the command README.md shows
+    (``pip install --find-links dist/prebuilt amp-fused-ops``) and, with the kernel cache
+    pointing at an empty folder, the first ``amp_C`` ops run on the kernels of the wheel:
+    nothing compiles and nothing is written to the cache.
+    """
+    _link_torch(session)
+    _install(session, "build", "hatchling", "virtualenv", "twine", "ninja")
+    kinds = ["cpu"]
+    env = {
+        "AMP_FUSED_OPS_CACHE": str(Path(session.create_tmp()).resolve() / "kernel-build-cache"),
+        "MAX_JOBS": os.environ.get("MAX_JOBS", str(os.cpu_count() or 1)),
+    }
+    cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    has_nvcc = shutil.which("nvcc") is not None or (Path(cuda_home) / "bin" / "nvcc").exists()
+    if _torch_query(session, "torch.version.cuda") != "None" and has_nvcc:
+        kinds.append("cuda")
+        env["TORCH_CUDA_ARCH_LIST"] = os.environ.get("TORCH_CUDA_ARCH_LIST", PREBUILT_CUDA_ARCHS)
+        session.log(
+            f"CUDA torch and nvcc found: the CUDA kernels too, for {env['TORCH_CUDA_ARCH_LIST']}"
         )
-        session.run(python, "-c", _WHEEL_IMPORT_CHECK, name, str(venv), external=True)
-        readme = ROOT / "packages" / package / "README.md"
-        session.run(python, str(ROOT / ".ci" / "readme_examples.py"), str(readme), external=True)
+    else:
+        session.log("CPU kernels only (the CUDA kernels need a CUDA build of torch and nvcc)")
+    env["AMP_FUSED_OPS_BUILD_EXT"] = ",".join(kinds)
+    shutil.rmtree(PREBUILT_WHEELHOUSE, ignore_errors=True)
+    start = time.perf_counter()
+    session.run(
+        "python", "-m", "build", "--no-isolation", "--wheel", "--outdir",
+        str(PREBUILT_WHEELHOUSE), "packages/amp-fused-ops", env=env,
+    )  # fmt: skip
+    session.log(f"wheel with prebuilt kernels built in {time.perf_counter() - start:.0f} s")
+    wheels = sorted(PREBUILT_WHEELHOUSE.glob("amp_fused_ops-*.whl"))
+    if len(wheels) != 1 or wheels[0].name.endswith("-none-any.whl"):
+        session.error(f"expected one platform wheel in {PREBUILT_WHEELHOUSE}, found {wheels}")
+    session.run("python", "-m", "twine", "check", "--strict", str(wheels[0]))
+
+    tmp = Path(session.create_tmp()).resolve()
+    venv = tmp / "prebuilt-check"
+    python = _fresh_virtualenv(session, venv)
+    command = ["pip", "install", "--find-links", "dist/prebuilt", "amp-fused-ops"]
+    if f"{shlex.join(command)}\n" not in (ROOT / "README.md").read_text():
+        session.error(f"README.md does not show `{shlex.join(command)}` on a line of its own")
+    session.log("README.md's install command, in a fresh virtualenv")
+    session.run(python, "-m", *command, silent=True, external=True)
+    empty_cache = tmp / "empty-kernel-cache"
+    shutil.rmtree(empty_cache, ignore_errors=True)
+    empty_cache.mkdir()
+    check_env = {"AMP_FUSED_OPS_CACHE": str(empty_cache)}
+    session.run(python, "-m", "amp_fused_ops", "info", env=check_env, external=True)
+    session.run(
+        python, str(CI_DIR / "wheel_checks.py"), "first-use", str(venv), env=check_env,
+        external=True,
+    )  # fmt: skip
+    session.log(f"ready: {wheels[0].relative_to(ROOT)}")
 
 
 @nox.session
 def docs(session: nox.Session) -> None:
     """Build the Sphinx site into docs/_build/html, treating warnings as errors."""
     _link_torch(session)  # autodoc imports the packages, which import torch
-    session.install("sphinx")
+    _install(session, "sphinx")
     # -E re-reads every page, so warnings of unchanged pages are reported again.
     session.run(
         "python",
@@ -383,7 +595,7 @@ def gpu_tests(session: nox.Session) -> None:
     """Run the tests marked gpu under packages/ and tests/ with the installed CUDA torch."""
     if not _cuda_available(session):
         session.skip("CUDA not available")
-    session.install("pytest")
+    _install(session, "pytest")
     # Import from the source folders, as on GPU machines without an index (see GPU.md):
     # nothing else needs installing there.
     env = {"PYTHONPATH": os.pathsep.join(str(ROOT / src) for src in SRC_DIRS)}
@@ -410,7 +622,7 @@ def cuda_build(session: nox.Session) -> None:
     # A CPU build of torch cannot compile CUDA extensions, so this session has its own
     # virtualenv (no system site packages) with a CUDA build of torch. AMP_CUDA_TORCH may name
     # another requirement or a local wheel, e.g. a torch 2.14.1+cu130 wheel.
-    session.install(os.environ.get("AMP_CUDA_TORCH", TORCH_REQUIREMENT), "ninja")
+    _install(session, os.environ.get("AMP_CUDA_TORCH", TORCH_REQUIREMENT), "ninja")
     torch_cuda = _torch_query(session, "torch.version.cuda")
     if torch_cuda == "None":
         version = _torch_query(session, "torch.__version__")
@@ -439,6 +651,7 @@ EMULATION_TESTS = [
     "packages/amp-fused-ops/tests/test_cuda_kernels_apex_ops.py",
     "packages/amp-fused-ops/tests/test_emulated_norm_syncbn_kernels.py",
     "packages/amp-fused-ops/tests/test_error_types.py",
+    "packages/amp-fused-ops/tests/test_overlap_checks.py",
     "packages/amp-fused-ops/tests/test_adam_semantics.py",
 ]
 

@@ -67,7 +67,11 @@ def _load_loader(root: Path) -> ModuleType:
     """Import ``src/amp_fused_ops/_extension`` by path (without the package's __init__).
 
     Its modules import each other relatively, so the folder loads as a package of its own.
+    Loading a compiled module imports ``amp_fused_ops._amp_C`` (the ops' Python wrappers):
+    ``src/`` goes first on ``sys.path`` so that this tree's package is the one imported, even
+    where none (or another version) is installed in the build environment.
     """
+    sys.path.insert(0, str(root / "src"))
     folder = root / "src" / "amp_fused_ops" / "_extension"
     name = "_amp_fused_ops_extension_for_build"
     spec = importlib.util.spec_from_file_location(
@@ -110,26 +114,43 @@ class CustomBuildHook(BuildHookInterface):
                 f"{BUILD_ENV} needs torch in the build environment ({error}); build with "
                 "`python -m build --no-isolation` in an environment that has torch"
             ) from error
-        # Objects and ninja files stay out of the output folder; finalize() removes them.
+        # The notes shipped with the modules are written here; finalize() removes the folder.
         self._build_dir = Path(tempfile.mkdtemp(prefix="amp_fused_ops_ext_"))
         # A shipped wheel must run on any CPU of its architecture: no host-specific flags.
         os.environ[loader.settings.PORTABLE_ENV] = "1"
-        for kind in kinds:
-            self._build_kind(loader, kind, build_data)
+        torch_versions = {self._build_kind(loader, kind, build_data) for kind in kinds}
         build_data["pure_python"] = False
         build_data["infer_tag"] = True
+        # The modules load only with the torch they were built for (the loader checks the
+        # version, local label included): the wheel requires exactly that torch.
+        build_data["dependencies"].extend(f"torch=={version}" for version in sorted(torch_versions))
 
-    def _build_kind(self, loader: ModuleType, kind: str, build_data: dict[str, Any]) -> None:
-        """Compile ``kind`` and add the module and its JSON note to the wheel."""
-        build_dir = self._build_dir / kind
+    def _build_kind(self, loader: ModuleType, kind: str, build_data: dict[str, Any]) -> str:
+        """Compile ``kind`` (or reuse its build) and add the module and its note to the wheel.
+
+        The build goes into the loader's cache folder (``AMP_FUSED_OPS_CACHE``, else
+        ``~/.cache/amp_fused_ops``) under the key of a portable build: a verified build of the
+        same sources, flags, torch and Python is reused instead of compiled again.
+
+        Returns:
+            The torch version the module was built for.
+        """
+        build_dir = loader.cache.build_directory(kind)
         try:
-            module_path = loader.api.build_extension(kind, force=True, build_dir=build_dir)
+            module_path = loader.api.build_extension(kind, force=False, build_dir=build_dir)
         except loader.settings.ExtensionUnavailableError as error:
-            raise RuntimeError(
-                f"{BUILD_ENV}: cannot build the {kind} extension: {error}"
-            ) from error
+            if not (build_dir / loader.settings.FAILED).exists():
+                raise RuntimeError(
+                    f"{BUILD_ENV}: cannot build the {kind} extension: {error}"
+                ) from error
+            try:  # an earlier failure is remembered by the cache; a wheel build tries again
+                module_path = loader.api.build_extension(kind, force=True, build_dir=build_dir)
+            except loader.settings.ExtensionUnavailableError as again:
+                raise RuntimeError(
+                    f"{BUILD_ENV}: cannot build the {kind} extension: {again}"
+                ) from again
         name = loader.settings.MODULE_NAMES[kind]
-        note = build_dir / f"{name}.json"
+        note = self._build_dir / f"{name}.json"
         # The build record (torch, Python, arch, size, SHA-256) is the note of the wheel.
         record = json.loads((build_dir / loader.settings.MARKER).read_text())
         keys = ("file", "torch", "python", "arch", "size", "sha256")
@@ -137,7 +158,10 @@ class CustomBuildHook(BuildHookInterface):
         prebuilt = "amp_fused_ops/_prebuilt"
         build_data["force_include"][str(module_path)] = f"{prebuilt}/{module_path.name}"
         build_data["force_include"][str(note)] = f"{prebuilt}/{note.name}"
-        self.app.display_info(f"{BUILD_ENV}: shipping the {kind} extension {module_path.name}")
+        self.app.display_info(
+            f"{BUILD_ENV}: shipping the {kind} extension {module_path.name} (from {build_dir})"
+        )
+        return str(record["torch"])
 
     def finalize(self, version: str, build_data: dict[str, Any], artifact_path: str) -> None:
         """Remove the temporary build folder once the wheel is written.

@@ -113,3 +113,30 @@ def test_the_runner_under_torchrun_with_two_gloo_ranks(tmp_path: Path) -> None:
     assert run.stdout.count("names 95") == 2
     assert "rank 0 ok" in run.stdout and "rank 1 ok" in run.stdout
     assert len(_losses(run.stdout)) == 6
+
+
+@pytest.mark.slow
+def test_children_of_every_start_method_get_the_apex_names(tmp_path: Path) -> None:
+    # fairseq's single-node launcher uses torch.multiprocessing.spawn; DataLoader workers and
+    # user code may use spawn or forkserver: each child is a new interpreter.
+    script = ROOT / "tests" / "integration" / "apex_scripts" / "spawn_children.py"
+    run = _run([*RUNNER, str(script)], cwd=tmp_path)
+    lines = [line for line in run.stdout.splitlines() if ": " in line]
+    methods = [line.split(": ", 1)[0] for line in lines]
+    assert methods == ["spawn", "forkserver", "fork", *["torch.multiprocessing.spawn"] * 2]
+    for line in lines:
+        assert "amp_optimizers" in line and "ops=16 scalers=[]" in line, line
+
+
+def test_the_runner_exports_the_aliases_to_new_interpreters(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from amp_legacy_fp16 import apex_run
+
+    monkeypatch.setenv("PYTHONPATH", "/somewhere")
+    monkeypatch.delenv("AMP_APEX_RUN", raising=False)
+    apex_run.export_to_children()
+    apex_run.export_to_children()  # once only
+    assert os.environ["PYTHONPATH"].split(os.pathsep) == [apex_run.BOOT_DIR, "/somewhere"]
+    assert os.environ["AMP_APEX_RUN"] == "1"
+    assert os.path.isfile(os.path.join(apex_run.BOOT_DIR, "sitecustomize.py"))

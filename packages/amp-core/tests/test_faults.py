@@ -349,10 +349,10 @@ def test_state_dict_covers_every_live_initialize_call():
     _step(g, g_opt, 0, poison=True)  # only the first call's scale moves
     _step(d, d_opt, 1, loss_id=1)
     saved = amp.state_dict()
-    assert saved == {
-        "loss_scaler0": {"loss_scale": 32768.0, "unskipped": 0},
-        "session1.loss_scaler0": {"loss_scale": 65536.0, "unskipped": 0},
-        "session1.loss_scaler1": {"loss_scale": 65536.0, "unskipped": 1},
+    assert saved == {  # the latest call owns Apex's keys
+        "loss_scaler0": {"loss_scale": 65536.0, "unskipped": 0},
+        "loss_scaler1": {"loss_scale": 65536.0, "unskipped": 1},
+        "session1.loss_scaler0": {"loss_scale": 32768.0, "unskipped": 0},
     }
 
     del g, g_opt, d, d_opt  # as in a new process
@@ -361,23 +361,29 @@ def test_state_dict_covers_every_live_initialize_call():
     amp.load_state_dict(saved)
     assert amp.state_dict() == saved
     _step(g, g_opt, 2)
-    assert _scale() == 32768.0
+    assert _scale("session1.loss_scaler0") == 32768.0
 
 
-def test_checkpoint_of_one_call_is_refused_by_two_and_back():
+def test_checkpoint_of_one_call_loads_into_the_latest_of_two_and_back():
     g, g_opt = _pair(0)
+    _step(g, g_opt, 0, poison=True)
     one = amp.state_dict()
-    assert set(one) == {"loss_scaler0"}  # Apex's format
+    assert one == {"loss_scaler0": {"loss_scale": 32768.0, "unskipped": 0}}  # Apex's format
     d, d_opt = _pair(1)
-    before = amp.state_dict()
-    with pytest.raises(ValueError, match=r"2 live amp.initialize call\(s\)"):
-        amp.load_state_dict(one)
-    assert amp.state_dict() == before
+    _step(g, g_opt, 1)
+    amp.load_state_dict(one)  # into the latest call; the first keeps its scaler
+    assert amp.state_dict() == {
+        "loss_scaler0": {"loss_scale": 32768.0, "unskipped": 0},
+        "session1.loss_scaler0": {"loss_scale": 32768.0, "unskipped": 1},
+    }
+    two = amp.state_dict()
 
     del g, g_opt, d, d_opt
     _pair(0)
+    before = amp.state_dict()
     with pytest.raises(ValueError, match=r"unexpected.*session1\.loss_scaler0"):
-        amp.load_state_dict(before)
+        amp.load_state_dict(two)
+    assert amp.state_dict() == before
 
 
 def test_a_call_whose_objects_are_gone_is_not_saved():

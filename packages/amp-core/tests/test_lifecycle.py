@@ -217,5 +217,8 @@ def test_close_reaches_a_model_whose_call_has_no_optimizer_left():
     assert _hooks(first) > 0
     amp.close()
     assert _hooks(first) == 0 and "_amp_state" not in first.__dict__
-    x = torch.randn(2, 4, dtype=torch.bfloat16)
-    assert first(x).dtype == torch.bfloat16  # no output cast to fp32 any more
+    # Back to its dtype from before initialize: a plain fp32 model (no input cast any more).
+    assert all(p.dtype == torch.float32 for p in first.parameters())
+    with pytest.raises(RuntimeError, match="dtype"):
+        first(torch.randn(2, 4, dtype=torch.bfloat16))
+    assert first(torch.randn(2, 4)).dtype == torch.float32

@@ -68,12 +68,13 @@ def test_scale_loss_after_remove_names_the_fix():
     model, opt = _init("O2")
     state = optimizer_state(opt)
     assert state is not None
-    state.remove()
-    assert state.stage is Stage.CLOSED
     x, y = batch(0)
+    loss = F.mse_loss(model(x).float(), y)
+    state.remove()  # the model params go back into the groups as fp32
+    assert state.stage is Stage.CLOSED
     with (
         pytest.raises(RuntimeError, match=r"amp wrapping was removed.*latest amp\.initialize"),
-        amp.scale_loss(F.mse_loss(model(x).float(), y), opt),
+        amp.scale_loss(loss, opt),
     ):
         pass
 
@@ -85,3 +86,22 @@ def test_closure_on_an_overflowed_step_names_the_fix():
         (scaled * float("inf")).backward()
     with pytest.raises(RuntimeError, match=r"closure.*optimizer\.step\(\) without a closure"):
         opt.step(lambda: None)
+
+
+@pytest.mark.parametrize("opt_level", ["O0", "O1", "O2", "O3"])
+def test_stages_around_a_failed_block(opt_level):
+    model, opt = _init(opt_level, loss_scale=128.0)
+    state = optimizer_state(opt)
+    assert state is not None
+    _backward(model, opt, delay_unscale=True)
+    before = state.stage
+    x, y = batch(1)
+    with pytest.raises(KeyError), amp.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
+        assert state.stage is Stage.BACKWARD
+        scaled.backward()
+        opt.zero_grad()  # drops the held gradients: an exception now leaves none
+        assert state.stage is Stage.BACKWARD
+        raise KeyError("bad batch")
+    assert before is Stage.ACCUMULATING
+    assert state.stage is Stage.READY
+    assert all(p.grad is None for p in amp.master_params(opt))

@@ -587,3 +587,11 @@ def test_update_scale_hysteresis_dispatches_on_current_scale() -> None:
     assert scale.item() == 4.0 and tracker.item() == 0 and hyst.item() == 0
     with pytest.raises(ValueError, match="growth_tracker must be a one-element int32 tensor"):
         amp_C.update_scale_hysteresis(scale, torch.zeros(1), hyst, torch.ones(1), 2.0, 0.5, 10, 1)
+
+
+def test_dir_of_amp_C_lists_every_apex_op() -> None:
+    # dir() is what help(), tab completion and `import amp_C; dir(amp_C)` scripts read.
+    listed = dir(amp_C)
+    assert set(APEX_OPS) <= set(listed), sorted(set(APEX_OPS) - set(listed))
+    assert all(callable(getattr(amp_C, name)) for name in APEX_OPS)
+    assert listed == sorted(listed)

@@ -683,7 +683,8 @@ def test_rejects_bad_choices_and_state_dtypes(ext: Any) -> None:
         ext.multi_tensor_adam_capturable_master(333, _flag(), [half, half, g, g, half], one, 0.9,
                                                 0.999, 1e-8, one, 1, 1, 0.0, one)  # fmt: skip
     with pytest.raises(ValueError, match="grad_norms must be a float32 tensor of 1 elements"):
-        ext.multi_tensor_novograd(333, _flag(), [g, g, g], torch.ones(2, device=DEVICE), 1e-3,
-                                  0.9, 0.999, 1e-8, 1, 1, 0.0, 1, 0, 2)  # fmt: skip
+        lists = [g, [torch.ones(3, device=DEVICE)], [torch.ones(3, device=DEVICE)]]
+        ext.multi_tensor_novograd(333, _flag(), lists, torch.ones(2, device=DEVICE), 1e-3, 0.9,
+                                  0.999, 1e-8, 1, 1, 0.0, 1, 0, 2)  # fmt: skip
     with pytest.raises(ValueError, match="chunk_size must be an int in"):
         ext.multi_tensor_scale(0, _flag(), [g, g], 1.0)

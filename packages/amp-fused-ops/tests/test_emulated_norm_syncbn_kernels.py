@@ -15,7 +15,14 @@ import torch
 from torch import Tensor
 
 from _kernel_target import EMULATED, norm_ops
-from amp_fused_ops import _norm_reference, _syncbn
+from _norm_helpers import (
+    NORM_IDS,
+    NORMS,
+    ZERO_WEIGHT_CASES,
+    NormSpec,
+    check_zero_weight_gradients,
+)
+from amp_fused_ops import _norm_ops, _norm_reference, _syncbn
 
 pytestmark = [
     pytest.mark.gpu,
@@ -130,3 +137,15 @@ def test_syncbn_kernels_match_the_cpu_path(ops, dtype, shape, channel_last):
     dx_ref = _syncbn.batchnorm_backward(dy, x, mean_ref, invstd, weight, sums_ref[0],
                                         sums_ref[1], count, channel_last=channel_last)  # fmt: skip
     _close(dx, dx_ref)
+
+
+@pytest.mark.parametrize("spec", NORMS, ids=NORM_IDS)
+@pytest.mark.parametrize(("variant", "dtype"), ZERO_WEIGHT_CASES)
+def test_memory_efficient_with_a_zero_weight_on_the_kernels(
+    ops, monkeypatch: pytest.MonkeyPatch, spec: NormSpec, variant: str, dtype: torch.dtype
+):
+    """The modules and Apex's Functions on the emulated kernels (sent there for CPU tensors):
+    a zero weight makes the forward save the input, and the kernels' gradients are exact."""
+    monkeypatch.setattr(_norm_ops, "_kernel_supports", lambda x_dtype, x, params: x.dim() == 2)
+    monkeypatch.setattr(_norm_ops, "cuda_op", lambda name: getattr(ops, name))
+    check_zero_weight_gradients(spec, variant, dtype)

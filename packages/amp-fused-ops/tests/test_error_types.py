@@ -40,6 +40,21 @@ def _shared() -> list[list[Tensor]]:
     return [_l(), [p], [p], _l()]  # params and exp_avgs are one tensor
 
 
+def _half_overlap() -> list[list[Tensor]]:
+    buf = torch.randn(12)
+    return [[buf[:8]], [buf[4:]]]  # the second list overlaps the first by half
+
+
+def _master_overlap() -> list[list[Tensor]]:
+    params, masters = _half_overlap()  # a float32 param overlapping its master by half
+    return [_l(), params, _l(), _l(), masters]
+
+
+def _two_views() -> list[Tensor]:
+    buf = torch.randn(12)
+    return [buf[:8], buf[4:]]
+
+
 MISTAKES: dict[str, tuple[Callable[[Any], None], type[Exception], str]] = {
     "chunk_size 0": (lambda impl: impl.multi_tensor_scale(0, _flag(), [_l(), _l()], 1.0),
                      ValueError, "chunk_size must be"),
@@ -77,6 +92,13 @@ MISTAKES: dict[str, tuple[Callable[[Any], None], type[Exception], str]] = {
             64, _flag(), _shared(), torch.ones(1), 0.9, 0.999, 1e-8, torch.ones(1), 1, 1, 0.0,
             torch.ones(1)),
         ValueError, "share memory"),
+    "scale output overlapping its input": (
+        lambda impl: impl.multi_tensor_scale(64, _flag(), _half_overlap(), 2.0),
+        ValueError, "share memory; only the very same tensor"),
+    "sgd with one param twice": (
+        lambda impl: impl.multi_tensor_sgd(64, _flag(), [_l() * 2, _l() * 2, _l() + _l()], 0.0,
+                                           0.9, 0.0, 0.1, False, False, False, 1.0),
+        ValueError, "share memory; a tensor the op writes"),
     "capturable master adam: moments share memory": (
         lambda impl: impl.multi_tensor_adam_capturable_master(
             64, _flag(), [_l(), _l(), *_shared()[1:3], _l()], torch.ones(1), 0.9, 0.999, 1e-8,
@@ -197,6 +219,20 @@ SAME_MESSAGE: dict[str, tuple[Callable[[Any], None], type[Exception]]] = {
         lambda impl: impl.multi_tensor_adam_capturable(
             64, _flag(), _shared(), torch.ones(1), 0.9, 0.999, 1e-8, torch.ones(1), 1, 1, 0.0,
             torch.ones(1)),
+        ValueError),
+    # A written tensor shares memory with another tensor of the call.
+    "scale output overlapping its input by half": (
+        lambda impl: impl.multi_tensor_scale(64, _flag(), _half_overlap(), 2.0), ValueError),
+    "axpby outputs sharing memory": (
+        lambda impl: impl.multi_tensor_axpby(64, _flag(), [_l() * 2, _l() * 2, _two_views()],
+                                             1.0, 1.0, -1),
+        ValueError),
+    "sgd with one param twice": (_sgd([torch.randn(8)] * 2, [torch.zeros(8), torch.zeros(8)]),
+                                 ValueError),
+    "master adam param overlapping its master": (
+        lambda impl: impl.multi_tensor_adam_capturable_master(
+            64, _flag(), _master_overlap(),
+            torch.ones(1), 0.9, 0.999, 1e-8, torch.ones(1), 1, 1, 0.0, torch.ones(1)),
         ValueError),
     "sgd bfloat16 momentum for float16 params": (
         _sgd([torch.randn(8).half()], [torch.zeros(8, dtype=torch.bfloat16)]), ValueError),

@@ -18,7 +18,16 @@ import torch
 import torch.nn.functional as F
 
 import amp_fused_ops
-from _norm_helpers import NORM_IDS, NORMS, NormSpec, max_err, random_params, run_with_grads
+from _norm_helpers import (
+    NORM_IDS,
+    NORMS,
+    ZERO_WEIGHT_CASES,
+    NormSpec,
+    check_zero_weight_gradients,
+    max_err,
+    random_params,
+    run_with_grads,
+)
 from amp_fused_ops import (
     FusedLayerNorm,
     FusedRMSNorm,
@@ -580,3 +589,26 @@ def test_onnx_export_runs_and_matches_eager(dynamo, tmp_path):
     assert all(node.domain in ("", "ai.onnx") for node in model.graph.node)
     [out] = ReferenceEvaluator(model).run(None, {model.graph.input[0].name: x.numpy()})
     torch.testing.assert_close(torch.from_numpy(out), net(x).detach(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("spec", NORMS, ids=NORM_IDS)
+@pytest.mark.parametrize(("variant", "dtype"), ZERO_WEIGHT_CASES)
+def test_memory_efficient_with_a_zero_weight_gives_exact_gradients(
+    spec: NormSpec, variant: str, dtype: torch.dtype
+):
+    """A zero weight hides the normalized input from the output: the input is saved instead,
+    and the gradients are PyTorch's (they were nan, every amp step skipped)."""
+    check_zero_weight_gradients(spec, variant, dtype)
+
+
+@pytest.mark.parametrize("spec", NORMS, ids=NORM_IDS)
+def test_memory_efficient_with_a_zero_weight_saves_the_input(spec: NormSpec):
+    norm = spec.ours(32, memory_efficient=True)
+    with torch.no_grad():
+        norm.weight[5] = 0.0
+    x = torch.randn(4, 32, requires_grad=True)
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        norm(x)
+    big = [t for t in saved if t.numel() == x.numel()]
+    assert len(big) == 1 and big[0].data_ptr() == x.data_ptr()

@@ -207,7 +207,13 @@ def test_torch_compile_on_cuda_matches_eager(spec: NormSpec, memory_efficient):
     y2, g2 = run_with_grads(compiled, x, params, dy)
     torch.testing.assert_close(y2, y1)
     for a, b in zip(g1, g2, strict=True):
-        torch.testing.assert_close(b, a)
+        if memory_efficient:
+            # Compiled, the input is saved (the weight's values are unknown when tracing); eager
+            # recomputes it from the bf16 output: one rounding of the dtype at the grad's scale.
+            atol = torch.finfo(torch.bfloat16).eps * a.abs().max().item()
+            torch.testing.assert_close(b, a, atol=atol, rtol=1.6e-2)
+        else:
+            torch.testing.assert_close(b, a)
 
 
 def test_without_the_extension_cuda_tensors_take_the_reference(monkeypatch):

@@ -11,9 +11,11 @@ import importlib.metadata
 import importlib.util
 import sys
 import types
+import warnings
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 import amp_legacy_fp16
 from amp_core import amp as core_amp
@@ -69,7 +71,9 @@ def test_apex_amp_is_amp_core_plus_the_legacy_init(hook: None) -> None:
     ]  # fmt: skip
     for name in apex_names:
         expected = getattr(legacy_amp if name == "init" else core_amp, name)
-        assert getattr(amp, name) is expected, name
+        found = getattr(amp, name)
+        # initialize adds Apex's deprecation warning in front of amp-core's
+        assert (found.__wrapped__ if name == "initialize" else found) is expected, name
 
 
 def test_apex_fp16_utils_and_its_submodules(hook: None) -> None:
@@ -109,7 +113,7 @@ def test_a_missing_toolkit_package_names_the_pip_package(
 
 
 def test_an_apex_module_the_toolkit_lacks_is_not_found(hook: None) -> None:
-    assert importlib.util.find_spec("apex.contrib") is None
+    assert importlib.util.find_spec("apex.contrib.xentropy") is None
     with pytest.raises(ModuleNotFoundError, match=r"apex\.transformer"):
         importlib.import_module("apex.transformer")
     import apex
@@ -134,3 +138,80 @@ def test_uninstall_forgets_the_alias_modules(hook: None) -> None:
     assert "apex.amp" in sys.modules
     _apex_alias.uninstall()
     assert "apex" not in sys.modules and "apex.amp" not in sys.modules
+
+
+def test_apex_deprecated_feature_warning_is_the_legacy_apis_warning(hook: None) -> None:
+    import apex
+
+    assert apex.DeprecatedFeatureWarning is amp_legacy_fp16.DeprecatedFeatureWarning
+    assert issubclass(apex.DeprecatedFeatureWarning, FutureWarning)
+    with pytest.warns(apex.DeprecatedFeatureWarning, match="my message"):
+        apex.deprecated_warning("my message")
+    # What Apex's own deprecation tests check, call by call.
+    model = torch.nn.Linear(1, 1, bias=False)
+    optimizer = torch.optim.SGD(model.parameters(), 1.0)
+    with pytest.warns(apex.DeprecatedFeatureWarning):
+        apex.fp16_utils.FP16Model(model)
+    with pytest.warns(apex.DeprecatedFeatureWarning):
+        apex.fp16_utils.FP16_Optimizer(optimizer)
+    with pytest.warns(apex.DeprecatedFeatureWarning):
+        apex.fp16_utils.LossScaler()
+    try:
+        with pytest.warns(apex.DeprecatedFeatureWarning, match="from amp_core import amp"):
+            apex.amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+    finally:
+        core_amp.close()
+
+
+def test_apex_amp_initialize_warns_only_under_the_apex_name(hook: None) -> None:
+    model = torch.nn.Linear(1, 1, bias=False)
+    optimizer = torch.optim.SGD(model.parameters(), 1.0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", amp_legacy_fp16.DeprecatedFeatureWarning)
+            core_amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+    finally:
+        core_amp.close()
+
+
+def test_top_level_syncbn_is_the_syncbn_kernels(hook: None) -> None:
+    import syncbn
+
+    from amp_fused_ops import syncbn as toolkit_syncbn
+
+    for name in ("welford_mean_var", "welford_parallel", "batchnorm_forward", "reduce_bn",
+                 "batchnorm_backward"):  # fmt: skip
+        assert getattr(syncbn, name) is getattr(toolkit_syncbn, name), name
+    x = torch.randn(4, 3, 5)
+    mean, var_biased = syncbn.welford_mean_var(x)
+    torch.testing.assert_close(mean, x.mean(dim=(0, 2)))
+    torch.testing.assert_close(var_biased, x.var(dim=(0, 2), unbiased=False))
+
+
+def test_apex_contrib_optimizers_holds_the_cut_down_fp16_optimizer_and_fused_adam(
+    hook: None,
+) -> None:
+    from apex.contrib.optimizers import FP16_Optimizer, FusedAdam
+    from apex.contrib.optimizers.fp16_optimizer import FP16_Optimizer as FromSubmodule
+    from apex.contrib.optimizers.fused_adam import FusedAdam as AdamFromSubmodule
+
+    import amp_optimizers
+
+    assert FP16_Optimizer is FromSubmodule is amp_optimizers.FP16_Optimizer
+    assert FusedAdam is AdamFromSubmodule is amp_optimizers.FusedAdam
+    contrib = importlib.import_module("apex.contrib.optimizers")
+    assert sorted(contrib.__all__) == ["FP16_Optimizer", "FusedAdam"]
+    assert {"FP16_Optimizer", "FusedAdam"} <= set(dir(contrib))
+    # Apex's contrib FusedLAMB had another signature than amp_optimizers.FusedLAMB: not aliased.
+    with pytest.raises(AttributeError, match="FusedLAMB"):
+        _ = contrib.FusedLAMB
+    assert "FusedSGD" not in dir(contrib)
+
+
+def test_dir_of_the_top_level_amp_C_lists_its_ops(hook: None) -> None:
+    import amp_C
+
+    names = dir(amp_C)
+    for op in ("multi_tensor_scale", "multi_tensor_adam", "multi_tensor_l2norm",
+               "update_scale_hysteresis"):  # fmt: skip
+        assert op in names, op

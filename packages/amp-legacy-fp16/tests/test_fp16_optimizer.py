@@ -336,6 +336,27 @@ def test_closure_recovers_after_an_overflow_outside_it():
 # ------------------------------------------------------------------ checkpoints
 
 
+@pytest.mark.parametrize("half", HALF_DTYPES)
+def test_casting_the_model_there_and_back_after_wrapping_keeps_training_it(half):
+    # This FP16_Optimizer holds the model's Parameter objects (not views of a buffer of its
+    # own): a cast that gives them new data (model.float() then back) leaves it working.
+    model = tiny_mlp(half)
+    ref = fp32_copy(model)
+    opt = _wrap(model, dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 2.0**10})
+    model.float()
+    model.to(half)
+    opt.zero_grad()
+    opt.backward(_loss(model, 1))
+    opt.step()
+
+    _loss(ref, 1).backward()
+    with torch.no_grad():
+        expected = [p - 0.1 * p.grad for p in ref.parameters()]
+    for p, e in zip(model.parameters(), expected, strict=True):
+        assert p.dtype == half
+        torch.testing.assert_close(p.detach().float(), e, **CHAIN_TOL[half])
+
+
 def _train(model, opt, steps):
     for step in steps:
         opt.zero_grad()

@@ -641,7 +641,8 @@ def test_o2_fused_delayed_backward_after_a_deferred_one(half: torch.dtype) -> No
 
 def test_close_gives_a_fused_o2_adam_back_its_own_step() -> None:
     """amp.close() undoes the fused master-weight path: FusedAdam steps the model's own
-    half params again, with no wrapper left on the instance."""
+    params again (back in float32, with the masters' values), with no wrapper left on the
+    instance."""
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
     opt = FusedAdam(model.parameters(), lr=0.1)
@@ -653,9 +654,10 @@ def test_close_gives_a_fused_o2_adam_back_its_own_step() -> None:
     amp.close()
     assert not {"step", "zero_grad", "add_param_group", "_amp_state"} & set(opt.__dict__)
     assert opt.param_groups[0]["params"] == [model.weight, model.bias]
+    assert model.weight.dtype == torch.float32 and model.bias.dtype == torch.float32
     before = model.weight.detach().clone()
     opt.zero_grad()
-    model(x.bfloat16()).float().sum().backward()
+    model(x).sum().backward()
     opt.step()
     # Adam's first step moves every weight by about lr (sign of the gradient).
     torch.testing.assert_close(

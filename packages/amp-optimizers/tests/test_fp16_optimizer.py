@@ -315,6 +315,73 @@ def test_state_dict_has_apex_keys() -> None:
 # -- errors --------------------------------------------------------------------------------------
 
 
+def _cast_there_and_back(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    model.float()
+    model.to(dtype)  # model.half() / model.bfloat16(): same values, new storage
+
+
+def _to_float32_and_back(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    model.to(torch.float32).to(dtype)
+
+
+def _swap_there_and_back(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    # module._apply swaps the params' contents instead of assigning param.data
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        _cast_there_and_back(model, dtype)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+
+
+REALLOCATIONS = [
+    pytest.param(_cast_there_and_back, id="float_then_back"),
+    pytest.param(_to_float32_and_back, id="to_float32_and_back"),
+    pytest.param(_swap_there_and_back, id="swap_module_params"),
+]
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize("reallocate", REALLOCATIONS)
+def test_params_reallocated_after_wrapping_are_refused(dtype: torch.dtype, reallocate) -> None:
+    model = _model(dtype)
+    opt = _wrap(model, dynamic_loss_scale=True)
+    _train(model, opt, range(1), dtype)
+    saved = _roundtrip(opt.state_dict())
+    reallocate(model, dtype)  # the params get new data: the flat buffers no longer reach the model
+    before = [p.detach().clone() for p in model.parameters()]
+    master = opt.fp32_groups_flat[0].clone()
+    opt.zero_grad()
+    opt.backward(_loss(model, 1, dtype))
+    with pytest.raises(
+        RuntimeError,
+        match=rf"FP16_Optimizer\.step: param 0 of group 0 \(shape \(16, 6\), now {dtype} on "
+        r"cpu\) no longer lives in the optimizer's flat .* buffer.*moved or cast.*Move and cast "
+        r"the model first, then build the FusedAdam and the FP16_Optimizer",
+    ):
+        opt.step()
+    # refused before anything was stepped
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert torch.equal(master, opt.fp32_groups_flat[0])
+    assert opt.cur_iter == 1 and opt.loss_scale == 2.0**16
+    with pytest.raises(RuntimeError, match=r"FP16_Optimizer\.load_state_dict: param 0 of group 0"):
+        opt.load_state_dict(saved)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_a_cast_to_the_dtype_the_params_have_keeps_them_in_the_flat_buffer(
+    dtype: torch.dtype,
+) -> None:
+    model, plain = _model(dtype), _model(dtype)
+    opt, plain_opt = _wrap(model), _wrap(plain)
+    model.to(dtype)  # nothing to cast: the params keep their data
+    model.to("cpu")
+    _train(model, opt, range(3), dtype)
+    _train(plain, plain_opt, range(3), dtype)
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert not torch.equal(model[0].weight, _model(dtype)[0].weight)  # it trained
+
+
 def test_refuses_other_optimizers() -> None:
     params = _model(torch.float16).parameters()
     with pytest.raises(TypeError, match=r"only wraps amp_optimizers\.FusedAdam, got FusedSGD"):
@@ -409,3 +476,14 @@ def test_cuda_matches_cpu_and_skips_overflow(dtype: torch.dtype) -> None:
     assert cpu_scale == cuda_scale == 2.0**15 and cpu_iter == cuda_iter == 6
     # The same gradients on both devices: only the order of float32 operations differs.
     torch.testing.assert_close(cuda, cpu, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_a_model_moved_to_cuda_after_wrapping_is_refused(dtype: torch.dtype) -> None:
+    model = _model(dtype)
+    opt = _wrap(model)
+    model.cuda()
+    opt.backward(_loss(model, 0, dtype, "cuda"))
+    with pytest.raises(RuntimeError, match=r"now .* on cuda:0\) no longer lives .* on cpu"):
+        opt.step()

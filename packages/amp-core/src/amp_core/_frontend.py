@@ -290,9 +290,8 @@ def initialize(
         )
         optimizer_states.append(opt_state)
         optimizer._amp_state = opt_state  # type: ignore[attr-defined]
-        pairs = dict(zip(opt_state.model_params, opt_state.masters, strict=True))
         for state in model_states:
-            state.masters.update(pairs)
+            state.attach(opt_state.weights)  # masters are looked up there, when needed
     fp32_sources.clear()
 
     session.scalers = [LossScaler.from_config(props.scaler_config()) for _ in range(num_losses)]

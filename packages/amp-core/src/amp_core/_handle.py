@@ -11,6 +11,7 @@ import torch
 
 from ._opt_levels import OptLevel
 from ._optimizer import OptimizerAmpState, optimizer_state
+from ._scaler import LossScaler
 from ._state import AmpSession, registry
 
 __all__ = ["load_state_dict", "master_params", "scale_loss", "skipped_steps", "state_dict"]
@@ -26,7 +27,7 @@ _NOT_INITIALIZED = (
 
 def _optimizer_states(optimizers: Any) -> list[OptimizerAmpState]:
     items = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
-    states = []
+    states: list[OptimizerAmpState] = []
     for optimizer in items:
         state = optimizer_state(optimizer)
         if state is None:
@@ -35,7 +36,8 @@ def _optimizer_states(optimizers: Any) -> list[OptimizerAmpState]:
                 "return. Pass the optimizer(s) returned by amp.initialize."
             )
         state.require_open("amp.scale_loss")
-        states.append(state)
+        if state not in states:  # the same optimizer twice: once
+            states.append(state)
     return states
 
 
@@ -55,6 +57,25 @@ def scale_loss(
     scale, a gradient holding an inf or a nan (before or after unscaling) makes the next
     ``optimizer.step()`` a no-op; a dynamic scale is lowered too (not below its floor).
 
+    Inside the block the backward's gradients arrive alone: the gradients accumulated by
+    earlier backwards of the step are held aside and added back on exit.
+
+    * **An exception in the block** (raised by the backward, e.g. out of memory, or by the
+      code in the block) propagates, and leaves the gradients of the optimizer(s) as they
+      were before the block: those the failed backward made are dropped, those held aside
+      are put back, and the step is where it was. (Entering the block first unscales into
+      place the gradients a fused O2 step left pending, as :func:`master_params` does, and
+      those a ``delay_unscale`` backward of another ``loss_id`` left scaled: that stays.) A
+      loop that skips a bad micro-batch keeps accumulating the others exactly.
+    * **optimizer.step()** of an optimizer passed here is refused inside the block
+      (``RuntimeError``: the gradients are not unscaled yet); call it after the block.
+      Stepping another optimizer inside the block is fine.
+    * **Nested blocks** for the same optimizer are refused (``RuntimeError``), as Apex did not
+      support them; blocks for different optimizers may nest.
+    * ``optimizer.zero_grad()`` inside the block drops the held gradients too.
+    * Gradients left scaled by a ``delay_unscale`` backward of another ``loss_id`` are
+      unscaled by their own loss scale (and its scale updated) when this block starts.
+
     Args:
         loss: The loss tensor.
         optimizers: The optimizer, or list of optimizers, returned by ``amp.initialize``
@@ -66,12 +87,14 @@ def scale_loss(
         delay_overflow_check: Unscale, but neither update the scale nor skip a step.
 
     Raises:
-        RuntimeError: before ``amp.initialize``, or for an optimizer it did not return.
+        RuntimeError: before ``amp.initialize``, for an optimizer it did not return, or for an
+            optimizer already inside another ``scale_loss`` block.
         ValueError: for a ``loss_id`` out of range.
 
     Example:
         >>> with amp.scale_loss(loss, optimizer) as scaled_loss:
         ...     scaled_loss.backward()
+        >>> optimizer.step()  # after the block
     """
     session = registry.current
     if session is None:
@@ -98,27 +121,50 @@ def scale_loss(
     check = (scaler.dynamic or owner.props.opt_level is not OptLevel.O0) and not (
         delay_overflow_check
     )
-
-    if not owner.props.master_weights and scaler.is_unit_static:
-        # Nothing to scale or copy (O0, O3): Apex's fast path, with the overflow check alone.
-        yield loss.float()
-        if not delay_unscale:
-            found_inf = torch.zeros((), dtype=torch.float32, device=loss.device)
-            for state in states:
-                state.end_unit_backward(scaler, found_inf, check=check)
-            if check:
-                for state in states:
-                    state.note_overflow_check(loss_id, found_inf)
+    # Nothing to scale or copy (O0, O3): Apex's fast path, with the overflow check alone.
+    unit = not owner.props.master_weights and scaler.is_unit_static
+    for state in states:  # every refusal before any state changes
+        state.check_block_entry()
+    scale = None if unit else scaler.scale_tensor(loss.device)
+    for state in states:
+        state.begin_backward(scaler, delay_unscale=delay_unscale, unit=unit)
+    try:
+        yield loss.float() if scale is None else loss.float() * scale
+    except BaseException:
+        # The gradients and the stage go back to what they were before the block.
+        for state in states:
+            state.abort_backward()
         if casting is not None:
             casting.clear_cache()
+        raise
+    try:
+        _finish_backward(
+            states, scaler, loss_id, loss.device, check, unit, delay_unscale, delay_overflow_check
+        )
+    finally:
+        if casting is not None:
+            casting.clear_cache()  # the weights are about to change
+
+
+def _finish_backward(
+    states: list[OptimizerAmpState],
+    scaler: LossScaler,
+    loss_id: int,
+    device: torch.device,
+    check: bool,
+    unit: bool,
+    delay_unscale: bool,
+    delay_overflow_check: bool,
+) -> None:
+    """``scale_loss`` exit: unscale (or defer), update the scale, note the overflow flags."""
+    found_inf = torch.zeros((), dtype=torch.float32, device=device)
+    if unit:
+        for state in states:
+            state.end_unit_backward(scaler, found_inf, check=check, delay_unscale=delay_unscale)
+        if check and not delay_unscale:
+            for state in states:
+                state.note_overflow_check(loss_id, found_inf)
         return
-
-    for state in states:
-        state.begin_backward(delay_unscale=delay_unscale)
-    scale = scaler.scale_tensor(loss.device)
-    yield loss.float() * scale
-
-    found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
     # A fused master-weight optimizer alone may take the scaled grads as they are: its
     # step unscales, checks and updates the scale (see _fused_master).
     defer_loss_id = loss_id if len(states) == 1 and not delay_overflow_check else None
@@ -128,7 +174,9 @@ def scale_loss(
             state.end_backward(
                 scaler,
                 found_inf,
+                loss_id=loss_id,
                 check=check,
+                update=not delay_overflow_check,
                 delay_unscale=delay_unscale,
                 defer_loss_id=defer_loss_id,
             )
@@ -140,8 +188,6 @@ def scale_loss(
         if check:
             for state in states:
                 state.note_overflow_check(loss_id, found_inf)
-    if casting is not None:
-        casting.clear_cache()  # the weights are about to change
 
 
 def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
@@ -156,6 +202,8 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
         >>> torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm=1.0)
     """
     state = optimizer_state(optimizer)
+    if state is not None:
+        state.weights.take_model_edits()  # the masters follow in-place edits of the model
     if state is not None and state.fused:
         # The fused path keeps the masters in the optimizer: give their unscaled fp32 grads.
         state.materialize()
@@ -169,18 +217,25 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
         yield from group["params"]
 
 
-def _prefix(index: int) -> str:
-    """Key prefix of the ``index``-th live session: none for the first (Apex's format)."""
-    return "" if index == 0 else f"session{index}."
+def _prefixed_sessions() -> list[tuple[str, AmpSession]]:
+    """The live sessions with their key prefix: none for the latest ``amp.initialize`` call
+    (Apex's format), ``session<k>.`` for the ``k``-th call before it."""
+    sessions = registry.live_sessions()
+    last = len(sessions) - 1
+    return [
+        ("" if index == last else f"session{last - index}.", session)
+        for index, session in enumerate(sessions)
+    ]
 
 
 def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
     """The loss scalers of every live ``amp.initialize`` call, as Apex's ``amp.state_dict``.
 
-    A single call (the usual case) gives Apex's format. When ``amp.initialize`` was called
-    several times (once per model) and the optimizers of the earlier calls are still in use,
-    the scalers of the ``i``-th call (``i >= 1``, in call order) follow under the keys
-    ``"session<i>.loss_scaler<j>"``, so that no model's scale is lost.
+    The latest call owns Apex's keys ``"loss_scaler<j>"`` (a single call, the usual case,
+    gives Apex's format). When ``amp.initialize`` was called several times (once per model)
+    and the optimizers of earlier calls are still in use, the scalers of the ``k``-th call
+    before the latest follow under the keys ``"session<k>.loss_scaler<j>"``, so that no
+    model's scale is lost.
 
     Returns:
         ``{"loss_scaler0": {"loss_scale": float, "unskipped": int}, ...}``.
@@ -192,17 +247,29 @@ def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
         first runs Python's garbage collector, to drop the calls whose objects are gone.
     """
     if registry.current is None:
+        if registry.closed:
+            raise RuntimeError(
+                "amp.state_dict() was called after amp.close(), which ended every "
+                "amp.initialize call: there is no loss scaler to save. Save amp.state_dict() "
+                "before amp.close(), or call amp.initialize again first."
+            )
         raise RuntimeError("amp.state_dict() was called before amp.initialize().")
     out: dict[str, Any] = {} if destination is None else destination
-    for index, session in enumerate(registry.live_sessions()):
+    for prefix, session in _prefixed_sessions():
         for idx, scaler in enumerate(session.scalers):
-            out[f"{_prefix(index)}loss_scaler{idx}"] = scaler.state_dict()
+            out[f"{prefix}loss_scaler{idx}"] = scaler.state_dict()
     return out
 
 
 def load_state_dict(state: dict[str, Any]) -> None:
-    """Restore the loss scalers saved by :func:`state_dict` into the live ``amp.initialize``
-    calls (one per saved call, in call order, each with as many losses as were saved).
+    """Restore the loss scalers saved by :func:`state_dict`.
+
+    As in Apex, the keys ``"loss_scaler<j>"`` load into the latest ``amp.initialize`` call,
+    which must have as many losses as were saved; ``"session<k>.loss_scaler<j>"`` load into
+    the ``k``-th live call before it. Earlier live calls that the checkpoint has no keys for
+    keep their scalers: a checkpoint saved by one call loads into the latest call of a
+    process that called ``amp.initialize`` before (for another model, or for the model
+    being resumed) without deleting those objects.
 
     Every entry is validated before anything is loaded: an error leaves every scaler as it was.
     A scale outside ``[min_loss_scale, max_loss_scale]`` of the new call is brought within it
@@ -213,9 +280,9 @@ def load_state_dict(state: dict[str, Any]) -> None:
             Apex).
         TypeError: ``state`` is not a dict, or a field has the wrong type (a scale that is not
             a number, a count that is not an int).
-        ValueError: a missing or extra loss scaler (the saved
-            number of calls or of ``num_losses`` differs from this run's), a missing or unknown
-            field, a loss scale of 0, negative, inf or nan, or a negative count.
+        ValueError: a missing or extra loss scaler (a call saved with another ``num_losses``,
+            or more calls saved than are live), a missing or unknown field, a loss scale of 0,
+            negative, inf, nan or beyond float32, or a negative count.
     """
     if registry.current is None:
         raise RuntimeError("amp.load_state_dict() was called before amp.initialize().")
@@ -233,32 +300,30 @@ def load_state_dict(state: dict[str, Any]) -> None:
             + ", ".join(f'"{k}"' for k in unexpected)
             + ". amp.load_state_dict takes the dict returned by amp.state_dict()."
         )
-    sessions = registry.live_sessions()
-    expected = [
-        (f"{_prefix(index)}loss_scaler{idx}", scaler)
-        for index, session in enumerate(sessions)
-        if session.props.enabled
-        for idx, scaler in enumerate(session.scalers)
-    ]
-    ignored = {  # a disabled call (enabled=False) keeps nothing and ignores its entries
-        _prefix(index) for index, session in enumerate(sessions) if not session.props.enabled
-    }
-    wanted = {key for key, _ in expected}
-    missing = [key for key in wanted if key not in state]
-    extra = [
-        key
-        for key in state
-        if key not in wanted and (key.rsplit("loss_scaler", 1)[0] not in ignored)
-    ]
+    sessions = _prefixed_sessions()
+    saved_prefixes = {key.rsplit("loss_scaler", 1)[0] for key in state}
+    expected: list[tuple[str, LossScaler]] = []
+    wanted: set[str] = set()
+    for prefix, session in sessions:
+        keys = [f"{prefix}loss_scaler{idx}" for idx in range(len(session.scalers))]
+        if prefix and prefix not in saved_prefixes:
+            continue  # an earlier call the checkpoint does not cover keeps its scalers
+        wanted.update(keys)
+        if not session.props.enabled:  # a disabled call keeps nothing, ignores its entries
+            wanted.update(k for k in state if k.startswith(prefix or "loss_scaler"))
+            continue
+        expected.extend(zip(keys, session.scalers, strict=True))
+    missing = [key for key, _ in expected if key not in state]
+    extra = [key for key in state if key not in wanted]
     if missing or extra:
-        counts = [len(s.scalers) for s in sessions]
+        counts = [len(s.scalers) for _, s in sessions]
         raise ValueError(
             f"amp.load_state_dict: the checkpoint does not match the loss scalers of this run "
             f"(missing {sorted(missing)}, unexpected {sorted(extra)}). This run has "
-            f"{len(sessions)} live amp.initialize call(s) with num_losses {counts}; a "
-            "checkpoint loads into a run that calls amp.initialize as the run that saved it "
-            "did (same number of calls, in the same order, with the same num_losses). Calls "
-            "whose optimizers are still referenced count as live: delete them first."
+            f"{len(sessions)} live amp.initialize call(s) with num_losses {counts} (in call "
+            'order). The keys "loss_scaler<j>" load into the latest call, which must have the '
+            'saved num_losses; "session<k>.loss_scaler<j>" into the k-th live call before it. '
+            "Call amp.initialize with the num_losses of the run that saved the checkpoint."
         )
     checked = [
         (scaler, scaler.check_state_dict(state[key], f'state_dict["{key}"]'))

@@ -13,7 +13,14 @@ takes its step through this module, so the rules are written once:
 * a step is skipped, leaving every param and the optimizer state as they were, when the
   gradients overflowed; otherwise the optimizer steps and the model is refreshed from the
   masters (:meth:`MasterWeights.step`). An optimizer that keeps the masters itself and steps
-  them in one fused pass skips on the device instead (:func:`fused_master_step`).
+  them in one fused pass skips on the device instead (:func:`fused_master_step`);
+* the master is the truth of its weight, and an in-place edit of the half param (``fill_``,
+  ``copy_``, ``nn.init``) made since the masters were last written into the model is taken
+  into the master before the master is read or stepped (:meth:`MasterWeights.take_model_edits`):
+  the version counters of the half params tell which ones may have changed, and within those,
+  the elements whose half value no longer equals the rounded master take the edited value;
+* :meth:`MasterWeights.release` gives the param groups back their model params (float32, with
+  the masters' values) when amp's wrapping is removed.
 """
 
 from __future__ import annotations
@@ -27,11 +34,26 @@ from torch import Tensor
 from ._fused_master import FusedMasterWeightOptimizer
 from ._scaler import LossScaler
 
-__all__ = ["GradUnscaler", "MasterWeights", "fused_master_step", "read_overflow"]
+__all__ = [
+    "GradUnscaler",
+    "MasterWeights",
+    "fused_master_step",
+    "match_state_dtypes",
+    "read_overflow",
+]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 T = TypeVar("T")
+
+
+_Stamp = tuple[int, int, torch.dtype]
+
+
+def _stamp(param: Tensor) -> _Stamp:
+    """What changes when a tensor is written in place or its ``.data`` is replaced, and the
+    dtype it had then."""
+    return param._version, param.data_ptr(), param.dtype
 
 
 class GradUnscaler(Protocol):
@@ -77,6 +99,8 @@ class MasterWeights:
         self.model_params: list[Tensor] = []
         self.masters: list[Tensor] = []
         self.direct_params: list[Tensor] = list(direct_params)
+        # The half params' stamps (_stamp) when the masters were last written into them.
+        self._versions: list[_Stamp] = []
         # The direct params' gradients from before the current scaled backward (unscaled).
         self._stash: list[Tensor | None] = []
 
@@ -90,6 +114,7 @@ class MasterWeights:
         """Record a master made elsewhere (by a fused master-weight optimizer)."""
         self.model_params.append(model_param)
         self.masters.append(master)
+        self._versions.append(_stamp(model_param))
 
     def adopt_param(
         self,
@@ -230,6 +255,89 @@ class MasterWeights:
         with torch.no_grad():
             for dst, src in by_device.values():
                 torch._foreach_copy_(dst, src)
+        self.note_model_versions()
+
+    def note_model_versions(self) -> None:
+        """Remember the half params' stamps: they hold the masters' values now."""
+        self._versions = [_stamp(p) for p in self.model_params]
+
+    def take_model_edits(self, *, strict: bool = True) -> None:
+        """Take in-place edits of the half params into their masters.
+
+        A half param whose version counter moved, or whose ``.data`` was replaced, since the
+        masters were last written into the model was changed by something else
+        (``nn.init.zeros_``, ``fill_``, ``copy_`` under ``no_grad``, ``param.data = ...``, a
+        data-parallel broadcast). Its master then takes the edited value where the
+        half value differs from the rounded master, and keeps its full precision elsewhere, so
+        that the edit is neither reverted by the next step nor missing from ``state_dict()``.
+
+        Args:
+            strict: Raise for a half param whose shape no longer matches its master's (its
+                ``.data`` was replaced by a tensor of another shape); else leave that master
+                as it is (amp.close() then gives the param back as it is).
+
+        Raises:
+            RuntimeError: With ``strict``, a half param's shape no longer matches its
+                master's.
+        """
+        stamps = [_stamp(p) for p in self.model_params]
+        if stamps == self._versions:
+            return  # the usual case: nothing wrote the model since the masters did
+        with torch.no_grad():
+            for (param, master), noted, now in zip(
+                self.pairs(), self._versions, stamps, strict=True
+            ):
+                if now == noted:
+                    continue
+                if param.shape != master.shape:
+                    if not strict:
+                        continue
+                    raise RuntimeError(
+                        f"A parameter of shape {tuple(param.shape)} has an fp32 master weight "
+                        f"of shape {tuple(master.shape)}: its data was replaced by a tensor of "
+                        "another shape after amp.initialize. Change a model's shapes before "
+                        "amp.initialize, or call amp.close(), change the model, build a new "
+                        "optimizer and call amp.initialize again."
+                    )
+                # Compared where the master lives, in the dtype the param had when the masters
+                # were written into it (a model moved or widened since is no edit).
+                edited = param.detach().to(master.device)
+                written = noted[2]
+                differs = edited.to(written) != master.detach().to(written)
+                master.copy_(torch.where(differs, edited.to(master.dtype), master.detach()))
+        self._versions = stamps
+
+    def release(self, optimizer: Any) -> None:
+        """Give ``optimizer``'s param groups back the model params in place of their masters.
+
+        Each half param takes its master's value as float32 (where nothing did so before), and
+        the optimizer state moves from the master back to the param, as it is (float32); half
+        state of a param that is no longer half is widened to the param's dtype. After this the
+        optimizer steps the model's own params, as plain PyTorch does, and there are no masters
+        left here.
+        """
+        self.take_model_edits(strict=False)
+        by_master = {id(m): p for p, m in self.pairs()}
+        with torch.no_grad():
+            for param, master in self.pairs():
+                if param.dtype in HALF_DTYPES and param.shape == master.shape:
+                    param.data = master.detach().clone()
+        for group in optimizer.param_groups:
+            params = group["params"]
+            for index, held in enumerate(params):
+                model_param = by_master.get(id(held))
+                if model_param is None:
+                    continue
+                params[index] = model_param
+                if held in optimizer.state:
+                    optimizer.state[model_param] = optimizer.state.pop(held)
+        # No masters any more: the model params are stepped directly.
+        self.direct_params = [*self.model_params, *self.direct_params]
+        self.model_params, self.masters, self._versions = [], [], []
+        # A param widened back from half (O3's, by amp.close()) gets its half state widened too.
+        match_state_dtypes(
+            optimizer.state, [p for g in optimizer.param_groups for p in g["params"]]
+        )
 
     def step(self, optimizer_step: Callable[[], T], *, overflow: bool) -> T | None:
         """The step, or its skip: the one place that decides.
@@ -242,11 +350,30 @@ class MasterWeights:
             What ``optimizer_step`` returned, or ``None`` when the step was skipped (nothing
             stepped, nothing copied: every param and the optimizer state stay as they were).
         """
+        self.take_model_edits()
         if overflow:
             return None
         result = optimizer_step()
         self.copy_to_model()
         return result
+
+
+def match_state_dtypes(optimizer_state: MutableMapping[Any, Any], params: Iterable[Tensor]) -> None:
+    """Cast the floating optimizer state of each param to the param's dtype (but ``"step"``),
+    as ``torch.optim.Optimizer.load_state_dict`` does: after amp changed a param's dtype (O3's
+    cast at ``amp.initialize``, the widening at ``amp.close()``), a torch optimizer steps it."""
+    for param in params:
+        state = optimizer_state.get(param)
+        if not state or not param.is_floating_point():
+            continue
+        for key, value in state.items():
+            if (
+                key != "step"
+                and torch.is_tensor(value)
+                and value.is_floating_point()
+                and value.dtype != param.dtype
+            ):
+                state[key] = value.to(param.dtype)
 
 
 def read_overflow(

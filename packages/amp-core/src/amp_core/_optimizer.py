@@ -11,16 +11,29 @@ Each optimizer is at one :class:`Stage` of its step, changed only by :meth:`_ent
 stage          meaning                                                left by
 =============  =====================================================  ==========================
 READY          no gradient of a scaled backward is in flight          a backward
+BACKWARD       inside ``amp.scale_loss``: the backward's grads        the block's exit; an
+               arrive alone, the earlier ones are held aside          exception in the block
 ACCUMULATING   ``scale_loss(delay_unscale=True)`` left grads scaled   a backward; zero_grad
 DEFERRED       (fused path) grads wait scaled for the fused step      a backward; step; zero_grad;
                                                                       ``amp.master_params``
-UNSCALED       grads unscaled into place, overflow flags noted        step; zero_grad (fused)
+UNSCALED       grads unscaled into place, overflow flags noted        a backward; step;
+                                                                      zero_grad (fused)
 STEPPED        (fused path) the step read grads that stay scaled      a backward; step; zero_grad;
                                                                       ``amp.master_params``
 CLOSED         :meth:`remove` undid amp's wrapping                    (final)
 =============  =====================================================  ==========================
 
-``step()`` at ACCUMULATING and ``amp.scale_loss`` at CLOSED are refused with the fix.
+A backward (``amp.scale_loss`` entry) first brings DEFERRED and STEPPED grads into place
+(UNSCALED, READY), and unscales ACCUMULATING grads of another loss scaler by their own scale
+(UNSCALED), then enters BACKWARD. Its exit goes to ACCUMULATING (``delay_unscale``), DEFERRED
+(fused path) or UNSCALED, the held grads added back; with a static scale of one and no master
+weights, a ``delay_unscale`` exit goes back to the stage before the block. An exception in the
+block goes back to the stage before it (after that first step), with the grads as they were:
+those the failed backward made are dropped, the held ones are put back. ``zero_grad`` in the
+block drops the held grads too.
+
+``step()`` at ACCUMULATING or BACKWARD, ``amp.scale_loss`` at BACKWARD (nested blocks for one
+optimizer) and at CLOSED are refused with the fix.
 
 How masters are kept and the step is taken is a :class:`~amp_core._step_paths.StepPath`: the
 ordinary one, or the fused master-weight one for an optimizer that implements
@@ -39,6 +52,7 @@ import logging
 import types
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -63,11 +77,48 @@ class Stage(enum.Enum):
     """Where one optimizer is in its step (see the module docstring)."""
 
     READY = "ready"
+    BACKWARD = "backward"
     ACCUMULATING = "accumulating"
     DEFERRED = "deferred"
     UNSCALED = "unscaled"
     STEPPED = "stepped"
     CLOSED = "closed"
+
+
+@dataclass(frozen=True)
+class Accumulation:
+    """At ACCUMULATING: the scaler whose scale the held gradients carry, and how to finish."""
+
+    scaler: LossScaler
+    loss_id: int
+    check: bool  # check the gradients for inf/nan when they are unscaled
+    update: bool  # update the scale then (not with delay_overflow_check)
+
+
+@dataclass(frozen=True)
+class Block:
+    """At BACKWARD: the stage before the ``amp.scale_loss`` block and the gradients held aside.
+
+    ``grads[i]`` is what ``params[i].grad`` held at the block's entry (or ``None`` after a
+    ``zero_grad`` in the block); an exception in the block puts them back.
+    """
+
+    prior: Stage
+    accumulation: Accumulation | None
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor | None]
+    # The held grads are added back at the exit (ACCUMULATING before, or a unit scale); else
+    # the direct params' ones are set aside in the MasterWeights and the model's are stale.
+    merge: bool
+
+
+def _add_grad(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """``old + new`` for two gradients of one param, in place in ``old`` as autograd
+    accumulates (the tensor a param held stays its gradient), or in ``new`` when only ``new``
+    is dense."""
+    if old.is_sparse and not new.is_sparse:
+        return new.add_(old)
+    return old.add_(new)
 
 
 class OptimizerAmpState:
@@ -105,6 +156,8 @@ class OptimizerAmpState:
         self.stage = Stage.READY
         self._deferred: Deferred | None = None  # at DEFERRED: the waiting backward
         self._stale_inv_scale: torch.Tensor | None = None  # at STEPPED: the grads' scale
+        self._accumulation: Accumulation | None = None  # at ACCUMULATING: the grads' scale
+        self._block: Block | None = None  # at BACKWARD: the stage before, the held grads
         self._checks: list[tuple[int, torch.Tensor]] = []  # overflow flags step() honours
         self._host_skips = 0
         # Steps the fused path skipped on the device without reading the flag back (static
@@ -134,12 +187,18 @@ class OptimizerAmpState:
         *,
         deferred: Deferred | None = None,
         stale_inv_scale: torch.Tensor | None = None,
+        accumulation: Accumulation | None = None,
+        block: Block | None = None,
     ) -> None:
         assert (stage is Stage.DEFERRED) == (deferred is not None)
         assert (stage is Stage.STEPPED) == (stale_inv_scale is not None)
+        assert (stage is Stage.ACCUMULATING) == (accumulation is not None)
+        assert (stage is Stage.BACKWARD) == (block is not None)
         self.stage = stage
         self._deferred = deferred
         self._stale_inv_scale = stale_inv_scale
+        self._accumulation = accumulation
+        self._block = block
 
     def require_open(self, call: str) -> None:
         """Refuse ``call`` on an optimizer whose amp wrapping was removed."""
@@ -180,27 +239,85 @@ class OptimizerAmpState:
 
     # -- backward (amp.scale_loss) -------------------------------------------------------------
 
-    def begin_backward(self, *, delay_unscale: bool) -> None:
-        """At ``scale_loss`` entry: bring earlier grads into place, then set them aside so that
-        the new ones arrive alone (unless a ``delay_unscale`` backward already left some)."""
+    def check_block_entry(self) -> None:
+        """Refuse an ``amp.scale_loss`` block inside another one for this optimizer."""
         self.require_open("amp.scale_loss")
+        if self.stage is Stage.BACKWARD:
+            raise RuntimeError(
+                f"amp.scale_loss was entered for a {type(self.optimizer).__name__} that is "
+                "already inside another `with amp.scale_loss(...)` block: nested blocks for "
+                "one optimizer are not supported (nor were they in Apex). Leave the first "
+                "block after its backward before entering the next one, one block per loss: "
+                "`with amp.scale_loss(loss0, optimizer, loss_id=0) as scaled: "
+                "scaled.backward()`, then the same for loss1."
+            )
+
+    def begin_backward(self, scaler: LossScaler, *, delay_unscale: bool, unit: bool) -> None:
+        """At ``scale_loss`` entry: bring earlier grads into place, then hold them aside so that
+        the new ones arrive alone (BACKWARD).
+
+        Grads a ``delay_unscale`` backward left scaled by another loss scaler are unscaled by
+        their own scale first. With ``unit`` (a static scale of one, no masters) nothing is
+        scaled: every held grad is added back at the exit.
+        """
+        self.check_block_entry()
         self.materialize()  # DEFERRED -> UNSCALED
         self.settle_stale_grads()  # STEPPED -> READY
-        if delay_unscale or self.stage is Stage.ACCUMULATING:
-            return
-        self.weights.set_aside_grads()
-        self.weights.drop_model_grads()
+        accumulation = self._accumulation
+        if accumulation is not None and accumulation.scaler is not scaler:
+            self._finish_accumulation(accumulation)  # ACCUMULATING -> UNSCALED
+            accumulation = None
+        params = [*self.direct_params, *self.model_params]
+        grads = [p.grad for p in params]
+        merge = unit or self.stage is Stage.ACCUMULATING
+        if merge:
+            for p in params:
+                p.grad = None
+        else:
+            # The direct params' unscaled grads wait in the MasterWeights (added back when the
+            # new ones are unscaled); the model's half grads are stale (dropped at the exit).
+            self.weights.set_aside_grads()
+            self.weights.drop_model_grads()
+        self._enter(Stage.BACKWARD, block=Block(self.stage, accumulation, params, grads, merge))
+
+    def abort_backward(self) -> None:
+        """After an exception in the ``scale_loss`` block: drop the grads the failed backward
+        made, put the held ones back and return to the stage before the block."""
+        block = self._block
+        if self.stage is not Stage.BACKWARD or block is None:
+            return  # closed meanwhile
+        if not block.merge:
+            self.weights.drop_set_aside_grads()  # they are in block.grads as well
+        for p in [*self.direct_params, *self.model_params]:
+            p.grad = None  # a param added in the block had none before
+        for p, grad in zip(block.params, block.grads, strict=True):
+            p.grad = grad
+        self._enter(block.prior, accumulation=block.accumulation)
+
+    def _take_block(self) -> Block | None:
+        """At the exit of the block: its record, with the held grads added back where they
+        belong with the new ones (None when the optimizer was closed in the block)."""
+        block = self._block
+        if self.stage is not Stage.BACKWARD or block is None:
+            return None
+        if block.merge:
+            for p, old in zip(block.params, block.grads, strict=True):
+                if old is not None:
+                    p.grad = old if p.grad is None else _add_grad(p.grad, old)
+        return block
 
     def end_backward(
         self,
         scaler: LossScaler,
         found_inf: torch.Tensor,
         *,
+        loss_id: int,
         check: bool,
+        update: bool,
         delay_unscale: bool,
         defer_loss_id: int | None,
     ) -> bool:
-        """At ``scale_loss`` exit: unscale the new grads into place and add the set-aside ones.
+        """At ``scale_loss`` exit: unscale the new grads into place and add the held ones.
 
         Master weights receive the model's half grads as fp32 (the model's grads are freed).
         With ``delay_unscale`` the grads stay scaled (ACCUMULATING). On the fused path, when
@@ -208,8 +325,12 @@ class OptimizerAmpState:
         scaled for the fused step instead (DEFERRED), and True is returned: the caller must then
         leave the scale update (and the overflow note) to ``step()``.
         """
+        if self._take_block() is None:
+            return False
         if delay_unscale:
-            self._enter(Stage.ACCUMULATING)
+            self._enter(
+                Stage.ACCUMULATING, accumulation=Accumulation(scaler, loss_id, check, update)
+            )
             return False
         if defer_loss_id is not None and self.path.may_defer():
             self._enter(Stage.DEFERRED, deferred=Deferred(scaler, defer_loss_id, check))
@@ -218,16 +339,32 @@ class OptimizerAmpState:
         return False
 
     def end_unit_backward(
-        self, scaler: LossScaler, found_inf: torch.Tensor, *, check: bool
+        self, scaler: LossScaler, found_inf: torch.Tensor, *, check: bool, delay_unscale: bool
     ) -> None:
-        """At ``scale_loss`` exit with nothing scaled (a static scale of one, no masters): with
-        ``check``, raise ``found_inf`` when a gradient the optimizer reads holds an inf or a nan.
-        """
+        """At ``scale_loss`` exit with nothing scaled (a static scale of one, no masters): add
+        the held grads back; unless ``delay_unscale``, with ``check``, raise ``found_inf`` when a
+        gradient the optimizer reads holds an inf or a nan (UNSCALED)."""
+        block = self._take_block()
+        if block is None:
+            return
+        if delay_unscale:
+            self._enter(block.prior, accumulation=block.accumulation)
+            return
         if check:
             coalesce_half_sparse_grads(self.direct_params)
             grads = [p.grad for p in self.direct_params if p.grad is not None]
             scaler.unscale_(grads, found_inf, check=True)
         self._enter(Stage.UNSCALED)
+
+    def _finish_accumulation(self, accumulation: Accumulation) -> None:
+        """ACCUMULATING -> UNSCALED: unscale the held grads by the scale they carry, as a
+        ``scale_loss`` of their loss without ``delay_unscale`` would have."""
+        found_inf = torch.zeros((), dtype=torch.float32, device=accumulation.scaler.device)
+        self._unscale_into_place(accumulation.scaler, found_inf, accumulation.check)
+        if accumulation.update:
+            accumulation.scaler.update_(found_inf)
+        if accumulation.check:
+            self.note_overflow_check(accumulation.loss_id, found_inf)
 
     def note_overflow_check(self, loss_id: int, found_inf: torch.Tensor) -> None:
         """Remember an overflow flag that the next ``step()`` must honour."""
@@ -264,6 +401,13 @@ class OptimizerAmpState:
     # -- step, zero_grad, add_param_group --------------------------------------------------
 
     def _step(self, closure: Callable[[], Any] | None = None) -> Any:
+        if self.stage is Stage.BACKWARD:
+            raise RuntimeError(
+                "optimizer.step() was called inside `with amp.scale_loss(...)`: until the block "
+                "exits, the gradients are not unscaled (nor checked for overflow), so the step "
+                "would move the weights loss_scale times too far. Call optimizer.step() after "
+                "the with block (unindent it)."
+            )
         if self.stage is Stage.ACCUMULATING:
             raise RuntimeError(
                 "optimizer.step() was called while the gradients are still scaled: the last "
@@ -331,7 +475,9 @@ class OptimizerAmpState:
                 )
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
-        if self.fused:
+        if self.stage is Stage.BACKWARD:
+            self._drop_held_grads()
+        elif self.fused:
             # A deferred backward still owes its scale update; its grads are then dropped,
             # with the overflow flags noted for them.
             self.materialize()
@@ -341,9 +487,27 @@ class OptimizerAmpState:
             self._enter(Stage.READY)
         elif self.stage is Stage.ACCUMULATING:
             self._enter(Stage.READY)
+        # Grads set aside before a delay_unscale backward belong to the same step.
+        self.weights.drop_set_aside_grads()
         self._original_zero_grad(set_to_none=set_to_none)
         # Model grads in flight (accumulated with delay_unscale) belong to the same step.
         self.weights.drop_model_grads()
+
+    def _drop_held_grads(self) -> None:
+        """``zero_grad`` inside a ``scale_loss`` block: the held grads are dropped too (an
+        exception in the block then leaves none), as are the masters' of the fused path."""
+        block = self._block
+        assert block is not None
+        prior = block.prior
+        if self.fused:
+            for master in self.masters:
+                master.grad = None
+            self._checks = []
+            prior = Stage.READY
+        elif prior is Stage.ACCUMULATING:
+            prior = Stage.READY
+        grads: list[torch.Tensor | None] = [None] * len(block.params)
+        self._enter(Stage.BACKWARD, block=Block(prior, None, block.params, grads, block.merge))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """``optimizer.add_param_group`` after ``amp.initialize``: the new group is treated as
@@ -361,9 +525,8 @@ class OptimizerAmpState:
             )
         assert self._original_add_param_group is not None  # only wrapped when there is one
         self._original_add_param_group(param_group)
-        new = self.path.adopt_groups([self.optimizer.param_groups[-1]], {})
-        for state in self.model_states:
-            state.masters.update(cast(list[tuple[nn.Parameter, torch.Tensor]], new))
+        # The models find the new masters here (ModelAmpState.masters looks them up).
+        self.path.adopt_groups([self.optimizer.param_groups[-1]], {})
 
     def remove(self) -> None:
         """Restore ``step``, ``zero_grad`` and ``add_param_group`` (master weights stay in the
@@ -378,8 +541,18 @@ class OptimizerAmpState:
 
 
 def _amp_step(optimizer: Any, closure: Callable[[], Any] | None = None) -> Any:
+    # What the wrapper of a torch LR scheduler records (a skipped step is a step to it).
+    optimizer._opt_called = True
     state = optimizer_state(optimizer)
     return state._step(closure) if state else class_method(optimizer, "step")(closure)
+
+
+# torch's LR schedulers wrap `optimizer.step` to see whether it ran before their own step(),
+# and warn when `optimizer.step` lacks their mark (it was replaced after the scheduler was
+# built: amp.initialize after the scheduler, the usual order of Apex scripts). amp's step
+# records the call itself (`_opt_called` above), so it carries the mark: a scheduler built
+# before or after amp.initialize then warns only when it would without amp.
+_amp_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
 
 
 def _amp_zero_grad(optimizer: Any, set_to_none: bool = True) -> None:

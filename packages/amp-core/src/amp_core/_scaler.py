@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 # The largest power of two in float32: a ceiling of "no ceiling" (inf) keeps the scale finite.
 _MAX_SCALE = 2.0**127
 _STATE_KEYS = ("loss_scale", "unskipped")
+_MAX_COUNT = torch.iinfo(torch.int32).max  # the device counter is int32
 
 
 def _mark_nonfinite(tensors: list[torch.Tensor], found_inf: torch.Tensor) -> None:
@@ -349,7 +350,7 @@ class LossScaler:
                 f"unknown {unknown}. Pass the dict saved by amp.state_dict()."
             )
         scale = check_scale(state["loss_scale"], f'{where}["loss_scale"]')
-        unskipped = check_count(state["unskipped"], f'{where}["unskipped"]')
+        unskipped = check_count(state["unskipped"], f'{where}["unskipped"]', maximum=_MAX_COUNT)
         if self.dynamic:
             bounded = min(max(scale, self.floor), self.ceiling)
             if bounded != scale:

@@ -32,6 +32,7 @@ DEFAULT_MIN_LOSS_SCALE = 2.0**-24
 default ``max_loss_scale``. Its reciprocal (``2**24``) is exact and finite in float32."""
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+_INT32_MAX = torch.iinfo(torch.int32).max  # the device counters are int32
 _FLOAT32_TINY = torch.finfo(torch.float32).tiny  # 2**-126: its reciprocal is finite
 
 
@@ -53,34 +54,50 @@ def check_scale(value: Any, where: str) -> float:
         raise TypeError(
             f"{where} must be a number, positive and finite, got {type(value).__name__} {value!r}."
         )
-    scale = float(value)
+    scale = _as_float(value)
     if not (math.isfinite(scale) and 0.0 < scale <= _FLOAT32_MAX):
         raise ValueError(
-            f"{where} must be positive and finite, got {value!r}: a loss scale of 0, a "
-            "negative one, inf or nan would write inf or nan into the weights. Fix or drop the "
-            "value (a new run starts from the default scale)."
+            f"{where} must be positive and finite, got {_show(value)}: a loss scale of 0, a "
+            "negative one, inf, nan or one beyond float32's range would write inf or nan into "
+            "the weights. Fix or drop the value (a new run starts from the default scale)."
         )
     return scale
 
 
-def check_count(value: Any, where: str, *, minimum: int = 0) -> int:
-    """``value`` as a step counter: an int (not a bool) ``>= minimum``.
+def _as_float(value: Any) -> float:
+    """``float(value)``, with an integer too large for a float as +-inf (not OverflowError)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+def _show(value: Any) -> str:
+    """``repr(value)``, shortened for an integer of hundreds of digits."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:12]}...({len(text)} characters)"
+
+
+def check_count(value: Any, where: str, *, minimum: int = 0, maximum: int | None = None) -> int:
+    """``value`` as a step counter: an int (not a bool) ``>= minimum`` (and ``<= maximum``).
 
     Raises:
         TypeError: for a value that is not an int.
-        ValueError: for an int below ``minimum``.
+        ValueError: for an int below ``minimum`` or above ``maximum``.
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{where} must be an int, got {type(value).__name__} {value!r}.")
-    if value < minimum:
-        raise ValueError(f"{where} must be an int >= {minimum}, got {value!r}.")
-    return int(value)
+        raise TypeError(f"{where} must be an int, got {type(value).__name__} {_show(value)}.")
+    count = int(value)
+    if count < minimum or (maximum is not None and count > maximum):
+        bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{where} must be an int {bounds}, got {_show(value)}.")
+    return count
 
 
 def _real(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}.")
-    return float(value)
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {_show(value)}.")
+    return _as_float(value)
 
 
 @dataclass(frozen=True)
@@ -130,15 +147,16 @@ class ScalerConfig:
         factor = _real(self.scale_factor, "scale_factor")
         if not (1.0 < factor < math.inf):
             raise ValueError(
-                f"scale_factor must be greater than 1, got {self.scale_factor!r}: the scale is "
-                "multiplied by it to grow and divided by it to back off, so it must be > 1 and "
-                "finite (Apex uses 2.0)."
+                f"scale_factor must be greater than 1, got {_show(self.scale_factor)}: the "
+                "scale is multiplied by it to grow and divided by it to back off, so it must "
+                "be > 1 and finite (Apex uses 2.0)."
             )
         fix(self, "scale_factor", factor)
         window = _real(self.scale_window, "scale_window")
-        if not (window >= 1 and window == int(window)):
+        if not (1 <= window <= _INT32_MAX and window == int(window)):
             raise ValueError(
-                f"scale_window must be a positive int, got {self.scale_window!r}: the number of "
+                f"scale_window must be a positive int, got {_show(self.scale_window)} (at "
+                f"most {_INT32_MAX}): the number of "
                 "steps without overflow between two growths of the scale (Apex uses 2000 for "
                 "amp, 1000 for fp16_utils)."
             )
@@ -155,7 +173,7 @@ class ScalerConfig:
             if not (_FLOAT32_TINY <= floor < math.inf):
                 raise ValueError(
                     f"min_loss_scale must be at least 2**-126 (float32's smallest normal "
-                    f"number, so that 1/scale is finite), got {self.min_loss_scale!r}; None "
+                    f"number, so that 1/scale is finite), got {_show(self.min_loss_scale)}; None "
                     "gives the default floor 2**-24."
                 )
             if floor > ceiling:

@@ -23,8 +23,10 @@ Lifecycle:
 * ``amp.close()`` (:meth:`AmpRegistry.close`) undoes every patch of every ``initialize`` call
   whose objects are alive: the O1 casting, the ``step`` / ``zero_grad`` / ``add_param_group``
   wrappers of the optimizers, the hooks of the models, and their ``_amp_state`` records (the
-  registry holds them by weak references). Afterwards no session is current, and the same
-  model and optimizer may be passed to ``amp.initialize`` again.
+  registry holds them by weak references); the models' cast tensors go back to their dtypes
+  and the optimizers step the models' params again. Afterwards no session is current
+  (``closed`` says why), and the same model and optimizer may be passed to ``amp.initialize``
+  again.
 * Function registrations last for the process. A registered module is held by a weak reference
   (a strong one for objects that cannot be weakly referenced), so that registering a function
   never keeps a module alive; a registration whose module is gone is dropped.
@@ -165,6 +167,7 @@ class AmpRegistry:
 
     def __init__(self) -> None:
         self.current: AmpSession | None = None
+        self.closed = False  # amp.close() ran, and no initialize since
         self.casting: O1Casting | None = None
         self.registrations = _Registrations(self)
         self._sessions: list[weakref.ref[AmpSession]] = []
@@ -190,6 +193,7 @@ class AmpRegistry:
             logger.info("Switching off the O1 casting that was active before amp.initialize.")
             self.switch_off_casting()
         self.current = session
+        self.closed = False
         self._sessions = [ref for ref in self._sessions if ref() is not None]
         if session is not None:
             self._sessions.append(weakref.ref(session))
@@ -207,6 +211,7 @@ class AmpRegistry:
                 del obj.__dict__["_amp_state"]
         self._records = []
         self.current = None
+        self.closed = True
         self._sessions = []
 
     def _alive(self) -> list[AmpSession]:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._master_weights import MasterWeights, fused_master_step
+from ._master_weights import HALF_DTYPES, MasterWeights, fused_master_step, match_state_dtypes
 from ._scaler import LossScaler
 
 __all__ = [
@@ -74,6 +74,13 @@ def combined_flag(checks: list[tuple[int, Tensor]]) -> Tensor | None:
     return total
 
 
+def _state_follows_param_dtype(optimizer: Any) -> bool:
+    """Whether ``optimizer`` steps a param with state of the param's dtype only: torch's own
+    optimizers do (their ``load_state_dict`` casts state so); the toolkit's fused optimizers
+    keep float32 state for half params and are left alone."""
+    return type(optimizer).__module__.split(".")[:2] == ["torch", "optim"]
+
+
 class StepPath(abc.ABC):
     """How one optimizer's masters are made and its step is taken.
 
@@ -116,7 +123,8 @@ class StepPath(abc.ABC):
 
     @abc.abstractmethod
     def remove(self) -> None:
-        """Undo what the path did to the optimizer (the masters stay in the groups)."""
+        """Undo what the path did to the optimizer: the model params, holding their masters'
+        values as float32, are what it steps afterwards."""
 
 
 class OrdinaryPath(StepPath):
@@ -143,6 +151,10 @@ class OrdinaryPath(StepPath):
                 pairs += self.weights.adopt_group(group, self.optimizer.state, sources)
             else:
                 self.weights.direct_params.extend(group["params"])
+                if _state_follows_param_dtype(self.optimizer):
+                    # Params O3 cast: their existing state follows (as a torch load casts it).
+                    half = [p for p in group["params"] if p.dtype in HALF_DTYPES]
+                    match_state_dtypes(self.optimizer.state, half)
         return pairs
 
     def step(
@@ -166,7 +178,7 @@ class OrdinaryPath(StepPath):
         return StepOutcome(result, skipped=overflow, checks=checks if overflow else [])
 
     def remove(self) -> None:
-        pass  # the masters stay in the param groups
+        self.weights.release(self.optimizer)
 
 
 class FusedPath(StepPath):
@@ -223,6 +235,17 @@ class FusedPath(StepPath):
     ) -> StepOutcome:
         if closure is not None:
             raise RuntimeError(CLOSURE_UNSUPPORTED)
+        self.weights.take_model_edits()
+        outcome = self._step(deferred, checks, read_overflow)
+        self.weights.note_model_versions()  # the fused step wrote the model
+        return outcome
+
+    def _step(
+        self,
+        deferred: Deferred | None,
+        checks: list[tuple[int, Tensor]],
+        read_overflow: OverflowReader,
+    ) -> StepOutcome:
         optimizer: Any = self.optimizer
         if deferred is None:  # grads already unscaled into place (or none at all)
             found_inf = combined_flag(checks)
@@ -252,4 +275,6 @@ class FusedPath(StepPath):
         return None
 
     def remove(self) -> None:
+        # The optimizer is told to drop its masters after the model params took their values.
+        self.weights.release(self.optimizer)
         self.optimizer.amp_disable_fused_master_weights()  # type: ignore[attr-defined]

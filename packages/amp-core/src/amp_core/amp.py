@@ -8,6 +8,8 @@ Groups:
       :func:`register_promote_function`, :func:`half_function`, :func:`float_function`,
       :func:`promote_function`, :func:`disable_casts`
     * toolkit additions: :func:`skipped_steps`, :func:`close`
+    * Apex compatibility: ``_amp_state``, a view of Apex's module-level state object (the
+      loss scalers, ``opt_properties`` ...) answered from the latest ``initialize`` call
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from ._apex_state import apex_state
 from ._casting import UserCast, disable_casts, make_cast_wrapper
 from ._frontend import initialize
 from ._handle import load_state_dict, master_params, scale_loss, skipped_steps, state_dict
@@ -43,6 +46,9 @@ __all__ = [
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+# Apex scripts read ``amp._amp_state`` (and ``from apex.amp import _amp_state``).
+_amp_state = apex_state
 
 
 def register_half_function(module: Any, function_name: str) -> None:
@@ -102,14 +108,16 @@ def close() -> None:
     kernels, the ``Tensor.cpu`` and user-function wraps, the optimizer step hook), restores the
     ``step``, ``zero_grad`` and ``add_param_group`` of every optimizer of every live
     ``initialize`` call, removes the hooks of their models (input and output casting, cast-cache
-    guards, state-dict hooks) and their ``_amp_state`` records. What was cast stays cast: an O2
-    or O3 model keeps its half weights, and an O2 optimizer's param groups keep the fp32 masters,
-    which are no longer copied into the model: build a new model and optimizer to go on
-    training in fp32, or pass these to ``amp.initialize`` again.
+    guards, state-dict hooks) and their ``_amp_state`` records. What was cast goes back to its
+    dtype from before ``amp.initialize``, holding the truth amp kept: an O2 model's half params
+    take their fp32 masters' values, an O3 model's are widened; each optimizer gets the model's
+    params back in its param groups in place of the masters, with their state (half state
+    widened with its param). The model and optimizer then train in a plain PyTorch loop, or can
+    be passed to ``amp.initialize`` again (docs: "What is true of the weights").
 
-    Afterwards ``amp.scale_loss`` and ``amp.state_dict`` raise as before the first
-    ``initialize``; function registrations (``register_*_function``) are kept. Calling it
-    twice is harmless.
+    Afterwards ``amp.scale_loss`` raises as before the first ``initialize``, and
+    ``amp.state_dict`` says that the session was closed; function registrations
+    (``register_*_function``) are kept. Calling it twice is harmless.
 
     Example:
         >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O1")

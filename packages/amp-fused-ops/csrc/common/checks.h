@@ -12,7 +12,8 @@
 //   a dtype the list does not accept          ValueError    tensor_lists[l][i] has dtype T; ...
 //   two dtypes in one list                    ValueError    ... the tensors of one list ...
 //   sizes differ at one position              ValueError    ... has K elements but ...
-//   two lists share memory at one position    ValueError    ... share memory; ...
+//   a written tensor shares memory with       ValueError    ... share memory; ...
+//   another (check_overlap)
 //   optimizer state of another dtype          ValueError    ... optimizer state must be ...
 //   state lists of different dtypes           ValueError    ... the optimizer state lists ...
 //
@@ -23,10 +24,12 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace amp_fused_ops {
@@ -244,24 +247,89 @@ inline void check_state_lists(const char* op, const TensorLists& lists, size_t f
   check_state_dtype(op, lists, first, param);
 }
 
-// The lists `which` do not share memory at any position.
-inline void check_no_overlap(const char* op, const TensorLists& lists,
-                             std::initializer_list<size_t> which) {
-  for (size_t i = 0; i < lists[0].size(); ++i) {
-    for (auto a = which.begin(); a != which.end(); ++a) {
-      for (auto b = a + 1; b != which.end(); ++b) {
-        const size_t first = *a < *b ? *a : *b;
-        const size_t second = *a < *b ? *b : *a;
-        const at::Tensor& x = lists[first][i];
-        const at::Tensor& y = lists[second][i];
-        const auto* x0 = static_cast<const char*>(x.data_ptr());
-        const auto* y0 = static_cast<const char*>(y.data_ptr());
-        const bool disjoint = x.numel() == 0 || y.numel() == 0 || x0 + x.nbytes() <= y0 ||
-                              y0 + y.nbytes() <= x0;
-        TORCH_CHECK_VALUE(disjoint, op, ": ", tensor_name(first, i), " and ",
-                          tensor_name(second, i),
-                          " share memory; every list needs tensors of its own");
+// The memory one tensor spans, for check_overlap: [begin, end) in bytes, from its first
+// element to one past its last (strides are never negative in PyTorch).
+struct Span {
+  uintptr_t begin;
+  uintptr_t end;
+  size_t list;
+  size_t index;
+};
+
+// Whether `a` and `b` are one view of the same memory: same first element, dtype, element
+// count and layout (two contiguous tensors of different shapes are one view as well).
+inline bool same_view(const at::Tensor& a, const at::Tensor& b) {
+  if (a.data_ptr() != b.data_ptr() || a.scalar_type() != b.scalar_type() ||
+      a.numel() != b.numel()) {
+    return false;
+  }
+  return (a.is_contiguous() && b.is_contiguous()) ||
+         (a.sizes() == b.sizes() && a.strides() == b.strides());
+}
+
+// Refuses memory shared by two tensors of the call where one of them is written: the kernels
+// read and write the lists as independent arrays, chunk by chunk, in any order.
+//
+// `written` are the lists the op writes. `in_place` are the pairs (a, b) of lists where
+// tensor_lists[a][i] may be tensor_lists[b][i] itself (an elementwise update in place: each
+// element is read before it is written, by the same thread); any other sharing that involves
+// a written tensor (a partial overlap, two written tensors at one or two positions, a written
+// tensor and an input at another position) is refused. Read-only tensors may share memory.
+// The first offending pair in order of address is named (the reference finds the same).
+inline void check_overlap(const char* op, const TensorLists& lists,
+                          std::initializer_list<size_t> written,
+                          std::initializer_list<std::pair<size_t, size_t>> in_place = {}) {
+  auto is_written = [&](size_t list) {
+    for (size_t w : written) {
+      if (w == list) return true;
+    }
+    return false;
+  };
+  auto may_alias = [&](size_t a, size_t b) {
+    for (const auto& pair : in_place) {
+      if ((pair.first == a && pair.second == b) || (pair.first == b && pair.second == a)) {
+        return true;
       }
+    }
+    return false;
+  };
+  std::vector<Span> spans;
+  for (size_t l = 0; l < lists.size(); ++l) {
+    for (size_t i = 0; i < lists[l].size(); ++i) {
+      const at::Tensor& t = lists[l][i];
+      if (t.numel() == 0 || !t.has_storage() || t.device().is_meta()) continue;
+      int64_t last = 0;  // offset of the last element, in elements
+      for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+      const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+      const auto end = begin + static_cast<uintptr_t>((last + 1) * t.element_size());
+      spans.push_back({begin, end, l, i});
+    }
+  }
+  std::sort(spans.begin(), spans.end(), [](const Span& x, const Span& y) {
+    if (x.begin != y.begin) return x.begin < y.begin;
+    if (x.list != y.list) return x.list < y.list;
+    return x.index < y.index;
+  });
+  for (size_t k = 0; k < spans.size(); ++k) {
+    for (size_t j = k + 1; j < spans.size() && spans[j].begin < spans[k].end; ++j) {
+      const Span& x = spans[k];
+      const Span& y = spans[j];
+      if (!is_written(x.list) && !is_written(y.list)) continue;
+      const bool same_position = x.index == y.index;
+      const bool pair = same_position && x.list != y.list && may_alias(x.list, y.list);
+      if (pair && same_view(lists[x.list][x.index], lists[y.list][y.index])) continue;
+      // Named in list order, then position order.
+      const bool x_first = x.list < y.list || (x.list == y.list && x.index < y.index);
+      const Span& first = x_first ? x : y;
+      const Span& second = x_first ? y : x;
+      const char* fix =
+          pair ? "only the very same tensor may be updated in place; pass it in both lists, or "
+                 "tensors that do not overlap"
+          : same_position ? "every list needs tensors of its own"
+                          : "a tensor the op writes may not overlap any other tensor of the call; "
+                            "pass tensors of their own (clone the shared ones)";
+      TORCH_CHECK_VALUE(false, op, ": ", tensor_name(first.list, first.index), " and ",
+                        tensor_name(second.list, second.index), " share memory; ", fix);
     }
   }
 }

@@ -96,7 +96,7 @@ void multi_tensor_adam(int64_t chunk_size, const at::Tensor& noop_flag,
   TORCH_CHECK_VALUE(step >= 1 || bias_correction == 0, op,
                     ": step must be >= 1 when bias_correction is on, got ", step);
   check_fp32_lists(op, tensor_lists, {2, 3});
-  check_no_overlap(op, tensor_lists, {0, 1, 2, 3});
+  check_overlap(op, tensor_lists, {1, 2, 3});
   // As Apex's kernel: the noop flag is neither read nor set; infs and nans propagate
   // into the results (the caller decides about skipping before calling).
 
@@ -180,7 +180,7 @@ void multi_tensor_adam_capturable_master(
   a.bc1 = bias_correction ? 1.0f - std::pow(a.beta1, step_f) : 1.0f;
   a.bc2 = bias_correction ? 1.0f - std::pow(a.beta2, step_f) : 1.0f;
   // A float32 param may be its own master (lists 1 and 4); nothing else may share memory.
-  check_no_overlap(op, tensor_lists, {0, 2, 3, 4});
+  check_overlap(op, tensor_lists, {1, 2, 3, 4}, {{1, 4}});
   // The found-inf pattern: a set flag means "skip this step", nothing is written.
   if (noop_is_set(noop_flag)) return;
 

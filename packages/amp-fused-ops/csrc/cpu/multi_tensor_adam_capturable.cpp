@@ -61,7 +61,7 @@ void multi_tensor_adam_capturable(int64_t chunk_size, const at::Tensor& noop_fla
   TORCH_CHECK_VALUE(bias_correction == 0 || bias_correction == 1, op,
                     ": bias_correction must be 0 or 1, got ", bias_correction);
   check_fp32_lists(op, tensor_lists, {2, 3});
-  check_no_overlap(op, tensor_lists, {0, 1, 2, 3});
+  check_overlap(op, tensor_lists, {0, 1, 2, 3});  // the unscaled grads are written back
   AdamScalars s = math::adam_scalars(beta1, beta2, eps, weight_decay);
   s.lr = static_cast<float>(scalar_value(op, "lr", lr));
   const float inv_scale_f = static_cast<float>(scalar_value(op, "inv_scale", inv_scale));

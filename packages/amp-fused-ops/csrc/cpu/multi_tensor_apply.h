@@ -111,7 +111,7 @@ inline bool noop_is_set(const at::Tensor& noop_flag) {
 
 // Checks that every tensor of the lists `which` is float32 (optimizer state).
 using checks::check_fp32_lists;
-using checks::check_no_overlap;
+using checks::check_overlap;
 using checks::check_state_dtype;
 using checks::check_state_lists;
 

@@ -59,6 +59,7 @@ void multi_tensor_scale(int64_t chunk_size, const at::Tensor& noop_flag,
                         double scale) {
   constexpr const char* op = "multi_tensor_scale";
   check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 2);
+  check_overlap(op, tensor_lists, {1}, {{0, 1}});  // outs[i] may be ins[i]
   const auto& ins = tensor_lists[0];
   const auto& outs = tensor_lists[1];
   const auto chunks = make_chunks(ins, chunk_size);
@@ -89,6 +90,7 @@ void multi_tensor_axpby(int64_t chunk_size, const at::Tensor& noop_flag,
                     ": arg_to_check must be -1 (check x and y), 0 (x) or 1 (y), got ",
                     arg_to_check);
   check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 3);
+  check_overlap(op, tensor_lists, {2}, {{0, 2}, {1, 2}});  // outs[i] may be xs[i] or ys[i]
   const auto& xs = tensor_lists[0];
   const auto& ys = tensor_lists[1];
   const auto& outs = tensor_lists[2];

@@ -65,6 +65,7 @@ void multi_tensor_lamb_stage1(int64_t chunk_size, const at::Tensor& noop_flag,
   check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 5);
   check_state_lists(op, tensor_lists, 2, 3, 1);  // the moments
   check_state_dtype(op, tensor_lists, 4, 1);      // the updates
+  check_overlap(op, tensor_lists, {2, 3, 4});
   const auto& grads = tensor_lists[0];
   const std::vector<float> decay =
       per_tensor_values(op, "per_tensor_decay", per_tensor_decay, grads.size());
@@ -110,6 +111,7 @@ void multi_tensor_lamb_stage2(int64_t chunk_size, const at::Tensor& noop_flag,
   constexpr const char* op = "multi_tensor_lamb_stage2_cuda";
   check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 2);
   check_state_dtype(op, tensor_lists, 1, 0);  // the updates
+  check_overlap(op, tensor_lists, {0});
   const auto& params = tensor_lists[0];
   const size_t n_tensors = params.size();
   const std::vector<float> param_norms =

@@ -88,6 +88,7 @@ void multi_tensor_lamb(int64_t chunk_size, const at::Tensor& noop_flag,
                     ": mode must be 0 (L2 weight decay) or 1 (decoupled weight decay), got ", mode);
   check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 4);
   check_state_lists(op, tensor_lists, 2, 3, 1);
+  check_overlap(op, tensor_lists, {1, 2, 3});
   const float norm = static_cast<float>(scalar_value(op, "global_grad_norm", global_grad_norm));
   const float max_norm = static_cast<float>(max_grad_norm);
 
@@ -185,6 +186,7 @@ void multi_tensor_novograd(int64_t chunk_size, const at::Tensor& noop_flag,
                     ": norm_type must be 2 (L2 norm) or 0 (infinity norm), got ", norm_type);
   check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 3);
   check_state_lists(op, tensor_lists, 2, 2, 1);
+  check_overlap(op, tensor_lists, {1, 2});
   const auto& grads = tensor_lists[0];
   const auto& params = tensor_lists[1];
   const auto& exp_avgs = tensor_lists[2];

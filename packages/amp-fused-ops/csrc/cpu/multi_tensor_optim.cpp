@@ -80,6 +80,11 @@ void multi_tensor_sgd(int64_t chunk_size, const at::Tensor& noop_flag,
   checks::check_list_count(op, tensor_lists, {3, 4});
   check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, depth);
   check_state_dtype(op, tensor_lists, 2, 1);
+  if (depth == 4) {
+    check_overlap(op, tensor_lists, {1, 2, 3});
+  } else {
+    check_overlap(op, tensor_lists, {1, 2});
+  }
   // Apex's FusedSGD: a set flag (inf/nan found by the loss scaler) skips the step.
   if (noop_is_set(noop_flag)) return;
   const SgdScalars args{static_cast<float>(weight_decay), static_cast<float>(momentum),
@@ -117,6 +122,7 @@ void multi_tensor_adagrad(int64_t chunk_size, const at::Tensor& noop_flag,
                     ": mode must be 0 (L2 weight decay) or 1 (decoupled weight decay), got ", mode);
   check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 3);
   check_state_dtype(op, tensor_lists, 2, 1);
+  check_overlap(op, tensor_lists, {1, 2});
   // As Apex: the noop flag is neither read nor set; inf/nan propagate.
   const AdagradScalars args{static_cast<float>(lr), static_cast<float>(epsilon),
                             static_cast<float>(weight_decay)};

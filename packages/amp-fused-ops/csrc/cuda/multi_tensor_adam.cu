@@ -98,7 +98,7 @@ void multi_tensor_adam(int64_t chunk_size, const at::Tensor& noop_flag,
     return;
   }
   check_fp32_lists(op, tensor_lists, {2, 3});  // as Apex's AdamFunctor reads them
-  check_no_overlap(op, tensor_lists, {0, 1, 2, 3});
+  check_overlap(op, tensor_lists, {1, 2, 3});
   AdamOp adam{};
   adam.s = math::adam_scalars(beta1, beta2, eps, weight_decay);
   adam.s.lr = static_cast<float>(lr);
@@ -129,7 +129,7 @@ void multi_tensor_adam_capturable_master(int64_t chunk_size, const at::Tensor& n
   }
   check_fp32_lists(op, tensor_lists, {2, 3, 4});
   // A float32 param may be its own master (lists 1 and 4); nothing else may share memory.
-  check_no_overlap(op, tensor_lists, {0, 2, 3, 4});
+  check_overlap(op, tensor_lists, {1, 2, 3, 4}, {{1, 4}});
   const c10::cuda::CUDAGuard guard(noop_flag.device());
   const at::Device device = noop_flag.device();
   // float32 copies on the device (no-ops when they already are): no host sync.

@@ -84,7 +84,7 @@ void multi_tensor_adam_capturable(int64_t chunk_size, const at::Tensor& noop_fla
     return;
   }
   check_fp32_lists(op, tensor_lists, {2, 3});
-  check_no_overlap(op, tensor_lists, {0, 1, 2, 3});
+  check_overlap(op, tensor_lists, {0, 1, 2, 3});  // the unscaled grads are written back
   const c10::cuda::CUDAGuard guard(noop_flag.device());
   const at::Device device = noop_flag.device();
   // float32 copies on the device (no-ops when they already are): no host sync.

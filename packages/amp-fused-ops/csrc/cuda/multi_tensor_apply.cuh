@@ -90,7 +90,7 @@ static_assert(sizeof(TensorListMetadata<5>) <= 3584, "metadata too large for a k
 // ---------------------------------------------------------------------------------------
 
 using checks::check_fp32_lists;
-using checks::check_no_overlap;
+using checks::check_overlap;
 using checks::check_state_dtype;
 using checks::check_state_lists;
 using checks::is_supported_float;

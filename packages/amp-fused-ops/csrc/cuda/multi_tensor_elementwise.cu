@@ -102,6 +102,7 @@ void multi_tensor_scale(int64_t chunk_size, const at::Tensor& noop_flag,
   if (check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 2) == 0) {
     return;
   }
+  check_overlap(op, tensor_lists, {1}, {{0, 1}});  // outs[i] may be ins[i]
   const ScaleOp scale_op{static_cast<float>(scale)};
   const std::array<at::ScalarType, 2> types{tensor_lists[0][0].scalar_type(),
                                             tensor_lists[1][0].scalar_type()};
@@ -121,6 +122,7 @@ void multi_tensor_axpby(int64_t chunk_size, const at::Tensor& noop_flag,
   if (check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 3) == 0) {
     return;
   }
+  check_overlap(op, tensor_lists, {2}, {{0, 2}, {1, 2}});  // outs[i] may be xs[i] or ys[i]
   const AxpbyOp axpby_op{static_cast<float>(a), static_cast<float>(b), arg_to_check != 1,
                          arg_to_check != 0};
   const std::array<at::ScalarType, 3> types{tensor_lists[0][0].scalar_type(),

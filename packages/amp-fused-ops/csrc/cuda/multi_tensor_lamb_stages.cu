@@ -88,6 +88,7 @@ void multi_tensor_lamb_stage1(int64_t chunk_size, const at::Tensor& noop_flag,
   }
   check_state_lists(op, tensor_lists, 2, 3, 1);  // the moments
   check_state_dtype(op, tensor_lists, 4, 1);      // the updates
+  check_overlap(op, tensor_lists, {2, 3, 4});
   const c10::cuda::CUDAGuard guard(noop_flag.device());
   const at::Device device = noop_flag.device();
   const at::Tensor decays = per_tensor_arg(op, "per_tensor_decay", per_tensor_decay, n, device);
@@ -142,6 +143,7 @@ void multi_tensor_lamb_stage2(int64_t chunk_size, const at::Tensor& noop_flag,
     return;
   }
   check_state_dtype(op, tensor_lists, 1, 0);  // the updates
+  check_overlap(op, tensor_lists, {0});
   const c10::cuda::CUDAGuard guard(noop_flag.device());
   const at::Device device = noop_flag.device();
   const at::Tensor param_norms =

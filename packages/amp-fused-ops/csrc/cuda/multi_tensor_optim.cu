@@ -209,6 +209,11 @@ void multi_tensor_sgd(int64_t chunk_size, const at::Tensor& noop_flag,
     return;
   }
   check_state_dtype(op, tensor_lists, 2, 1);
+  if (depth == 4) {
+    check_overlap(op, tensor_lists, {1, 2, 3});
+  } else {
+    check_overlap(op, tensor_lists, {1, 2});
+  }
   SgdOp sgd{};
   sgd.weight_decay = static_cast<float>(weight_decay);
   sgd.momentum = static_cast<float>(momentum);
@@ -244,6 +249,7 @@ void multi_tensor_adagrad(int64_t chunk_size, const at::Tensor& noop_flag,
     return;
   }
   check_state_dtype(op, tensor_lists, 2, 1);
+  check_overlap(op, tensor_lists, {1, 2});
   const AdagradOp adagrad{static_cast<float>(lr), static_cast<float>(epsilon),
                           static_cast<float>(weight_decay), mode == 1};
   dispatch_grad_param_state(op, tensor_lists, 2, [&](auto type_list) {
@@ -268,6 +274,7 @@ void multi_tensor_lamb(int64_t chunk_size, const at::Tensor& noop_flag,
     return;
   }
   check_state_lists(op, tensor_lists, 2, 3, 1);
+  check_overlap(op, tensor_lists, {1, 2, 3});
   const c10::cuda::CUDAGuard guard(noop_flag.device());
   const auto options = noop_flag.options().dtype(at::kFloat);
   const at::Tensor norm = device_scalar(op, "global_grad_norm", global_grad_norm,
@@ -337,6 +344,7 @@ void multi_tensor_novograd(int64_t chunk_size, const at::Tensor& noop_flag,
     return;
   }
   check_state_lists(op, tensor_lists, 2, 2, 1);
+  check_overlap(op, tensor_lists, {1, 2});
   TORCH_CHECK_VALUE(grad_norms.defined() && grad_norms.scalar_type() == at::kFloat &&
                   grad_norms.numel() == static_cast<int64_t>(n),
                     op, ": grad_norms must be a float32 tensor of ", n,

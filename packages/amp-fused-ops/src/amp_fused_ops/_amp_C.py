@@ -22,8 +22,9 @@ The preconditions on ``chunk_size`` and the scalar arguments (``mode``, ``bias_c
 ``step`` ...) are one table, :data:`amp_fused_ops._preconditions.PRECONDITIONS`, checked here
 once before the kernel or the reference is picked: the same mistake gives the same
 ``ValueError`` and message on every path. The per-tensor preconditions (list counts and
-lengths, sizes, dtypes, layouts, devices) are one C++ header, ``csrc/common/checks.h``, used by
-the CPU and CUDA kernels, and the reference raises the same exception with the same words.
+lengths, sizes, dtypes, layouts, devices, written tensors that share memory with another) are
+one C++ header, ``csrc/common/checks.h``, used by the CPU and CUDA kernels, and the reference
+raises the same exception with the same words.
 
 ``update_scale_hysteresis`` takes no tensor lists: it dispatches on the device of
 ``current_scale``.
@@ -164,6 +165,11 @@ class _AmpC(types.ModuleType):
     multi_tensor_lamb = staticmethod(_dispatching(_reference.multi_tensor_lamb))
     multi_tensor_lamb_mp = staticmethod(_dispatching(_reference.multi_tensor_lamb_mp))
     update_scale_hysteresis = staticmethod(_dispatching_scaler(_reference.update_scale_hysteresis))
+
+    def __dir__(self) -> list[str]:
+        # The ops are attributes of the class, which a module's dir() does not look at: list
+        # them, so that help(), dir() and tab completion show every op.
+        return sorted(set(super().__dir__()) | set(getattr(self, "__all__", ())))
 
 
 amp_C = _AmpC(

@@ -6,7 +6,9 @@ memory_efficient)``. Each ``forward`` has Apex's argument list and runs the same
 the modules (``torch.ops.amp_fused_ops.norm_forward`` / ``norm_backward``: CUDA kernel, CPU
 kernel or reference), with autocast off, as Apex's Functions ran their extension: casting is the
 business of the functional forms and modules around them. ``memory_efficient=True`` saves the
-output instead of the input for backward, as in Apex.
+output instead of the input for backward, as in Apex, unless the weight has a zero: the output
+of that column is then the bias alone and cannot give back the input, so the input is saved
+(exact gradients where Apex's were nan).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from amp_fused_ops._norm_ops import norm_backward, norm_forward
+from amp_fused_ops._norm_ops import norm_backward, norm_forward, saves_output
 
 __all__ = [
     "FusedLayerNormAffineFunction",
@@ -75,9 +77,11 @@ def _forward(
             out, mean, invvar = norm_forward(rows, w, b, float(eps), rms, mixed, memory_efficient)
     else:
         out, mean, invvar = norm_forward(rows, w, b, float(eps), rms, mixed, memory_efficient)
+    # The output recovers the input unless a weight is zero (then the input is saved).
+    memory_efficient = saves_output(bool(memory_efficient), w)
     ctx.save_for_backward(out if memory_efficient else rows, mean, invvar, w, b)
     ctx.rms = rms
-    ctx.memory_efficient = bool(memory_efficient)
+    ctx.memory_efficient = memory_efficient
     ctx.input_dtype = input.dtype
     ctx.input_shape = input.shape
     ctx.param_shapes = (

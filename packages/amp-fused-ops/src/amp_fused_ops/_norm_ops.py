@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from amp_fused_ops import _loader
 from amp_fused_ops._norm_reference import (
@@ -36,6 +37,7 @@ __all__ = [
     "layer_norm_autocasts_to_fp32",
     "norm_backward",
     "norm_forward",
+    "saves_output",
 ]
 
 logger = logging.getLogger(__name__)
@@ -185,7 +187,8 @@ def norm_forward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Normalize the rows of ``x`` (rows, hidden): ``(out, mean, invvar)``.
 
-    ``memory_efficient`` only decides what autograd saves (the output instead of the input).
+    ``memory_efficient`` only decides what autograd saves: the output instead of the input,
+    unless the weight has a zero (see :func:`saves_output`).
     """
     del memory_efficient
     check_floating("norm_forward", x, weight, bias)
@@ -228,7 +231,12 @@ def norm_backward(
     memory_efficient: bool,
     input_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(grad_input, grad_weight, grad_bias)``; empty tensors for absent parameters."""
+    """``(grad_input, grad_weight, grad_bias)``; empty tensors for absent parameters.
+
+    With ``memory_efficient``, ``saved`` is the output and the normalized input is recomputed
+    as ``(saved - bias) / weight``: the weight must have no zero (:func:`saves_output` decides
+    so for autograd; a zero gives nan gradients).
+    """
     supported = _kernel_supports(input_dtype, grad_out, (weight, bias if not rms else None))
     op = cuda_op("layer_norm_bwd") if supported else None
     if op is not None:
@@ -263,9 +271,41 @@ def _norm_backward_fake(
     return dx, dw, db
 
 
+def saves_output(memory_efficient: bool, weight: Tensor | None) -> bool:
+    """Whether backward may recompute the normalized input from the output (Apex's
+    ``memory_efficient`` trick), so that autograd saves the output instead of the input.
+
+    The trick divides ``out - bias`` by the weight: a column whose weight is zero has lost its
+    normalized value (its output is the bias alone), and the gradients of the input and of that
+    weight need it. Then the input is saved instead, as without ``memory_efficient``, and every
+    gradient is exact. So it is where the weight's values are unknown: under ``torch.compile``
+    (and other tracing) and on the meta device.
+
+    .. note::
+        With ``memory_efficient`` and a weight, the forward reads ``(weight == 0).any()`` on the
+        host: one synchronization with a CUDA device per call.
+
+    Args:
+        memory_efficient: Whether the caller asked to save the output.
+        weight: The norm's weight (after any autocast cast), or ``None``.
+
+    Returns:
+        True when the output is saved and recovers the input; False to save the input.
+    """
+    if not memory_efficient:
+        return False
+    if weight is None:
+        return True
+    # Traced (torch.compile, AOT autograd, opcheck) or meta: the values are not known.
+    if torch.compiler.is_compiling() or is_fake(weight) or weight.device.type == "meta":
+        return False
+    return not bool((weight == 0).any())
+
+
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
     x, weight, bias, _eps, rms, _mixed, memory_efficient = inputs
     out, mean, invvar = output
+    memory_efficient = saves_output(memory_efficient, weight)
     saved = out if memory_efficient else x
     ctx.save_for_backward(saved, mean, invvar, weight, bias)
     ctx.rms = rms

@@ -381,7 +381,11 @@ class FusedLayerNorm(_FusedNorm):
         memory_efficient: Save the output instead of the input for backward and recompute
             the normalized input from it (``(out - bias) / weight``): one activation less kept
             alive, same gradients up to rounding (in fp16 / bf16 the output's rounding adds
-            about one rounding of the dtype to the gradients). Needs a weight without zeros.
+            about one rounding of the dtype to the gradients). A weight with a zero makes the
+            output of that column the bias alone, from which the input cannot be recovered:
+            then the input is saved instead (exact gradients, no memory saved), and so it is
+            under ``torch.compile``. Deciding reads ``(weight == 0).any()`` on the host once
+            per forward (a synchronization on CUDA).
 
     Example:
         >>> norm = FusedLayerNorm(1024)

@@ -68,6 +68,7 @@ from amp_fused_ops._reference_common import (
     TensorLists,
     _any_nonfinite,
     _check,
+    _check_overlap,
     _fp32,
     _raise_flag,
     _scalar,
@@ -143,6 +144,7 @@ def multi_tensor_scale(
     device = _check(op, chunk_size, noop_flag, tensor_lists, [("ins", "outs")])
     if device is None:
         return
+    _check_overlap(op, tensor_lists, (1,), in_place=[(0, 1)])
     ins, outs = tensor_lists
     found = _any_nonfinite(ins, device)
     _write(outs, torch._foreach_mul(_fp32(ins), float(scale)))
@@ -178,6 +180,7 @@ def multi_tensor_axpby(
     device = _check(op, chunk_size, noop_flag, tensor_lists, [("xs", "ys", "outs")])
     if device is None:
         return
+    _check_overlap(op, tensor_lists, (2,), in_place=[(0, 2), (1, 2)])
     xs, ys, outs = tensor_lists
     checked = (list(xs) if arg_to_check in (-1, 0) else []) + (
         list(ys) if arg_to_check in (-1, 1) else []
@@ -329,6 +332,7 @@ def multi_tensor_l2norm_scale(
     device = _check(op, chunk_size, noop_flag, tensor_lists, [("ins", "outs")])
     if device is None:
         return _l2norms(op, chunk_size, noop_flag, [[]], None, per_tensor)
+    _check_overlap(op, tensor_lists, (1,), in_place=[(0, 1)])
     ins, outs = tensor_lists
     # The norms first: an output may alias its input.
     total, per = _l2norms(op, chunk_size, noop_flag, [ins], None, per_tensor)

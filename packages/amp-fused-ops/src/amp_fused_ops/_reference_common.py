@@ -7,7 +7,6 @@ conventions every reference op follows.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 
 import torch
@@ -199,27 +198,75 @@ def _check_state_lists(
     _check_state_dtype(op, tensor_lists, first, param)
 
 
-def _check_no_overlap(op: str, tensor_lists: TensorLists, which: Sequence[int]) -> None:
-    """Raise ValueError when two of the lists ``which`` share memory at one position.
+def _same_view(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` are one view of the same memory: same first element, dtype,
+    element count and layout (two contiguous tensors of different shapes are one view)."""
+    if a.data_ptr() != b.data_ptr() or a.dtype != b.dtype or a.numel() != b.numel():
+        return False
+    both_contiguous = a.is_contiguous() and b.is_contiguous()
+    return both_contiguous or (a.shape == b.shape and a.stride() == b.stride())
 
-    The compiled kernels read and write the lists as independent arrays (``__restrict__``).
+
+def _check_overlap(
+    op: str,
+    tensor_lists: TensorLists,
+    written: Sequence[int],
+    in_place: Sequence[tuple[int, int]] = (),
+) -> None:
+    """Raise ValueError when a tensor the op writes shares memory with another of the call.
+
+    The compiled kernels read and write the lists as independent arrays, chunk by chunk in any
+    order, so any sharing they cannot honour is refused, on every path alike (the reference
+    itself would compute the right values):
+
+    * ``tensor_lists[a][i]`` may be ``tensor_lists[b][i]`` itself (the very same view) when
+      ``(a, b)`` is in ``in_place``: an elementwise update in place;
+    * any other sharing that involves a list in ``written`` is refused: a partial overlap, two
+      written tensors (at one position or two), a written tensor and an input at another
+      position. Tensors that are only read may share memory.
+
+    A tensor spans the memory from its first to its last element (two interleaved strided
+    views count as overlapping: the kernels take dense tensors only). The first offending pair
+    in order of address is named, as ``check_overlap`` of ``csrc/common/checks.h`` does, with
+    its words.
     """
-    for j in range(len(tensor_lists[0])):
-        spans = []
-        for i in which:
-            t = tensor_lists[i][j]
+    allowed = {frozenset(pair) for pair in in_place}
+    spans = []
+    for i, tensors in enumerate(tensor_lists):
+        for j, t in enumerate(tensors):
             if t.numel() == 0 or t.device.type == "meta":
                 continue
+            # Offset of the last element (strides are never negative in PyTorch).
+            last = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride(), strict=True))
             start = t.data_ptr()
-            spans.append((start, start + t.numel() * t.element_size(), i))
-        spans.sort()
-        for (_, end_a, a), (start_b, _, b) in itertools.pairwise(spans):
-            if start_b < end_a:
-                first, second = sorted((a, b))
-                raise ValueError(
-                    f"{op}: tensor_lists[{first}][{j}] and tensor_lists[{second}][{j}] share "
-                    "memory; every list needs tensors of its own"
+            spans.append((start, i, j, start + (last + 1) * t.element_size()))
+    spans.sort()
+    for k, (_, list_a, index_a, end_a) in enumerate(spans):
+        for start_b, list_b, index_b, _ in spans[k + 1 :]:
+            if start_b >= end_a:
+                break
+            if list_a not in written and list_b not in written:
+                continue
+            same_position = index_a == index_b
+            pair = same_position and list_a != list_b and frozenset((list_a, list_b)) in allowed
+            if pair and _same_view(tensor_lists[list_a][index_a], tensor_lists[list_b][index_b]):
+                continue
+            (l1, i1), (l2, i2) = sorted(((list_a, index_a), (list_b, index_b)))
+            if pair:
+                fix = (
+                    "only the very same tensor may be updated in place; pass it in both lists, "
+                    "or tensors that do not overlap"
                 )
+            elif same_position:
+                fix = "every list needs tensors of its own"
+            else:
+                fix = (
+                    "a tensor the op writes may not overlap any other tensor of the call; "
+                    "pass tensors of their own (clone the shared ones)"
+                )
+            raise ValueError(
+                f"{op}: tensor_lists[{l1}][{i1}] and tensor_lists[{l2}][{i2}] share memory; {fix}"
+            )
 
 
 def _fp32(tensors: Sequence[Tensor], like: Sequence[Tensor] | None = None) -> _Tensors:

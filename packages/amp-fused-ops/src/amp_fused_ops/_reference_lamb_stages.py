@@ -25,6 +25,7 @@ from amp_fused_ops._reference_common import (
     _FP32_ONLY,
     TensorLists,
     _check,
+    _check_overlap,
     _check_state_dtype,
     _check_state_lists,
     _fp32,
@@ -128,6 +129,7 @@ def multi_tensor_lamb_stage1_cuda(
         return
     _check_state_lists(op, tensor_lists, 2, 3, 1)  # the moments
     _check_state_dtype(op, tensor_lists, 4, 1)  # the updates
+    _check_overlap(op, tensor_lists, (2, 3, 4))
     grads, params, exp_avgs, exp_avg_sqs, updates = tensor_lists
     decay = _per_tensor(op, "per_tensor_decay", per_tensor_decay, len(grads), device)
     bc1 = 1.0 - beta1 ** (step + 1)
@@ -191,6 +193,7 @@ def multi_tensor_lamb_stage2_cuda(
     if device is None:
         return
     _check_state_dtype(op, tensor_lists, 1, 0)  # the updates
+    _check_overlap(op, tensor_lists, (0,))
     params, updates = tensor_lists
     n = len(params)
     param_norms = _per_tensor(op, "per_tensor_param_norm", per_tensor_param_norm, n, device)
@@ -283,6 +286,8 @@ def multi_tensor_lamb_mp(
     device = _check(op, chunk_size, noop_flag, tensor_lists, names, dtypes)
     if device is None:
         return
+    # A float32 model param may be its own master (lists 1 and 4).
+    _check_overlap(op, tensor_lists, (1, 2, 3, 4), in_place=[(1, 4)])
     grads, params, exp_avgs, exp_avg_sqs = tensor_lists[:4]
     step_t = _scalar(step, device)
     one = torch.ones((), dtype=torch.float32, device=device)

@@ -18,6 +18,7 @@ from amp_fused_ops._preconditions import check_arguments
 from amp_fused_ops._reference_common import (
     TensorLists,
     _check,
+    _check_overlap,
     _check_state_lists,
     _fp32,
     _raise_flag,
@@ -113,6 +114,7 @@ def multi_tensor_lamb(
     if device is None:
         return
     _check_state_lists(op, tensor_lists, 2, 3, 1)
+    _check_overlap(op, tensor_lists, (1, 2, 3))
     grads, params, exp_avgs, exp_avg_sqs = tensor_lists
     bc1 = 1.0 - beta1**step if bias_correction == 1 else 1.0
     bc2 = 1.0 - beta2**step if bias_correction == 1 else 1.0
@@ -233,6 +235,7 @@ def multi_tensor_novograd(
     if device is None:
         return
     _check_state_lists(op, tensor_lists, 2, 2, 1)
+    _check_overlap(op, tensor_lists, (1, 2))
     grads, params, exp_avgs = tensor_lists
     if grad_norms.dtype != torch.float32 or grad_norms.numel() != len(grads):
         raise ValueError(

@@ -15,7 +15,7 @@ from amp_fused_ops._reference_common import (
     TensorLists,
     _any_nonfinite,
     _check,
-    _check_no_overlap,
+    _check_overlap,
     _check_state_dtype,
     _fp32,
     _raise_flag,
@@ -130,7 +130,8 @@ def multi_tensor_adam(
 
     Raises:
         ValueError: Malformed lists, sizes, dtypes, noop flag, mode or bias_correction; a
-            step below 1 with bias correction; lists that share memory at one position.
+            step below 1 with bias correction; a written tensor that shares
+            memory with another tensor of the call.
         RuntimeError: Tensors on different devices.
     """
     op = "multi_tensor_adam"
@@ -139,7 +140,7 @@ def multi_tensor_adam(
     dtypes = [_FLOAT_DTYPES, _FLOAT_DTYPES, _FP32_ONLY, _FP32_ONLY]
     if _check(op, chunk_size, noop_flag, tensor_lists, names, dtypes) is None:
         return
-    _check_no_overlap(op, tensor_lists, (0, 1, 2, 3))
+    _check_overlap(op, tensor_lists, (1, 2, 3))
     grads, params, exp_avgs, exp_avg_sqs = tensor_lists
     bc1 = 1.0 - beta1**step if bias_correction == 1 else 1.0
     bc2 = 1.0 - beta2**step if bias_correction == 1 else 1.0
@@ -318,7 +319,11 @@ def _capturable_adam(
     if device is None:
         return
     # A float32 param may be its own master (lists 1 and 4); nothing else may share memory.
-    _check_no_overlap(op, tensor_lists, (0, 2, 3, 4) if master else (0, 1, 2, 3))
+    # Without masters the unscaled grads are written back.
+    if master:
+        _check_overlap(op, tensor_lists, (1, 2, 3, 4), in_place=[(1, 4)])
+    else:
+        _check_overlap(op, tensor_lists, (0, 1, 2, 3))
     grads, params, exp_avgs, exp_avg_sqs = tensor_lists[:4]
     lr_t = _scalar(lr, device)
     step_t = _scalar(step, device)
@@ -411,6 +416,7 @@ def multi_tensor_sgd(
     if device is None:
         return
     _check_state_dtype(op, tensor_lists, 2, 1)
+    _check_overlap(op, tensor_lists, (1, 2, 3) if len(tensor_lists) == 4 else (1, 2))
     grads, params, bufs = tensor_lists[0], tensor_lists[1], tensor_lists[2]
     skip = noop_flag.reshape(()) != 0
     p = _fp32(params)
@@ -477,6 +483,7 @@ def multi_tensor_adagrad(
     if _check(op, chunk_size, noop_flag, tensor_lists, names) is None:
         return
     _check_state_dtype(op, tensor_lists, 2, 1)
+    _check_overlap(op, tensor_lists, (1, 2))
     grads, params, sums = tensor_lists
     p = _fp32(params)
     g = _fp32(grads, like=params)

@@ -8,13 +8,22 @@ handle owns both; :meth:`AmpHandle._deactivate` undoes everything it switched on
 At most one O1 casting is on at a time: amp-core's registry records the handle's casting (with
 the handle as its ``owner``), so that the next ``amp.init`` or ``amp_core.amp.initialize``
 switches it off, and with it the handle's pending step skips, as Apex's re-patching did.
+
+A step after an overflow is skipped by a :class:`_SkippableStep` that the handle binds to the
+optimizer itself on its first ``handle.scale_loss(loss, optimizer)`` (as amp-core binds its step),
+so that it works with PyTorch's LR schedulers, which wrap ``optimizer.step`` on the instance: one
+built before wraps the class's step and is wrapped in turn (keeping its mark, so torch does not
+warn that the step was overridden); one built after re-binds ``optimizer.step.__func__``, which
+is the handle's. A skipped step still counts as a call of ``optimizer.step()`` for the schedulers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import types
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -39,6 +48,62 @@ def _amp_scaler(loss_scale: float | str) -> _CoreScaler:
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _skip_step(optimizer: Any) -> None:
+    """Skip one ``optimizer.step()`` for an overflow: log it, and record the call as an LR
+    scheduler's wrapper of ``step`` would have (torch warns at the scheduler's first step that
+    ``lr_scheduler.step()`` came before ``optimizer.step()`` when it finds no call)."""
+    logger.warning("Gradient overflow, skipping update")
+    optimizer._opt_called = True
+
+
+class _SkippableStep:
+    """The ``step`` a handle binds to an optimizer: the step it replaced, or an overflow skip.
+
+    Installed on the optimizer instance (``optimizer.step.__func__`` is :attr:`function`, so an
+    LR scheduler built later wraps it); the step found there before (an LR scheduler's wrapper,
+    or the class's step) is called for the steps that are taken. It carries the attributes of
+    the step it replaced (an LR scheduler's mark among them). :meth:`remove` puts that step back;
+    where something wrapped this one since, it stays and passes every step through.
+
+    Args:
+        optimizer: The optimizer.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.previous: Callable[..., Any] | None = optimizer.__dict__.get("step")
+        self.skip_next = False
+        self.active = True
+
+        def step(opt: Any, *args: Any, **kwargs: Any) -> Any:
+            return self.call(opt, *args, **kwargs)
+
+        if self.previous is not None:
+            functools.update_wrapper(step, self.previous)
+        self.function = step
+        optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+
+    def call(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        """``optimizer.step(*args, **kwargs)``, unless an overflow asked to skip it (once)."""
+        if self.active and self.skip_next:
+            self.skip_next = False
+            _skip_step(optimizer)
+            return None
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return type(optimizer).step(optimizer, *args, **kwargs)
+
+    def remove(self, optimizer: Any) -> None:
+        """Drop a pending skip and put the replaced step back (if this one is still there)."""
+        self.active = False
+        self.skip_next = False
+        if getattr(optimizer.__dict__.get("step"), "__func__", None) is not self.function:
+            return  # wrapped since (an LR scheduler built later): passes steps through
+        if self.previous is None:
+            del optimizer.__dict__["step"]
+        else:
+            optimizer.step = self.previous
 
 
 class _ScaledBackward:
@@ -130,7 +195,7 @@ class OptimWrapper:
         self._loss_idx = 0
         overflow = any(self._skip_next)
         if overflow:
-            logger.warning("Gradient overflow, skipping update")
+            _skip_step(self._optimizer)
             self._skip_next = [False] * self._num_loss
         # No masters (O1 steps the model's params): the step, or its skip, alone.
         return MasterWeights().step(self._optimizer.step, overflow=overflow)
@@ -184,7 +249,10 @@ class AmpHandle:
         self._enable_caching = enable_caching
         self._verbose = verbose
         self._default_scaler: _CoreScaler | None = _amp_scaler(loss_scale)
-        self._skip_step_of: list[torch.optim.Optimizer] = []
+        # The optimizers whose step this handle replaced, each with its _SkippableStep.
+        self._steps: weakref.WeakKeyDictionary[torch.optim.Optimizer, _SkippableStep] = (
+            weakref.WeakKeyDictionary()
+        )
         device_types = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
         self._casting: O1Casting | None = O1Casting(
             device_types, half_dtype, verbose=verbose, owner=self, on_deactivate=self._casting_off
@@ -239,7 +307,9 @@ class AmpHandle:
     ) -> Iterator[torch.Tensor]:
         """Yield ``loss * loss_scale``; unscale the grads of ``optimizer``'s params on exit.
 
-        After an overflow, the next ``optimizer.step()`` is skipped (once).
+        After an overflow, the next ``optimizer.step()`` is skipped (once), also when an LR
+        scheduler wraps it: the first call binds the handle's step to ``optimizer`` (until the
+        handle is switched off), and a scheduler built before or after it keeps counting.
 
         Raises:
             RuntimeError: after :meth:`wrap_optimizer` (use the wrapper's ``scale_loss``).
@@ -255,21 +325,13 @@ class AmpHandle:
             )
         backward = _ScaledBackward(_params(optimizer))
         yield loss.float() * scaler.scale_tensor(loss.device)
-        if backward.finish(scaler):
-            self._skip_next_step(optimizer)
+        overflow = backward.finish(scaler)
+        step = self._steps.get(optimizer)
+        if step is None:
+            step = self._steps[optimizer] = _SkippableStep(optimizer)
+        if overflow:
+            step.skip_next = True  # the next optimizer.step(), however it is reached
         self._clear_cache()
-
-    def _skip_next_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make the next ``optimizer.step()`` a no-op (an instance attribute, removed by it)."""
-        if "step" in optimizer.__dict__:
-            return  # already skipping
-
-        def skip_step(opt: Any, *args: Any, **kwargs: Any) -> None:
-            logger.warning("Gradient overflow, skipping update")
-            del opt.__dict__["step"]
-
-        optimizer.step = types.MethodType(skip_step, optimizer)  # type: ignore[method-assign]
-        self._skip_step_of.append(optimizer)
 
     def _deactivate(self) -> None:
         """Undo everything this handle switched on (casting, wraps, pending step skips)."""
@@ -281,11 +343,9 @@ class AmpHandle:
     def _casting_off(self) -> None:
         """The handle's casting was switched off (by the handle, or by the next ``amp.init`` or
         ``amp.initialize``): drop the pending step skips too."""
-        for optimizer in self._skip_step_of:
-            step = optimizer.__dict__.get("step")
-            if step is not None and getattr(step, "__func__", None) is not None:
-                optimizer.__dict__.pop("step", None)
-        self._skip_step_of = []
+        for optimizer, step in list(self._steps.items()):
+            step.remove(optimizer)
+        self._steps = weakref.WeakKeyDictionary()
         self._casting = None
 
 

@@ -18,6 +18,7 @@ Used by ``python -m amp_legacy_fp16.apex_run`` (see :mod:`amp_legacy_fp16.apex_r
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -25,13 +26,26 @@ import importlib.metadata
 import os
 import sys
 import types
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from amp_core import amp as _core_amp
+
+from ._deprecation import DeprecatedFeatureWarning, _is_rank_zero
 from ._version import __version__
 
-__all__ = ["ALIASES", "APEX_VERSION", "Alias", "install", "installed", "uninstall"]
+__all__ = [
+    "ALIASES",
+    "APEX_VERSION",
+    "Alias",
+    "apex_initialize",
+    "deprecated_warning",
+    "install",
+    "installed",
+    "uninstall",
+]
 
 
 @dataclass(frozen=True)
@@ -44,15 +58,21 @@ class Alias:
         extras: ``(name, module, attribute)`` triples for names Apex defined that no target
             module holds (e.g. ``apex.parallel.ReduceOp``).
         exclude: Names of the targets not exposed (the toolkit's own extras).
+        only: When given, the only names of the targets exposed (Apex's module held fewer).
     """
 
     targets: tuple[str, ...]
     dist: str
     extras: tuple[tuple[str, str, str], ...] = ()
     exclude: tuple[str, ...] = ()
+    only: tuple[str, ...] = ()
 
 
-_AMP = Alias(("amp_core.amp", "amp_legacy_fp16.amp"), "amp-core")
+_AMP = Alias(
+    ("amp_core.amp", "amp_legacy_fp16.amp"),
+    "amp-core",
+    extras=(("initialize", "amp_legacy_fp16._apex_alias", "apex_initialize"),),
+)
 _OPTIMIZERS = Alias(("amp_optimizers",), "amp-optimizers")
 _PARALLEL = Alias(
     ("amp_parallel",),
@@ -61,6 +81,10 @@ _PARALLEL = Alias(
 )
 _FP16_UTILS = Alias(("amp_legacy_fp16",), "amp-legacy-fp16", exclude=("amp",))
 _MTA = Alias(("amp_fused_ops._multi_tensor_apply",), "amp-fused-ops")
+# Apex's later home of the cut-down FP16_Optimizer and the FusedAdam it drives.
+_CONTRIB_OPTIMIZERS = Alias(
+    ("amp_optimizers",), "amp-optimizers", only=("FP16_Optimizer", "FusedAdam")
+)
 
 # Every Apex module name the hook answers for (the last Apex release with amp, 24.04).
 ALIASES: dict[str, Alias] = {
@@ -89,9 +113,15 @@ ALIASES: dict[str, Alias] = {
     "apex.fp16_utils.loss_scaler": _FP16_UTILS,
     "amp_C": Alias(("amp_fused_ops.amp_C",), "amp-fused-ops"),
     "apex_C": Alias(("amp_fused_ops._flatten",), "amp-fused-ops"),
+    # Apex's SyncBatchNorm kernel extension, top-level as Apex built it.
+    "syncbn": Alias(("amp_fused_ops.syncbn",), "amp-fused-ops"),
+    "apex.contrib": Alias((), "amp-optimizers"),
+    "apex.contrib.optimizers": _CONTRIB_OPTIMIZERS,
+    "apex.contrib.optimizers.fp16_optimizer": _CONTRIB_OPTIMIZERS,
+    "apex.contrib.optimizers.fused_adam": _CONTRIB_OPTIMIZERS,
 }
 
-# (``apex_C``, Apex's flatten / unflatten extension, is top-level too.)
+# (``apex_C``, Apex's flatten / unflatten extension, and ``syncbn`` are top-level too.)
 
 # The subpackages ``apex`` exposes as attributes, as Apex's ``apex/__init__.py`` imported them.
 _APEX_SUBPACKAGES = (
@@ -105,6 +135,25 @@ _APEX_SUBPACKAGES = (
 
 # The version the ``apex`` distribution reports: Apex's own (0.1), tagged with ours.
 APEX_VERSION = f"0.1+amptoolkit.{__version__}"
+
+
+def deprecated_warning(msg: str, *, stacklevel: int = 2) -> None:
+    """Apex's ``apex.deprecated_warning``: warn ``msg`` as a :class:`DeprecatedFeatureWarning`
+    (on rank 0 only under ``torch.distributed``)."""
+    if _is_rank_zero():
+        warnings.warn(msg, DeprecatedFeatureWarning, stacklevel=stacklevel)
+
+
+@functools.wraps(_core_amp.initialize)
+def apex_initialize(*args: Any, **kwargs: Any) -> Any:
+    # ``apex.amp.initialize`` under the aliases: amp-core's, with the warning Apex gave at every
+    # call (Apex's own tests expect it), which here names the one-line migration.
+    deprecated_warning(
+        "apex.amp is deprecated (Apex removed it); this run uses the amp toolkit's amp_core.amp: "
+        "replace `from apex import amp` with `from amp_core import amp`.",
+        stacklevel=3,
+    )
+    return _core_amp.initialize(*args, **kwargs)
 
 
 def _missing(name: str, dist: str, exc: ImportError) -> ModuleNotFoundError:
@@ -123,9 +172,16 @@ class _AliasModule(types.ModuleType):
     _amp_alias_targets: tuple[types.ModuleType, ...]
     _amp_alias_extras: dict[str, Any]
     _amp_alias_exclude: frozenset[str]
+    _amp_alias_only: frozenset[str] | None
+
+    def _amp_alias_hides(self, attr: str) -> bool:
+        only = self._amp_alias_only
+        return attr in self._amp_alias_exclude or (only is not None and attr not in only)
 
     def __getattr__(self, attr: str) -> Any:
-        if attr.startswith("_amp_alias_") or attr in self._amp_alias_exclude:
+        if attr.startswith("_amp_alias_"):
+            raise AttributeError(f"module {self.__name__!r} has no attribute {attr!r}")
+        if attr not in self._amp_alias_extras and self._amp_alias_hides(attr):
             raise AttributeError(f"module {self.__name__!r} has no attribute {attr!r}")
         if attr in self._amp_alias_extras:
             return self._amp_alias_extras[attr]
@@ -141,10 +197,10 @@ class _AliasModule(types.ModuleType):
         )
 
     def __dir__(self) -> list[str]:
-        names = set(super().__dir__()) | set(self._amp_alias_extras)
+        names: set[str] = set()
         for target in self._amp_alias_targets:
-            names |= set(dir(target))
-        return sorted(names - self._amp_alias_exclude)
+            names |= {n for n in dir(target) if not self._amp_alias_hides(n)}
+        return sorted(names | set(super().__dir__()) | set(self._amp_alias_extras))
 
 
 class _ApexPackage(types.ModuleType):
@@ -162,6 +218,8 @@ class _Loader(importlib.abc.Loader):
         if name == "apex":
             module: types.ModuleType = _ApexPackage(name)
             module.__version__ = APEX_VERSION  # type: ignore[attr-defined]
+            module.DeprecatedFeatureWarning = DeprecatedFeatureWarning  # type: ignore[attr-defined]
+            module.deprecated_warning = deprecated_warning  # type: ignore[attr-defined]
             module.__all__ = list(_APEX_SUBPACKAGES)  # type: ignore[attr-defined]
             return module
         alias = ALIASES[name]
@@ -174,14 +232,17 @@ class _Loader(importlib.abc.Loader):
         extras: dict[str, Any] = {}
         for extra, module_name, attr in alias.extras:
             extras[extra] = getattr(importlib.import_module(module_name), attr)
-        alias_module = _AliasModule(name, targets[0].__doc__)
+        alias_module = _AliasModule(name, targets[0].__doc__ if targets else None)
         alias_module._amp_alias_targets = tuple(targets)
         alias_module._amp_alias_extras = extras
         alias_module._amp_alias_exclude = frozenset(alias.exclude)
+        alias_module._amp_alias_only = frozenset(alias.only) if alias.only else None
         exported: list[str] = list(extras)
         for module in targets:
             exported += [n for n in getattr(module, "__all__", ()) if n not in exported]
-        alias_module.__all__ = [n for n in exported if n not in alias.exclude]  # type: ignore[attr-defined]
+        alias_module.__all__ = [  # type: ignore[attr-defined]
+            n for n in exported if n in extras or not alias_module._amp_alias_hides(n)
+        ]
         return alias_module
 
     def exec_module(self, module: types.ModuleType) -> None:

@@ -13,8 +13,12 @@ The script runs as ``python train.py ...`` would (``__name__ == "__main__"``, ``
 (see :mod:`amp_legacy_fp16._apex_alias`); nothing named ``apex`` is installed. A module whose
 toolkit package is missing raises ``ModuleNotFoundError`` naming the pip package.
 
-Processes the script starts with the ``spawn`` method (not ``fork``) do not inherit the
-aliases; ``torchrun`` and ``fork`` (the Linux default of ``DataLoader`` workers) do.
+Processes the script starts inherit the aliases, whatever their start method: ``fork``
+children share the parent's import hook, and every new interpreter (``multiprocessing`` with
+``spawn`` or ``forkserver``, ``torch.multiprocessing.spawn``, ``subprocess`` running ``python``)
+finds it through its environment: ``apex_run`` sets ``AMP_APEX_RUN=1`` and puts a start-up
+folder first on ``PYTHONPATH``, whose ``sitecustomize`` installs the aliases when an Apex name is
+first imported (and then runs any ``sitecustomize`` it shadows).
 """
 
 from __future__ import annotations
@@ -25,13 +29,25 @@ import sys
 
 from amp_legacy_fp16._apex_alias import install
 
-__all__ = ["main"]
+__all__ = ["BOOT_DIR", "export_to_children", "main"]
+
+BOOT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_apex_boot")
+"""The start-up folder (its ``sitecustomize``) that gives new interpreters the aliases."""
 
 USAGE = (
     "usage: python -m amp_legacy_fp16.apex_run SCRIPT.py [ARGS...]\n"
     "       python -m amp_legacy_fp16.apex_run -m MODULE [ARGS...]\n"
     "Runs a script written for NVIDIA Apex with `import apex` resolving to the amp toolkit.\n"
 )
+
+
+def export_to_children() -> None:
+    """Make every Python process started from now on resolve ``import apex`` as this one:
+    ``AMP_APEX_RUN=1`` and :data:`BOOT_DIR` first on ``PYTHONPATH`` (once)."""
+    entries = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if BOOT_DIR not in entries:
+        os.environ["PYTHONPATH"] = os.pathsep.join([BOOT_DIR, *entries])
+    os.environ["AMP_APEX_RUN"] = "1"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(USAGE)
         return 0 if args else 2
     install()
+    export_to_children()
     if args[0] == "-m":
         if len(args) < 2:
             sys.stderr.write(USAGE)

@@ -87,7 +87,10 @@ class FP16_Optimizer:
         >>> optimizer.step()
 
     .. note:: Wrapping moves every param into its group's flat buffer (``param.data`` becomes
-        a view): move the model to its device before wrapping, not after.
+        a view): move and cast the model before wrapping, not after. A move or cast afterwards
+        (``model.to(...)``, ``.half()``, ``.float()``, ``.cuda()``: anything that gives a param
+        new data, even back to the same dtype) cuts the model off from the flat buffers;
+        :meth:`step` and :meth:`load_state_dict` then raise ``RuntimeError``.
     """
 
     def __init__(
@@ -142,6 +145,10 @@ class FP16_Optimizer:
                 group["params"] = [flat]
                 self.fp16_groups.append(params)
                 self.fp16_groups_flat.append(flat)
+        # Where each param's data lives in its flat buffer: a cast or a move of the model
+        # (model.to(...), .half(), .float(), .cuda()) gives a param new data elsewhere, which
+        # the steps would never reach (see _check_params_in_flat).
+        self._param_ptrs: list[list[int]] = [[p.data_ptr() for p in g] for g in self.fp16_groups]
         # FusedAdam's fused master-weight path: it keeps one float32 master per flat buffer.
         pairs = init_optimizer.amp_enable_fused_master_weights({})
         masters = {id(flat): master for flat, master in pairs}
@@ -230,8 +237,13 @@ class FP16_Optimizer:
         Returns:
             The closure's loss, or None.
 
+        Raises:
+            RuntimeError: The model's params were moved or cast (their data re-allocated) after
+                this optimizer was built: the step would update only its flat buffers.
+
         .. note:: Reads the overflow flag and the new scale back to the host once (one sync).
         """
+        self._check_params_in_flat("step")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -255,6 +267,31 @@ class FP16_Optimizer:
         overflow, (new_scale,) = read_overflow(found_inf, [self._scaler])  # the one host sync
         self._after_step(overflow, new_scale)
         return loss
+
+    def _check_params_in_flat(self, call: str) -> None:
+        """Refuse to go on when a param's data is no longer its view of the flat buffer.
+
+        Only the flat buffers are stepped and written; ``module._apply`` (``model.to(...)``,
+        ``.half()``, ``.float()``, ``.bfloat16()``, ``.cuda()``) gives a param new data when it
+        casts or moves it, even back to the same dtype, and the model would then never change.
+        One host-side pointer comparison per param (no device work, no sync).
+        """
+        for g, (params, ptrs, flat) in enumerate(
+            zip(self.fp16_groups, self._param_ptrs, self.fp16_groups_flat, strict=True)
+        ):
+            for i, (p, ptr) in enumerate(zip(params, ptrs, strict=True)):
+                if p.data_ptr() == ptr and p.dtype == flat.dtype and p.device == flat.device:
+                    continue
+                raise RuntimeError(
+                    f"FP16_Optimizer.{call}: param {i} of group {g} (shape {tuple(p.shape)}, "
+                    f"now {p.dtype} on {p.device}) no longer lives in the optimizer's flat "
+                    f"{flat.dtype} buffer on {flat.device}: the model's params were moved or "
+                    "cast (model.to(...), .half(), .float(), .bfloat16(), .cuda() or another "
+                    "module._apply re-allocates param.data, even back to the same dtype) after "
+                    "FP16_Optimizer was built, so its steps would update the flat buffer and "
+                    "never the model. Move and cast the model first, then build the FusedAdam "
+                    "and the FP16_Optimizer on its params."
+                )
 
     def _after_step(self, overflow: bool, new_scale: float) -> None:
         if overflow:
@@ -335,7 +372,10 @@ class FP16_Optimizer:
                 scale of 0, negative, inf or nan, or below 1 for a dynamic scale; a negative
                 counter; non-finite masters), or the saved masters do not match this
                 optimizer's groups.
+            RuntimeError: The model's params were moved or cast after this optimizer was
+                built (the loaded weights would not reach the model).
         """
+        self._check_params_in_flat("load_state_dict")
         checked = _check_state(state_dict, [m.numel() for m in self.fp32_groups_flat])
         if checked["dynamic"]:
             scaler = _dynamic_scaler(

@@ -9,6 +9,7 @@ import torch
 
 from amp_fused_ops import amp_C, multi_tensor_applier
 
+from ._adagrad_state_format import from_adagrad_state_dict, to_torch_adagrad_format
 from ._base import (
     AmpCOp,
     FusedOptimizerBase,
@@ -25,6 +26,9 @@ class FusedAdagrad(FusedOptimizerBase):
 
     Same math as ``torch.optim.Adagrad`` with ``lr_decay=0`` and
     ``initial_accumulator_value=0``; the accumulated squares are float32 for every param dtype.
+    Each param's state holds its ``sum`` and, as torch's, its ``step`` count, so that
+    :meth:`state_dict` loads into ``torch.optim.Adagrad`` and :meth:`load_state_dict` takes
+    torch's.
 
     Args:
         params: Iterable of params or param-group dicts.
@@ -80,6 +84,8 @@ class FusedAdagrad(FusedOptimizerBase):
                 state = self.state[p]
                 if "sum" not in state:
                     state["sum"] = torch.zeros_like(p, dtype=torch.float32)
+                # Counted on the host (torch's Adagrad keeps it; its math here needs none).
+                state["step"] = state.get("step", 0) + 1
                 rows.append((p, p.grad, state["sum"]))
             for (device, _), (ps, gs, sums) in group_by_device_dtype(rows).items():
                 multi_tensor_applier(
@@ -92,3 +98,27 @@ class FusedAdagrad(FusedOptimizerBase):
                     group["weight_decay"],
                 )
         return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state dict, in a format ``torch.optim.Adagrad`` loads as well.
+
+        Each param's state holds its ``sum`` (float32) and its ``step`` count as a float32
+        tensor (a param loaded from a state without one, such as Apex's, counts from the load);
+        each group also holds ``lr_decay=0`` and ``initial_accumulator_value=0``, the values of
+        this optimizer's math. ``torch.optim.Adagrad`` has no decoupled weight decay: with
+        ``adagrad_w_mode`` and a nonzero ``weight_decay``, the group's params keep no ``step``, so
+        that its ``load_state_dict`` refuses them (``KeyError: 'step'``) instead of continuing with
+        L2 weight decay. :meth:`load_state_dict` takes every such dict back, bitwise.
+        """
+        return to_torch_adagrad_format(super().state_dict(), self.adagrad_w_mode)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict saved by :meth:`state_dict` (bitwise, float32 sums kept), by
+        ``torch.optim.Adagrad`` (its sums made float32) or by Apex's ``FusedAdagrad``.
+
+        Raises:
+            ValueError: A torch Adagrad state dict that FusedAdagrad cannot continue: a group
+                with ``lr_decay`` other than 0 or with ``maximize=True``, or with sums that
+                start above zero (``initial_accumulator_value``) and a param that has none yet.
+        """
+        super().load_state_dict(from_adagrad_state_dict(state_dict, self.adagrad_w_mode))

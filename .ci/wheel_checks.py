@@ -1,0 +1,161 @@
+"""Checks of the built wheels and sdists (`nox -s build`, `nox -s wheel_prebuilt`).
+
+Usage::
+
+    python .ci/wheel_checks.py imports <import name> <virtualenv>
+    python .ci/wheel_checks.py license <wheel> <sdist> <LICENSE>
+    python .ci/wheel_checks.py metadata <wheel>...
+    python .ci/wheel_checks.py first-use <virtualenv>
+
+``imports``: the package imports from the wheel installed in the virtualenv (not from a
+checkout). ``license``: the wheel and the sdist ship the LICENSE file and the metadata declares
+``License-Expression: BSD-3-Clause``. ``metadata``: no wheel requires a CUDA build of torch or
+an NVIDIA package (a CPU-only machine must be able to install it next to a CPU torch).
+``first-use``: run in a virtualenv that has an amp-fused-ops wheel with prebuilt kernels, with
+``AMP_FUSED_OPS_CACHE`` pointing at an empty folder: the first ``amp_C`` ops (a scale and an
+Adam step) run on the kernels shipped in the wheel, nothing is compiled and nothing is written
+to the cache.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pathlib
+import re
+import sys
+import tarfile
+import time
+import zipfile
+from typing import NoReturn
+
+# A requirement on an NVIDIA package (nvidia-*, cuda-*) or on a CUDA build of torch (+cu...).
+_CUDA_REQUIREMENT = re.compile(r"^(nvidia-|cuda-|torch\b.*\+cu\d)", re.IGNORECASE)
+
+
+def check_imports(name: str, venv: pathlib.Path) -> int:
+    module = importlib.import_module(name)
+    where = pathlib.Path(str(module.__file__)).resolve()
+    if not where.is_relative_to(venv.resolve()):
+        print(f"{name} was imported from {where}, not from the wheel in {venv}", file=sys.stderr)
+        return 1
+    print(f"{name} {module.__version__} imports from its wheel")
+    return 0
+
+
+def _wheel_metadata(wheel: pathlib.Path) -> str:
+    with zipfile.ZipFile(wheel) as z:
+        name = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        return z.read(name).decode()
+
+
+def check_license(wheel: pathlib.Path, sdist: pathlib.Path, expected: pathlib.Path) -> int:
+    text = expected.read_text()
+    with zipfile.ZipFile(wheel) as z:
+        licenses = [n for n in z.namelist() if n.endswith(".dist-info/licenses/LICENSE")]
+        if not licenses or z.read(licenses[0]).decode() != text:
+            print(f"{wheel.name} does not ship the LICENSE file", file=sys.stderr)
+            return 1
+    if "License-Expression: BSD-3-Clause" not in _wheel_metadata(wheel).splitlines():
+        print(
+            f"{wheel.name} metadata declares no License-Expression: BSD-3-Clause", file=sys.stderr
+        )
+        return 1
+    with tarfile.open(sdist) as t:
+        member = next(
+            (m for m in t.getmembers() if m.name.count("/") == 1 and m.name.endswith("/LICENSE")),
+            None,
+        )
+        extracted = t.extractfile(member) if member is not None else None
+        if extracted is None or extracted.read().decode() != text:
+            print(f"{sdist.name} does not ship the LICENSE file", file=sys.stderr)
+            return 1
+    print(f"{wheel.name} and {sdist.name} ship the BSD-3-Clause LICENSE")
+    return 0
+
+
+def check_metadata(wheels: list[pathlib.Path]) -> int:
+    failed = 0
+    for wheel in wheels:
+        requires = [
+            line.removeprefix("Requires-Dist:").strip()
+            for line in _wheel_metadata(wheel).splitlines()
+            if line.startswith("Requires-Dist:")
+        ]
+        cuda = [r for r in requires if _CUDA_REQUIREMENT.match(r)]
+        if cuda:
+            print(f"{wheel.name} requires a CUDA build or NVIDIA packages: {cuda}", file=sys.stderr)
+            failed = 1
+        else:
+            print(f"{wheel.name} requires: {', '.join(requires)} (no CUDA build forced)")
+    return failed
+
+
+def check_first_use(venv: pathlib.Path) -> int:
+    cache = os.environ.get("AMP_FUSED_OPS_CACHE", "")
+    if not cache or not pathlib.Path(cache).is_dir() or any(pathlib.Path(cache).iterdir()):
+        print(f"AMP_FUSED_OPS_CACHE={cache!r} must name an existing empty folder", file=sys.stderr)
+        return 1
+    import torch
+
+    from amp_fused_ops import _loader, amp_C, multi_tensor_applier
+
+    def no_compile(*args: object, **kwargs: object) -> NoReturn:
+        raise AssertionError("the extension was about to be compiled on first use")
+
+    _loader._compile = no_compile  # any compile attempt fails the check
+    status = _loader.extension_status("cpu")
+    print(f"cpu extension before the first op: {status.state} ({status.detail})")
+    if status.state != "prebuilt":
+        print("the wheel's prebuilt CPU kernels are not used", file=sys.stderr)
+        return 1
+
+    start = time.perf_counter()
+    flag = torch.zeros(1, dtype=torch.int)
+    inputs = [torch.arange(1.0, 6.0), torch.full((3,), -2.0)]  # one dtype per list
+    outputs = [torch.empty_like(t, dtype=torch.bfloat16) for t in inputs]
+    multi_tensor_applier(amp_C.multi_tensor_scale, flag, [inputs, outputs], 0.5)
+    for x, out in zip(inputs, outputs, strict=True):
+        torch.testing.assert_close(out, (x * 0.5).to(torch.bfloat16))
+    # One Adam step (what FusedAdam.step() launches), against the plain formula in float32.
+    p, g = torch.tensor([1.0, -2.0, 3.0]), torch.tensor([0.5, 0.25, -1.0])
+    m, v = torch.zeros(3), torch.zeros(3)
+    lr, b1, b2, eps = 0.1, 0.9, 0.999, 1e-8
+    expected = p - lr * ((1 - b1) * g / (1 - b1)) / (((1 - b2) * g * g / (1 - b2)).sqrt() + eps)
+    params = [p.clone()]
+    multi_tensor_applier(
+        amp_C.multi_tensor_adam, flag, [[g], params, [m], [v]], lr, b1, b2, eps, 1, 1, 1, 0.0
+    )
+    torch.testing.assert_close(params[0], expected)
+    elapsed = time.perf_counter() - start
+
+    module = _loader.get_extension("cpu")
+    where = pathlib.Path(str(getattr(module, "__file__", ""))).resolve()
+    if module is None or not where.is_relative_to(venv.resolve()) or "_prebuilt" not in where.parts:
+        print(f"the ops did not run on the wheel's kernels: {where}", file=sys.stderr)
+        return 1
+    written = sorted(str(p) for p in pathlib.Path(cache).rglob("*"))
+    if written:
+        print(f"the first use wrote to the cache: {written}", file=sys.stderr)
+        return 1
+    print(f"first amp_C ops ran on the prebuilt kernels {where} in {elapsed:.2f} s, no compile")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    command, args = argv[0], argv[1:]
+    paths = [pathlib.Path(a) for a in args]
+    if command == "imports":
+        return check_imports(args[0], paths[1])
+    if command == "license":
+        return check_license(*paths)
+    if command == "metadata":
+        return check_metadata(paths)
+    if command == "first-use":
+        return check_first_use(paths[0])
+    print(f"unknown check {command!r}: expected imports, license, metadata or first-use")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
