@@ -77,11 +77,13 @@ if _NUMPY_WARNING not in os.environ.get("PYTHONWARNINGS", ""):
 # Loads the CUDA extension the `build cuda` command just compiled (from the same cache, no
 # second compile) and checks it has its ops: proves the module links and imports.
 _CUDA_IMPORT_CHECK = """
-from amp_fused_ops import _loader
-_loader._compile = None  # a load that tried to compile again would fail here
-module = _loader.get_extension("cuda")
+from amp_fused_ops import extensions
+status = extensions.extension_status("cuda")
+if status.state not in ("built", "prebuilt"):  # get_extension would compile again
+    raise SystemExit(f"the CUDA extension is not in the cache: {status.state}, {status.detail}")
+module = extensions.get_extension("cuda")
 if module is None:
-    raise SystemExit("the CUDA extension did not load: " + str(_loader.unavailable_reason("cuda")))
+    raise SystemExit(f"the CUDA extension did not load: {extensions.unavailable_reason('cuda')}")
 ops = sorted(name for name in dir(module) if name.startswith("multi_tensor_"))
 print(f"imported {module.__file__} with {len(ops)} ops: {', '.join(ops)}")
 """
@@ -596,7 +598,8 @@ def gpu_tests(session: nox.Session) -> None:
     if not _cuda_available(session):
         session.skip("CUDA not available")
     _install(session, "pytest")
-    # Import from the source folders, as on GPU machines without an index (see GPU.md):
+    # Import from the source folders, as on GPU machines without an index (docs/design.rst,
+    # "Testing CUDA code"):
     # nothing else needs installing there.
     env = {"PYTHONPATH": os.pathsep.join(str(ROOT / src) for src in SRC_DIRS)}
     paths = [folder for folder in ("packages", "tests") if (ROOT / folder).is_dir()]
@@ -691,7 +694,7 @@ def cuda_emulation(session: nox.Session) -> None:
         builds["asan"] = json.loads(
             _torch_query(
                 session,
-                "__import__('json').dumps(__import__('amp_fused_ops._emulation', "
+                "__import__('json').dumps(__import__('amp_fused_ops.emulation', "
                 "fromlist=['x']).asan_environment())",
             )
         )
@@ -714,8 +717,8 @@ def cuda_emulation(session: nox.Session) -> None:
 
 _EMULATION_BUILD = """
 import sys, time
-from amp_fused_ops import _emulation
+from amp_fused_ops import emulation
 start = time.perf_counter()
-_emulation.load(sys.argv[1])
+emulation.load(sys.argv[1])
 print(f"emulated CUDA kernels ({sys.argv[1]} build) ready in {time.perf_counter() - start:.0f} s")
 """

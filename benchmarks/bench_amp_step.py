@@ -38,7 +38,7 @@ from amp_core import amp
 LOG = logging.getLogger("bench_amp_step")
 
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "out"
-O1_GOAL = 1.05  # O1 step time / autocast step time (DESIGN.md, "Numbers that define done")
+O1_GOAL = 1.05  # O1 step time / autocast step time (docs/design.rst, "Performance goals")
 
 Step = Callable[[], None]
 

@@ -1,7 +1,7 @@
 """Global-memory bytes per parameter of the optimizer kernels, counted by the CUDA emulator.
 
 No GPU needed: the CUDA kernels of ``amp-fused-ops`` run on the CPU through the emulator's
-counting build (``amp_fused_ops._emulation``), which counts every kernel launch and every byte
+counting build (``amp_fused_ops.emulation``), which counts every kernel launch and every byte
 a kernel thread reads or writes in global memory, and how many of them went through aligned
 16-byte vector accesses. This is the figure that decides a memory-bound optimizer step's time
 on a GPU (time ~ bytes / bandwidth), measured without one.
@@ -50,7 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import amp_fused_ops
-from amp_fused_ops import _amp_C, _emulation
+from amp_fused_ops import emulation
 
 SIZES = (2**16, 2**15 + 3, 4099, 555, 7)  # one "model": sizes cross the vector width
 CHUNK = 2048 * 32
@@ -158,12 +158,12 @@ class Row:
     torch_ops: dict[str, int]
 
 
-def _measure(step: Callable[[], None]) -> tuple[_emulation.Counters, AtenTraffic]:
+def _measure(step: Callable[[], None]) -> tuple[emulation.Counters, AtenTraffic]:
     step()  # warm-up: lazy state, first-call allocations
-    _emulation.reset_counters()
+    emulation.reset_counters()
     with AtenTraffic() as traffic:
         step()
-    return _emulation.counters(), traffic
+    return emulation.counters(), traffic
 
 
 def _torch_only(step: Callable[[], None]) -> AtenTraffic:
@@ -390,18 +390,14 @@ CASES = {
 }
 
 
-def _patch_amp_c(ext: Any) -> None:
-    """Route amp_C's CPU tensors to the emulated CUDA kernels (for the O2 step)."""
-
-    def kernel_for(name: str, tensor: Tensor) -> Any:
-        return getattr(ext, name, None) if tensor.device.type == "cpu" else None
-
-    _amp_C._kernel_for = kernel_for  # type: ignore[assignment]
-
-
 def run() -> list[Row]:
-    ext = _emulation.load("counting")
-    _patch_amp_c(ext)
+    ext = emulation.load("counting")
+    # amp_C's ops on CPU tensors run the emulated CUDA kernels (for the O2 step).
+    with emulation.amp_C_on_emulated_kernels(ext):
+        return _rows(ext)
+
+
+def _rows(ext: Any) -> list[Row]:
     rows = []
     params = sum(SIZES)
     for op, (case, minimum, torch_name) in CASES.items():
@@ -417,10 +413,10 @@ def run() -> list[Row]:
     step, backward = _o2_case(ext)
     step()  # warm-up
     backward()
-    _emulation.reset_counters()
+    emulation.reset_counters()
     with AtenTraffic() as aten:
         step()
-    counts = _emulation.counters()
+    counts = emulation.counters()
     o2 = Row("amp O2 step, FusedAdam (fp16 model, fp32 master/m/v)", params,
              counts.bytes_read + counts.bytes_written, counts.bytes_written,
              counts.vector_bytes_read + counts.vector_bytes_written, counts.launches,

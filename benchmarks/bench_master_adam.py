@@ -49,7 +49,7 @@ from torch import Tensor
 
 import amp_fused_ops
 from _common import Step, copy_bandwidth, device_name, fits, sync, time_step
-from amp_fused_ops import _loader, amp_C
+from amp_fused_ops import amp_C, extensions
 from amp_optimizers import FusedAdam
 
 LOG = logging.getLogger("bench_master_adam")
@@ -196,12 +196,12 @@ def torch_step(state: State, *, copy: bool, grad_cast: bool) -> Step:
 
 def ours_label(device: str) -> tuple[str, str | None]:
     """The table name of our variant on ``device`` (what really runs), and why not, if so."""
-    extension = _loader.get_extension(device)
+    extension = extensions.get_extension(device)
     if extension is not None and hasattr(extension, "multi_tensor_adam_capturable_master"):
         kind = "CUDA kernel" if device == "cuda" else "C++ kernel"
         return f"ours fused master ({kind})", None
     if device == "cuda":
-        return "ours fused master", f"no CUDA kernel: {_loader.unavailable_reason('cuda')}"
+        return "ours fused master", f"no CUDA kernel: {extensions.unavailable_reason('cuda')}"
     return "ours fused master (reference)", None
 
 
@@ -308,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "python_version": platform.python_version(),
         "device": args.device,
         "device_name": device_name(args.device),
-        "extension": asdict(_loader.extension_status(args.device)),
+        "extension": asdict(extensions.extension_status(args.device)),
         "half_dtype": args.half,
         "hyperparameters": {
             "lr": LR,

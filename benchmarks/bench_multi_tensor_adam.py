@@ -10,7 +10,7 @@ Variants, each on fresh copies of the same fp32 tensors (grads, params, exp_avg,
 - ``torch fused``: ``torch.optim.AdamW(fused=True)``;
 - ``torch foreach``: ``torch.optim.AdamW(foreach=True)``;
 - ``torch for-loop``: ``torch.optim.AdamW(foreach=False)`` (only up to 10M parameters);
-- ``reference``: ``amp_fused_ops._reference.multi_tensor_adam`` (pure PyTorch; CPU only, up
+- ``reference``: ``amp_fused_ops.reference.multi_tensor_adam`` (pure PyTorch; CPU only, up
   to 10M parameters: it is the test oracle, not a contender).
 
 The optimizers get the same moments as their state, so every variant does the same work from
@@ -52,7 +52,7 @@ from torch import Tensor
 
 import amp_fused_ops
 from _common import Step, copy_bandwidth, default_threads, device_name, fits, sync, time_step
-from amp_fused_ops import _loader, _reference, amp_C
+from amp_fused_ops import amp_C, extensions, reference
 from amp_optimizers import FusedAdam
 
 LOG = logging.getLogger("bench_multi_tensor_adam")
@@ -187,9 +187,9 @@ def ours_label(device: str) -> str:
 
 def kernel_unavailable_reason(device: str) -> str | None:
     """Why ``amp_C.multi_tensor_adam`` would not run a compiled kernel on ``device``, or None."""
-    extension = _loader.get_extension(device)  # builds on first use, then cached
+    extension = extensions.get_extension(device)  # builds on first use, then cached
     if extension is None:
-        return _loader.unavailable_reason(device) or f"{device} extension not loaded"
+        return extensions.unavailable_reason(device) or f"{device} extension not loaded"
     if not hasattr(extension, "multi_tensor_adam"):
         return f"the {device} extension has no multi_tensor_adam"
     return None
@@ -222,7 +222,7 @@ def run_size(
     else:
         size.skipped["torch for-loop"] = f"more than {SMALL_MAX_PARAMS:,} parameters"
     if small and args.device == "cpu":
-        builders["reference"] = lambda lists: multi_tensor_step(_reference.multi_tensor_adam, lists)
+        builders["reference"] = lambda lists: multi_tensor_step(reference.multi_tensor_adam, lists)
 
     times: dict[str, list[float]] = {name: [] for name in builders}
     diffs: dict[str, float] = {}
@@ -347,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "device_name": device_name(args.device),
         "cpu_count": os.cpu_count(),
         "threads": torch.get_num_threads(),
-        "extension": asdict(_loader.extension_status(args.device)),
+        "extension": asdict(extensions.extension_status(args.device)),
         "dtype": "float32",
         "hyperparameters": {
             "lr": LR,

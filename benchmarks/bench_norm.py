@@ -48,7 +48,7 @@ from torch import Tensor, nn
 
 import amp_fused_ops
 from _common import Step, copy_bandwidth, default_threads, device_name, fits, sync, time_step
-from amp_fused_ops import FusedLayerNorm, FusedRMSNorm, _loader, _norm_ops
+from amp_fused_ops import FusedLayerNorm, FusedRMSNorm, extensions
 
 LOG = logging.getLogger("bench_norm")
 
@@ -60,7 +60,7 @@ ELEMENTS_MOVED = 5  # per element of x: read x, write y, read dy, read x, write 
 # Alive at once, per element of x: x, dy, y, dx and the grad path's temporaries (fp32 on the
 # PyTorch path), with allocator slack.
 MEMORY_ELEMENTS = 12
-GOAL = 1.0  # ours / torch, bf16 (DESIGN.md, "Numbers that define done")
+GOAL = 1.0  # ours / torch, bf16 (docs/design.rst, "Performance goals")
 GOAL_BANDWIDTH = 0.8  # of the copy bandwidth, on large rows
 
 
@@ -126,9 +126,11 @@ def kernel_unavailable_reason(device: str) -> str | None:
     """Why the fused norms would not run the CUDA kernels on ``device``, or None."""
     if device != "cuda":
         return None
+    if extensions.get_extension("cuda") is None:  # builds the extension on first use
+        return extensions.unavailable_reason("cuda") or "the CUDA extension did not load"
     for name in ("layer_norm_fwd", "layer_norm_bwd"):
-        if _norm_ops.cuda_op(name) is None:  # builds the extension on first use
-            return _loader.unavailable_reason("cuda") or f"the CUDA extension has no {name}"
+        if not hasattr(torch.ops.amp_fused_ops_cuda_ops, name):
+            return f"the CUDA extension has no {name}"
     return None
 
 
@@ -200,7 +202,7 @@ def run_case(
 
 
 def goals(cases: Sequence[CaseResult]) -> dict[str, float | bool | None]:
-    """The DESIGN goals on the bf16 cases: worst ratio to torch, best share of bandwidth."""
+    """docs/design.rst's goals on the bf16 cases: worst ratio to torch, best bandwidth share."""
     ours = [
         (c, r) for c in cases if c.dtype == "bfloat16" for r in c.results if r.variant == "ours"
     ]
@@ -312,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cpu_count": os.cpu_count(),
         "threads": torch.get_num_threads(),
         # The norms have no C++ CPU kernel: only the CUDA extension matters to them.
-        "extension": asdict(_loader.extension_status("cuda")) if not on_cpu else None,
+        "extension": asdict(extensions.extension_status("cuda")) if not on_cpu else None,
         "elements_moved_per_input_element": ELEMENTS_MOVED,
         "copy_bandwidth_gb_per_s": bandwidth,
         "rounds": args.rounds,

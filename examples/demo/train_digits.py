@@ -1,13 +1,20 @@
-"""Train a small CNN on scikit-learn's digits under amp opt levels O0-O3 and compare them.
+"""Train a CNN on scikit-learn's digits under amp opt levels O0-O3: what each level costs and buys.
 
-One fresh model per opt level, all from the same initial weights and the same batch order, so
-the only difference between the rows of the final table is the opt level. Runs on CUDA with
-float16 when a GPU is present, otherwise on CPU with bfloat16.
+One model per opt level, all from the same initial weights and the same batch order, so the
+only difference between the rows is the opt level. Runs on CUDA with float16 when a GPU is
+present, otherwise on CPU with bfloat16. Reports, per level, the loss curve and final test
+accuracy, the training-step time relative to O0 (interleaved rounds, with their spread), and
+the memory held: weights + gradients + optimizer state, what autograd saves for backward, and
+on CUDA the device's peak allocation. Writes one figure with three panels and prints a table.
+
+Each level trains in a process of its own, because amp's O1 casting is process-wide (as in
+Apex); the processes take turns, so only one computes at any time.
 
 Usage:
-    python examples/demo/train_digits.py                       # all four levels
+    python examples/demo/train_digits.py                        # all four levels
     python examples/demo/train_digits.py --levels O0 O2 --epochs 5 --device cpu
-    python examples/demo/train_digits.py --smoke                       # 2 epochs, seconds
+    python examples/demo/train_digits.py --smoke                # a quick look, seconds
+    python examples/demo/train_digits.py --record               # the README's figure
 
 Needs scikit-learn (the data set) and matplotlib (the plot): `nox -s demo` installs both.
 
@@ -17,21 +24,36 @@ Exits with status 1 when O1 or O2 ends more than 1 accuracy point below O0.
 from __future__ import annotations
 
 import argparse
-import gc
+import contextlib
+import importlib.util
 import logging
-import os
-import resource
+import multiprocessing
 import sys
-import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+import traceback
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules below
+
+import digits_report
+from digits_measure import (
+    HeldMemory,
+    LevelTiming,
+    SavedForBackward,
+    describe_machine,
+    held_memory,
+    load_average,
+    summarize_rounds,
+    unresolved_pairs,
+)
 
 from amp_core import amp
 
@@ -42,18 +64,13 @@ LEVELS = ("O0", "O1", "O2", "O3")
 CHECKED_LEVELS = ("O1", "O2")
 MAX_DROP_POINTS = 1.0
 O0_TARGET_ACCURACY = 95.0
-DEFAULT_OUT = Path(__file__).resolve().parent / "out" / "loss_curves.png"
+HERE = Path(__file__).resolve().parent
+DEFAULT_OUT = HERE / "out" / "demo.png"
+RECORD_DIR = HERE / "recorded"
 HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-SMOKE_EPOCHS = 2
-# Line style and marker per level, so that curves lying on top of each other stay visible.
-STYLES = {
-    "O0": {"linestyle": "-", "marker": "o", "markersize": 7, "linewidth": 2.5},
-    "O1": {"linestyle": "-", "marker": "s", "markersize": 9, "linewidth": 4.0, "alpha": 0.45},
-    "O2": {"linestyle": "--", "marker": "x", "markersize": 8, "linewidth": 1.5},
-    "O3": {"linestyle": ":", "marker": "^", "markersize": 7, "linewidth": 2.0},
-}
-# Two curves closer than this everywhere (relative) cannot be told apart on the plot.
-COINCIDE_RTOL = 1e-3
+# (epochs, timed rounds, steps per timed block): full run and --smoke.
+FULL = (12, 15, 10)
+SMOKE = (2, 5, 5)
 
 
 @dataclass(frozen=True)
@@ -66,33 +83,79 @@ class Split:
     y_test: Tensor  # (N_test,)
 
 
+@dataclass(frozen=True)
+class RunConfig:
+    """What every level's process needs to build its model, data and optimizer."""
+
+    seed: int
+    device: str
+    half_dtype: str
+    batch_size: int
+    lr: float
+    loss_scale: str | float | None
+    threads: int | None
+    width: int = 64
+
+
 @dataclass
 class LevelResult:
     """What one opt level produced."""
 
     level: str
     accuracy: float  # percent on the test split
-    epoch_seconds: float  # median wall time of one epoch
-    peak_mib: float  # see MemoryMeter for what is measured
-    loss_scale: float
-    skipped: int
     epoch_losses: list[float] = field(default_factory=list)
+    epoch_seconds: list[float] = field(default_factory=list)
+    timing: LevelTiming | None = None  # filled in once every round has run
+    held: HeldMemory = field(default_factory=lambda: HeldMemory(0, 0, 0))
+    saved_bytes: int = 0  # what autograd saves for backward, one batch
+    step_peak_bytes: int = 0  # held + saved, at the step's largest checkpoint
+    cuda_peak_bytes: int | None = None  # torch.cuda.max_memory_allocated over the timed steps
+    loss_scale: float = 1.0
+    skipped: int = 0
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=None, help="epochs per level (default 12)")
+    parser.add_argument(
+        "--epochs", type=int, default=None, help=f"epochs per level (default {FULL[0]})"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help=f"timed rounds; each runs every level once, in rotating order (default {FULL[1]})",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"training steps per level and round (default {FULL[2]})",
+    )
     parser.add_argument(
         "--smoke",
         action="store_true",
-        help=f"{SMOKE_EPOCHS} epochs per level, accuracy reported but not checked (seconds)",
+        help=f"{SMOKE[0]} epochs, {SMOKE[1]} rounds of {SMOKE[2]} steps; accuracy not checked",
+    )
+    parser.add_argument(
+        "--record",
+        action="store_true",
+        help=f"write the figure, JSON and table of the demo's README into {RECORD_DIR}",
     )
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--levels", nargs="+", choices=LEVELS, default=list(LEVELS))
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="PNG of the loss curves")
+    parser.add_argument(
+        "--out", type=Path, default=None, help=f"the figure (PNG); default {DEFAULT_OUT}"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument(
+        "--width",
+        type=int,
+        default=64,
+        help="channels of the CNN's first convolution; every layer scales with it (default 64: "
+        "1.1 M parameters, where low precision pays; 8: 20 k parameters, for quick checks)",
+    )
     parser.add_argument(
         "--loss-scale",
         type=loss_scale_arg,
@@ -106,12 +169,38 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="low precision type; auto = float16 on CUDA, bfloat16 on CPU",
     )
     parser.add_argument(
-        "--threads", type=int, default=2, help="torch CPU threads (the demo targets 2 cores)"
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads per level (default: PyTorch's own choice)",
     )
     args = parser.parse_args(argv)
-    if args.epochs is None:
-        args.epochs = SMOKE_EPOCHS if args.smoke else 12
+    if args.record and args.smoke:
+        parser.error("--record writes the README's figure from a full run; drop --smoke")
+    defaults = SMOKE if args.smoke else FULL
+    for name, default in zip(("epochs", "rounds", "steps"), defaults, strict=True):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.out is None:
+        args.out = RECORD_DIR / "demo.png" if args.record else DEFAULT_OUT
     return args
+
+
+def loss_scale_arg(value: str) -> str | float:
+    """argparse type of ``--loss-scale``: ``"dynamic"`` or a positive number."""
+    if value == "dynamic":
+        return value
+    try:
+        scale = float(value)
+    except ValueError:
+        scale = -1.0
+    if not 0.0 < scale < float("inf"):
+        raise argparse.ArgumentTypeError(
+            f'must be "dynamic" or a positive number, got {value!r}; e.g. --loss-scale 128'
+        )
+    return scale
 
 
 def pick_device(name: str) -> torch.device:
@@ -146,114 +235,26 @@ def load_split(seed: int, device: torch.device) -> Split:
     return Split(x_train.to(device), y_train.to(device), x_test.to(device), y_test.to(device))
 
 
-def make_model() -> nn.Module:
-    # BatchNorm layers are what O2 keeps in fp32 (keep_batchnorm_fp32) and O3 does not.
+def make_model(width: int = 64) -> nn.Module:
+    # Wide enough (1.1 M parameters, about 0.6 GFLOP per batch of 128 forward) that the step
+    # is spent in convolutions and matrix products, where low precision can pay; a much
+    # smaller CNN is all per-op overhead and runs alike at every level. BatchNorm layers are
+    # what O2 keeps in fp32 (keep_batchnorm_fp32) and O3 does not.
+    # ``width`` (the first convolution's channels, W) scales every layer; tests of accuracy
+    # alone take a narrow one.
     return nn.Sequential(
-        nn.Conv2d(1, 8, 3, padding=1, bias=False),  # (B, 8, 8, 8)
-        nn.BatchNorm2d(8),
+        nn.Conv2d(1, width, 3, padding=1, bias=False),  # (B, W, 8, 8)
+        nn.BatchNorm2d(width),
         nn.ReLU(),
-        nn.Conv2d(8, 16, 3, padding=1, bias=False),  # (B, 16, 8, 8)
-        nn.BatchNorm2d(16),
+        nn.Conv2d(width, 2 * width, 3, padding=1, bias=False),  # (B, 2W, 8, 8)
+        nn.BatchNorm2d(2 * width),
         nn.ReLU(),
-        nn.MaxPool2d(2),  # (B, 16, 4, 4)
-        nn.Flatten(),  # (B, 256)
-        nn.Linear(256, 64),
+        nn.MaxPool2d(2),  # (B, 2W, 4, 4)
+        nn.Flatten(),  # (B, 32W)
+        nn.Linear(32 * width, 8 * width),
         nn.ReLU(),
-        nn.Linear(64, 10),
+        nn.Linear(8 * width, 10),
     )
-
-
-class MemoryMeter:
-    """Peak memory of one opt level, in MiB.
-
-    CUDA: ``torch.cuda.max_memory_allocated`` after a peak reset (tensor memory only).
-    CPU: peak resident set size above the RSS at the start of the level, sampled from
-    ``/proc/self/statm`` every 2 ms by a background thread; ``ru_maxrss`` cannot be used per
-    level because it only ever grows over the life of the process. Without ``/proc`` the
-    growth of ``ru_maxrss`` is reported instead (0 once an earlier level set the peak).
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.peak_mib = 0.0
-        self._stop = threading.Event()
-        self._peak_bytes = 0
-
-    @staticmethod
-    def description(device: torch.device) -> str:
-        if device.type == "cuda":
-            return "peak MiB = torch.cuda.max_memory_allocated"
-        if Path("/proc/self/statm").exists():
-            return "peak MiB = peak RSS above level start (sampled every 2 ms)"
-        return "peak MiB = growth of ru_maxrss"
-
-    @contextmanager
-    def measure(self) -> Iterator[MemoryMeter]:
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(self.device)
-            yield self
-            self.peak_mib = torch.cuda.max_memory_allocated(self.device) / 2**20
-        elif Path("/proc/self/statm").exists():
-            base = _rss_bytes()
-            self._peak_bytes = base
-            sampler = threading.Thread(target=self._sample, daemon=True)
-            sampler.start()
-            try:
-                yield self
-            finally:
-                self._stop.set()
-                sampler.join()
-            self.peak_mib = max(self._peak_bytes, _rss_bytes()) / 2**20 - base / 2**20
-        else:
-            base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-            yield self
-            growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base
-            # ru_maxrss is in KiB on Linux, bytes on macOS.
-            self.peak_mib = growth / (2**20 if sys.platform == "darwin" else 2**10)
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.002):
-            self._peak_bytes = max(self._peak_bytes, _rss_bytes())
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        resident_pages = int(statm.read().split()[1])
-    return resident_pages * os.sysconf("SC_PAGE_SIZE")
-
-
-def loss_scale_arg(value: str) -> str | float:
-    """argparse type of ``--loss-scale``: ``"dynamic"`` or a positive number."""
-    if value == "dynamic":
-        return value
-    try:
-        scale = float(value)
-    except ValueError:
-        scale = -1.0
-    if not 0.0 < scale < float("inf"):
-        raise argparse.ArgumentTypeError(
-            f'must be "dynamic" or a positive number, got {value!r}; e.g. --loss-scale 128'
-        )
-    return scale
-
-
-def warm_up(split: Split, batch_size: int, half_dtype: torch.dtype) -> None:
-    """Untimed training steps in fp32 and in the half dtype, without amp.
-
-    Library start-up costs (thread pools, kernel caches, allocator arenas) land here instead of
-    in the time and memory of whichever level happens to run first.
-    """
-    x, y = split.x_train[:batch_size], split.y_train[:batch_size]
-    for dtype in (torch.float32, half_dtype):
-        model = make_model().to(x.device, dtype)
-        optimizer = torch.optim.Adam(model.parameters())
-        for _ in range(2):
-            F.cross_entropy(model(x.to(dtype)).float(), y).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        test_accuracy(model, Split(x, y, split.x_test.to(dtype), split.y_test))
 
 
 def sync(device: torch.device) -> None:
@@ -261,76 +262,248 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def train_epoch(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    split: Split,
-    batch_size: int,
-    generator: torch.Generator,
-) -> float:
-    """One pass over the training split; returns the mean training loss."""
-    model.train()
-    order = torch.randperm(len(split.y_train), generator=generator).to(split.y_train.device)
-    total = torch.zeros((), device=split.y_train.device)
-    batches = order.split(batch_size)
-    for index in batches:
-        logits = model(split.x_train[index])  # (B, 10); amp returns fp32 under O2/O3
-        loss = F.cross_entropy(logits.float(), split.y_train[index])
-        optimizer.zero_grad()  # no set_to_none: Apex's O2 zero_grad takes no arguments
-        with amp.scale_loss(loss, optimizer) as scaled_loss:
-            scaled_loss.backward()
-        optimizer.step()  # amp skips it when the gradients overflowed
-        total += loss.detach()
-    return total.item() / len(batches)
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor) -> Tensor:
+    """One amp training step; returns the (unscaled) loss."""
+    logits = model(x)  # (B, 10); amp returns fp32 under O2/O3
+    loss = F.cross_entropy(logits.float(), y)
+    optimizer.zero_grad()  # no set_to_none: Apex's O2 zero_grad takes no arguments
+    with amp.scale_loss(loss, optimizer) as scaled_loss:
+        scaled_loss.backward()
+    optimizer.step()  # amp skips it when the gradients overflowed
+    return loss.detach()
 
 
 @torch.no_grad()
 def test_accuracy(model: nn.Module, split: Split) -> float:
     model.eval()
     predicted = model(split.x_test).argmax(dim=1)
+    model.train()
     return (predicted == split.y_test).float().mean().item() * 100.0
 
 
-def run_level(
-    level: str,
-    split: Split,
-    args: argparse.Namespace,
-    device: torch.device,
-    half_dtype: torch.dtype,
-) -> LevelResult:
-    meter = MemoryMeter(device)
-    epoch_times: list[float] = []
-    losses: list[float] = []
-    with meter.measure():
-        torch.manual_seed(args.seed)  # same initial weights for every level
-        model = make_model().to(device)
-        optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-        model, optimizer = amp.initialize(
+class LevelRun:
+    """One opt level's model, optimizer and data, driven step by step by the main process."""
+
+    def __init__(self, level: str, config: RunConfig) -> None:
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        self.level = level
+        self.device = pick_device(config.device)
+        self.batch_size = config.batch_size
+        self.split = load_split(config.seed, self.device)
+        torch.manual_seed(config.seed)  # same initial weights for every level
+        model = make_model(config.width).to(self.device)
+        optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+        self.model, self.optimizer = amp.initialize(
             model,
             optimizer,
             opt_level=level,
-            loss_scale=args.loss_scale,
+            loss_scale=config.loss_scale,
             verbosity=0,
-            half_dtype=half_dtype,
+            half_dtype=pick_half_dtype(config.half_dtype, self.device),
         )
-        generator = torch.Generator().manual_seed(args.seed)  # same batch order too
-        for epoch in range(args.epochs):
-            start = time.perf_counter()
-            losses.append(train_epoch(model, optimizer, split, args.batch_size, generator))
-            sync(device)
-            epoch_times.append(time.perf_counter() - start)
-            LOG.info("%s epoch %d/%d loss %.4f", level, epoch + 1, args.epochs, losses[-1])
-        accuracy = test_accuracy(model, split)
-    scaler_state = amp.state_dict()["loss_scaler0"]
-    return LevelResult(
-        level=level,
-        accuracy=accuracy,
-        epoch_seconds=sorted(epoch_times)[len(epoch_times) // 2],
-        peak_mib=meter.peak_mib,
-        loss_scale=float(scaler_state["loss_scale"]),
-        skipped=amp.skipped_steps(optimizer),
-        epoch_losses=losses,
-    )
+        self.model.train()
+        self.generator = torch.Generator().manual_seed(config.seed)  # same batch order too
+        self._timing_batch = 0
+        self._peak_reset = False
+
+    def threads(self) -> int:
+        return torch.get_num_threads()
+
+    def epoch(self) -> tuple[float, float]:
+        """One pass over the training split: (mean training loss, seconds)."""
+        sync(self.device)
+        start = time.perf_counter()
+        order = torch.randperm(len(self.split.y_train), generator=self.generator)
+        batches = order.to(self.device).split(self.batch_size)
+        total = torch.zeros((), device=self.device)
+        for index in batches:
+            total += train_step(
+                self.model, self.optimizer, self.split.x_train[index], self.split.y_train[index]
+            )
+        mean = total.item() / len(batches)
+        return mean, time.perf_counter() - start
+
+    def accuracy(self) -> float:
+        return test_accuracy(self.model, self.split)
+
+    def _next_batch(self) -> tuple[Tensor, Tensor]:
+        # Full batches, in the same order at every level: the timed steps do the same work.
+        n = len(self.split.y_train)
+        start = (self._timing_batch * self.batch_size) % (n - self.batch_size + 1)
+        self._timing_batch += 1
+        index = slice(start, start + self.batch_size)
+        return self.split.x_train[index], self.split.y_train[index]
+
+    def timed_steps(self, steps: int) -> float:
+        """Seconds per step over ``steps`` training steps (the device synchronized)."""
+        batches = [self._next_batch() for _ in range(steps)]
+        if self.device.type == "cuda" and not self._peak_reset:
+            torch.cuda.reset_peak_memory_stats(self.device)  # from the first (warm-up) block on
+            self._peak_reset = True
+        sync(self.device)
+        start = time.perf_counter()
+        for x, y in batches:
+            train_step(self.model, self.optimizer, x, y)
+        sync(self.device)
+        return (time.perf_counter() - start) / steps
+
+    def memory(self) -> dict[str, Any]:
+        """What one training step holds, counted at its checkpoints.
+
+        The checkpoints: the end of the forward (the tensors saved for backward are alive),
+        after the backward, inside ``optimizer.step`` before and after the update (step
+        hooks), and after the step. ``held`` is weights + gradients + optimizer state at the
+        checkpoint where they are largest; ``step_peak`` adds what autograd saves for
+        backward where it is alive.
+        """
+        held_now, weight_keys = held_memory(self.model, self.optimizer)
+        checkpoints = [held_now]
+
+        def look(*_: Any) -> None:
+            checkpoints.append(held_memory(self.model, self.optimizer)[0])
+
+        x, y = self._next_batch()
+        with SavedForBackward(exclude=weight_keys) as saved:
+            loss = F.cross_entropy(self.model(x).float(), y)
+        at_forward_end = held_memory(self.model, self.optimizer)[0]
+        checkpoints.append(at_forward_end)
+        self.optimizer.zero_grad()
+        with amp.scale_loss(loss, self.optimizer) as scaled_loss:
+            scaled_loss.backward()
+        look()
+        hooks = [
+            self.optimizer.register_step_pre_hook(look),
+            self.optimizer.register_step_post_hook(look),
+        ]
+        self.optimizer.step()
+        for hook in hooks:
+            hook.remove()
+        look()
+        held = max(checkpoints, key=lambda h: h.total)
+        step_peak = max(at_forward_end.total + saved.bytes, held.total)
+        peak = None
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+        scaler = amp.state_dict()["loss_scaler0"]
+        return {
+            "held": held,
+            "saved_bytes": saved.bytes,
+            "step_peak_bytes": step_peak,
+            "cuda_peak_bytes": peak,
+            "loss_scale": float(scaler["loss_scale"]),
+            "skipped": amp.skipped_steps(self.optimizer),
+        }
+
+
+def _serve(level: str, config: RunConfig, conn: Connection) -> None:
+    """A level's process: builds a LevelRun, then runs the method each message names."""
+    try:
+        run = LevelRun(level, config)
+        conn.send(("ok", None))
+        while True:
+            name, args = conn.recv()
+            if name == "stop":
+                return
+            conn.send(("ok", getattr(run, name)(*args)))
+    except BaseException:  # report it to the main process, which raises it
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+class LevelProcess:
+    """The main process's handle on one level's process."""
+
+    def __init__(self, level: str, config: RunConfig) -> None:
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter per level
+        self.level = level
+        self._conn, child = context.Pipe()
+        self._process = context.Process(
+            target=_serve, args=(level, config, child), name=f"digits-{level}", daemon=True
+        )
+        self._process.start()
+        child.close()
+
+    def wait_ready(self) -> None:
+        self._reply()
+
+    def call(self, name: str, *args: Any) -> Any:
+        self._conn.send((name, args))
+        return self._reply()
+
+    def _reply(self) -> Any:
+        try:
+            status, value = self._conn.recv()
+        except EOFError:
+            raise RuntimeError(
+                f"the {self.level} process exited (code {self._process.exitcode}) "
+                "without an answer; see its output above"
+            ) from None
+        if status == "error":
+            raise RuntimeError(f"the {self.level} process failed:\n{value}")
+        return value
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            with contextlib.suppress(OSError):  # the process may be gone already
+                self._conn.send(("stop", ()))
+        self._process.join(timeout=30)
+        if self._process.is_alive():
+            self._process.terminate()
+        self._conn.close()
+
+
+def rotated(items: Sequence[str], shift: int) -> list[str]:
+    """``items`` rotated left by ``shift``: each round starts with the next level."""
+    shift %= len(items)
+    return [*items[shift:], *items[:shift]]
+
+
+def interleave(
+    workers: dict[str, LevelProcess], rounds: int, run: Callable[[LevelProcess], Any]
+) -> Iterator[dict[str, Any]]:
+    """``rounds`` rounds, each yielded when done; in each, ``run`` once per level, in rotating
+    order."""
+    levels = list(workers)
+    for r in range(rounds):
+        yield {level: run(workers[level]) for level in rotated(levels, r)}
+
+
+def run_levels(args: argparse.Namespace, config: RunConfig) -> tuple[list[LevelResult], Any]:
+    """Train every level (epochs interleaved), then time them (rounds interleaved)."""
+    workers = {level: LevelProcess(level, config) for level in args.levels}
+    try:
+        for worker in workers.values():
+            worker.wait_ready()
+        threads = {worker.call("threads") for worker in workers.values()}
+        results = {level: LevelResult(level, 0.0) for level in workers}
+        for epoch, row in enumerate(interleave(workers, args.epochs, lambda w: w.call("epoch"))):
+            for level, (loss, seconds) in row.items():
+                results[level].epoch_losses.append(loss)
+                results[level].epoch_seconds.append(seconds)
+            losses = ", ".join(f"{lv} {row[lv][0]:.4f}" for lv in workers)
+            LOG.info("epoch %d/%d mean loss: %s", epoch + 1, args.epochs, losses)
+        for level, worker in workers.items():
+            results[level].accuracy = worker.call("accuracy")
+        LOG.info("timing: %d rounds of %d steps per level", args.rounds, args.steps)
+        for _ in interleave(workers, 1, lambda w: w.call("timed_steps", args.steps)):
+            pass  # the warm-up round, dropped
+        rounds = []
+        for row in interleave(workers, args.rounds, lambda w: w.call("timed_steps", args.steps)):
+            rounds.append(row)
+            times = ", ".join(f"{level} {row[level] * 1e3:.1f}" for level in workers)
+            LOG.info("round %d/%d ms per step: %s", len(rounds), args.rounds, times)
+        baseline = "O0" if "O0" in workers else next(iter(workers))
+        for level, timing in summarize_rounds(rounds, baseline).items():
+            results[level].timing = timing
+        for level, worker in workers.items():
+            for name, value in worker.call("memory").items():
+                setattr(results[level], name, value)
+    finally:
+        for worker in workers.values():
+            worker.close()
+    return list(results.values()), (rounds, baseline, threads.pop())
 
 
 def accuracy_failures(results: Sequence[LevelResult]) -> list[str]:
@@ -346,100 +519,60 @@ def accuracy_failures(results: Sequence[LevelResult]) -> list[str]:
     ]
 
 
-def format_table(
-    results: Sequence[LevelResult], device: torch.device, half_dtype: torch.dtype
-) -> str:
-    baseline = next((r.accuracy for r in results if r.level == "O0"), None)
-    header = (
-        f"device {device.type}, half dtype {_dtype_name(half_dtype)}, "
-        f"torch {torch.__version__}; s/epoch = median epoch wall time; "
-        f"{MemoryMeter.description(device)}"
-    )
-    columns = f"{'level':<6}{'test acc %':>11}{'vs O0':>8}{'s/epoch':>9}"
-    columns += f"{'peak MiB':>10}{'loss scale':>12}{'skipped':>9}"
-    lines = [header, columns, "-" * len(columns)]
-    for r in results:
-        delta = "" if baseline is None else f"{r.accuracy - baseline:+.2f}"
-        lines.append(
-            f"{r.level:<6}{r.accuracy:>11.2f}{delta:>8}{r.epoch_seconds:>9.3f}"
-            f"{r.peak_mib:>10.1f}{r.loss_scale:>12g}{r.skipped:>9d}"
-        )
-    return "\n".join(lines)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def coinciding(a: Sequence[float], b: Sequence[float], rtol: float = COINCIDE_RTOL) -> bool:
-    """Whether two loss curves are the same on a plot: equal length, every point within rtol."""
-    if len(a) != len(b):
-        return False
-    return all(abs(x - y) <= rtol * max(abs(x), abs(y)) for x, y in zip(a, b, strict=True))
-
-
-def legend_labels(results: Sequence[LevelResult]) -> dict[str, str]:
-    """Legend text per level; a level whose curve lies on another's says so."""
-    labels = {}
-    for r in results:
-        same = [
-            other.level
-            for other in results
-            if other is not r and coinciding(r.epoch_losses, other.epoch_losses)
-        ]
-        labels[r.level] = f"{r.level} (same curve as {', '.join(same)})" if same else r.level
-    return labels
-
-
-def plot_losses(
-    results: Sequence[LevelResult], out: Path, device: torch.device, half_dtype: torch.dtype
-) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    labels = legend_labels(results)
-    for r in results:
-        style = STYLES.get(r.level, {"marker": "o"})
-        epochs = range(1, len(r.epoch_losses) + 1)
-        ax.plot(epochs, r.epoch_losses, label=labels[r.level], **style)  # type: ignore[arg-type]
-    ax.set(
-        xlabel="epoch",
-        ylabel="mean training loss",
-        yscale="log",
-        title=f"digits CNN, amp opt levels ({device.type}, {_dtype_name(half_dtype)})",
-    )
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
-    ax.legend()
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    LOG.info("loss curves written to %s", out)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     args = parse_args(argv)
     device = pick_device(args.device)
     half_dtype = pick_half_dtype(args.half_dtype, device)
-    torch.set_num_threads(args.threads)
-    split = load_split(args.seed, device)
+    config = RunConfig(
+        seed=args.seed,
+        device=device.type,
+        half_dtype=str(half_dtype).removeprefix("torch."),
+        batch_size=args.batch_size,
+        lr=args.lr,
+        loss_scale=args.loss_scale,
+        threads=args.threads,
+        width=args.width,
+    )
+    # Both optional packages are checked here, before minutes of training, not at their use.
+    split = load_split(args.seed, torch.device("cpu"))  # stops with the fix without sklearn
+    if importlib.util.find_spec("matplotlib") is None:
+        raise SystemExit(
+            "the demo draws its figure with matplotlib, which is missing; install it with "
+            "`pip install matplotlib`, or run `nox -s demo`"
+        )
+    load_before = load_average()
+    started = time.perf_counter()
     LOG.info(
-        "digits: %d train / %d test images; device %s, half dtype %s, %d threads",
+        "digits: %d train / %d test images; levels %s on %s (%s), one process each",
         len(split.y_train),
         len(split.y_test),
+        " ".join(args.levels),
         device,
         half_dtype,
-        torch.get_num_threads(),
     )
-    warm_up(split, args.batch_size, half_dtype)
-    results = [run_level(level, split, args, device, half_dtype) for level in args.levels]
-    print(format_table(results, device, half_dtype))
-    plot_losses(results, args.out, device, half_dtype)
+    results, (rounds, baseline, threads) = run_levels(args, config)
+    report = digits_report.Report(
+        results=results,
+        machine=describe_machine(device, threads),
+        half_dtype=config.half_dtype,
+        batch_size=args.batch_size,
+        n_params=sum(p.numel() for p in make_model(args.width).parameters()),
+        epochs=args.epochs,
+        rounds=rounds,
+        steps=args.steps,
+        baseline=baseline,
+        unresolved=unresolved_pairs(rounds),
+        load=(load_before, load_average()),
+        seconds=time.perf_counter() - started,
+        figure=args.out,
+        command=" ".join(sys.argv[1:] if argv is None else argv),
+    )
+    digits_report.plot(report, args.out)
+    print(digits_report.format_table(report))
+    digits_report.write_json(report, args.out.with_suffix(".json"))
+    if args.record:
+        digits_report.record(report, HERE / "README.md")
     o0 = next((r for r in results if r.level == "O0"), None)
     if o0 is not None and o0.accuracy < O0_TARGET_ACCURACY:
         LOG.warning("O0 reached %.2f%%, below the %.0f%% target", o0.accuracy, O0_TARGET_ACCURACY)

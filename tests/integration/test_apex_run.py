@@ -91,10 +91,10 @@ def test_the_runner_runs_a_module_with_dash_m(tmp_path: Path) -> None:
     (pkg / "__init__.py").write_text("")
     (pkg / "train.py").write_text(
         "import sys\nimport amp_C\nfrom apex.optimizers import FusedAdam\n"
-        "print('module', __name__, sys.argv[1:], FusedAdam.__module__)\n"
+        "print('module', __name__, sys.argv[1:], FusedAdam.__module__.split('.')[0])\n"
     )
     run = _run([*RUNNER, "-m", "mypkg.train", "--lr", "1"], cwd=tmp_path)
-    assert "module __main__ ['--lr', '1'] amp_optimizers._fused_adam" in run.stdout
+    assert "module __main__ ['--lr', '1'] amp_optimizers\n" in run.stdout
 
 
 def test_usage_errors(tmp_path: Path) -> None:

@@ -8,21 +8,27 @@ CPU kernels as on the reference path.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from amp_core import amp
-from amp_fused_ops import _amp_C, _loader, amp_C, multi_tensor_applier
+from amp_fused_ops import amp_C, extensions, multi_tensor_applier
 
 
 @pytest.fixture(params=["compiled", "reference"])
-def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    # The loader reads AMP_FUSED_OPS_DISABLE once per process: start over around each test.
+    extensions.clear_cache()
     if request.param == "reference":
-        monkeypatch.setattr(_amp_C, "_kernel", lambda name, tensor_lists: None)
-    elif _loader.get_extension("cpu") is None:
-        pytest.skip(f"no compiled CPU extension: {_loader.unavailable_reason('cpu')}")
-    return str(request.param)
+        monkeypatch.setenv(extensions.DISABLE_ENV, "1")
+        assert extensions.get_extension("cpu") is None
+    elif extensions.get_extension("cpu") is None:
+        pytest.skip(f"no compiled CPU extension: {extensions.unavailable_reason('cpu')}")
+    yield str(request.param)
+    extensions.clear_cache()
 
 
 @pytest.fixture(autouse=True)
@@ -40,7 +46,7 @@ def test_o1_recasts_a_weight_scaled_in_place_by_amp_C(path: str, half: torch.dty
     x = torch.randn(5, 6)
     first = model(x)
     if path == "compiled":
-        assert _amp_C._kernel("multi_tensor_scale", [[model.weight]]) is not None
+        assert hasattr(extensions.get_extension("cpu"), "multi_tensor_scale")
     flag = torch.zeros(1, dtype=torch.int32)
     with torch.no_grad():
         multi_tensor_applier(amp_C.multi_tensor_scale, flag, [[model.weight], [model.weight]], -2.0)

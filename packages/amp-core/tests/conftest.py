@@ -6,13 +6,8 @@ and the module-level loss-scaler registry never leak from one test into the next
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
-
-sys.path.insert(0, os.path.dirname(__file__))
 
 from amp_core import amp
 

@@ -1,7 +1,7 @@
 """The compiled CPU kernels agree with the pure-PyTorch reference, op by op.
 
-The reference is the oracle (DESIGN decision 5): same inputs, same flags, results within the
-rounding of the output dtype, for every op the extension implements.
+The reference is the oracle (docs/design.rst, decision 5): same inputs, same flags, results
+within the rounding of the output dtype, for every op the extension implements.
 """
 
 from __future__ import annotations

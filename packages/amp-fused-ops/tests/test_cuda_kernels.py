@@ -1,6 +1,6 @@
 """The CUDA kernels agree with the pure-PyTorch reference, op by op (GPU only).
 
-The reference (``amp_fused_ops._reference``) is the oracle (DESIGN decision 5): the same
+The reference (``amp_fused_ops.reference``) is the oracle (docs/design.rst, decision 5): the same
 inputs go through the compiled kernel and the reference, both on the GPU, and the results
 must agree within the rounding of the output dtype:
 

@@ -7,13 +7,9 @@ silenced unless a test asks for them with ``pytest.warns``.
 
 from __future__ import annotations
 
-import os
-import sys
 import warnings
 
 import pytest
-
-sys.path.insert(0, os.path.dirname(__file__))
 
 from amp_core import amp as core_amp
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from _legacy_helpers import CHAIN_TOL, HALF_DTYPES, batch
 from amp_core import amp as core_amp
-from amp_core._casting import active_casting
+from amp_core import o1_casting_active
 from amp_legacy_fp16 import amp
 
 
@@ -21,13 +21,13 @@ def _model():
 def test_init_switches_o1_on_and_deactivate_undoes_it(half):
     with pytest.warns(FutureWarning, match='opt_level="O1"'):
         handle = amp.init(half_dtype=half)
-    assert handle.is_active() and active_casting() is not None
+    assert handle.is_active() and o1_casting_active()
     model = _model()
     out = model(torch.randn(2, 4))
     assert out.dtype == half  # linear in the half dtype
     assert torch.softmax(out, dim=1).dtype == torch.float32  # Apex's fp32 list
     handle._deactivate()
-    assert not handle.is_active() and active_casting() is None
+    assert not handle.is_active() and not o1_casting_active()
     assert model(torch.randn(2, 4)).dtype == torch.float32
 
 
@@ -109,7 +109,7 @@ def test_wrapper_overflow_skips_and_refuses_closures():
 
 def test_disabled_handle_is_a_noop():
     handle = amp.init(enabled=False)
-    assert not handle.is_active() and active_casting() is None
+    assert not handle.is_active() and not o1_casting_active()
     loss = torch.tensor(3.0, requires_grad=True)
     opt = torch.optim.SGD([loss], lr=0.1)
     with handle.scale_loss(loss, opt) as scaled:
@@ -157,7 +157,7 @@ def test_init_after_amp_initialize_o1_takes_over_casting():
     handle = amp.init(half_dtype=torch.bfloat16)
     assert handle.is_active()
     handle._deactivate()
-    assert active_casting() is None
+    assert not o1_casting_active()
 
 
 def test_registrations_are_amp_cores():

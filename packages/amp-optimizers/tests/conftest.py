@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Iterator
 
 import pytest
 import torch
-
-sys.path.insert(0, os.path.dirname(__file__))
 
 from amp_core import amp
 

@@ -28,7 +28,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from _registry import HALF_DTYPES, assert_bitwise_equal
+from _amp_optimizers_helpers import HALF_DTYPES, assert_bitwise_equal
 from amp_core import amp
 from amp_optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from _registry import assert_bitwise_equal
+from _amp_optimizers_helpers import assert_bitwise_equal
 from amp_fused_ops import amp_C, multi_tensor_applier
 from amp_optimizers import (
     FusedAdagrad,

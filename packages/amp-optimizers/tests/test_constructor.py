@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from _registry import SPECS, OptimizerSpec, loss_of, make_params, two_groups
+from _amp_optimizers_helpers import SPECS, OptimizerSpec, loss_of, make_params, two_groups
 from amp_optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
 
 ALL = [FusedAdam, FusedSGD, FusedAdagrad, FusedLAMB, FusedNovoGrad]

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from _registry import (
+from _amp_optimizers_helpers import (
     ACTIVE,
     DEVICES,
     FP32_ATOL,

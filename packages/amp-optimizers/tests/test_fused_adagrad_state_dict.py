@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from _registry import assert_bitwise_equal
+from _amp_optimizers_helpers import assert_bitwise_equal
 from amp_optimizers import FusedAdagrad
 
 N_STEPS, M_STEPS = 4, 3

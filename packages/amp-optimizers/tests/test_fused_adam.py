@@ -12,7 +12,7 @@ import io
 import pytest
 import torch
 
-from _registry import (
+from _amp_optimizers_helpers import (
     ACTIVE,
     DEVICES,
     FP32_ATOL,

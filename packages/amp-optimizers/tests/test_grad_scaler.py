@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _registry import (
+from _amp_optimizers_helpers import (
     ACTIVE,
     DEVICES,
     SPECS,

@@ -8,13 +8,13 @@ the compiled CPU kernels (which write through raw pointers) and on the reference
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
 
-from amp_fused_ops import _amp_C, _loader
+from amp_fused_ops import extensions
 from amp_optimizers import FusedAdam, FusedSGD
 
 OPTIMIZERS: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]] = {
@@ -34,12 +34,21 @@ OPS = {
 
 
 @pytest.fixture(params=["compiled", "reference"])
-def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    # The loader reads AMP_FUSED_OPS_DISABLE once per process: start over around each test.
+    extensions.clear_cache()
     if request.param == "reference":
-        monkeypatch.setattr(_amp_C, "_kernel", lambda name, tensor_lists: None)
-    elif _loader.get_extension("cpu") is None:
-        pytest.skip(f"no compiled CPU extension: {_loader.unavailable_reason('cpu')}")
-    return str(request.param)
+        monkeypatch.setenv(extensions.DISABLE_ENV, "1")
+        assert extensions.get_extension("cpu") is None
+    elif extensions.get_extension("cpu") is None:
+        pytest.skip(f"no compiled CPU extension: {extensions.unavailable_reason('cpu')}")
+    yield str(request.param)
+    extensions.clear_cache()
+
+
+def _compiled_op(name: str) -> Any:
+    """The compiled CPU kernel ``amp_C.<name>`` runs, or None (the reference op runs)."""
+    return getattr(extensions.get_extension("cpu"), name, None)
 
 
 def _params() -> list[torch.nn.Parameter]:
@@ -52,7 +61,7 @@ def test_backward_after_step_through_a_graph_built_before_raises(path: str, name
     params = _params()
     opt = OPTIMIZERS[name](params)
     if name in OPS:
-        kernel: Any = _amp_C._kernel(OPS[name], [params])
+        kernel: Any = _compiled_op(OPS[name])
         assert (kernel is None) == (path == "reference")
     stale = sum((p * p).sum() for p in params)  # the graph saves every param
     sum((p * p * p).sum() for p in params).backward()

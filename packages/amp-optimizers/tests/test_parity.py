@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from _registry import (
+from _amp_optimizers_helpers import (
     DEVICES,
     NO_GRAD,
     SPECS,
@@ -22,7 +22,7 @@ from _registry import (
     run_steps,
     two_groups,
 )
-from amp_fused_ops import _loader
+from amp_fused_ops import extensions
 
 PATHS = ["kernel", "reference"]
 
@@ -30,20 +30,20 @@ PATHS = ["kernel", "reference"]
 @pytest.fixture(autouse=True)
 def _fresh_loader() -> Iterator[None]:
     """The loader reads AMP_FUSED_OPS_DISABLE once per process: start over around each test."""
-    _loader.clear_cache()
+    extensions.clear_cache()
     yield
-    _loader.clear_cache()
+    extensions.clear_cache()
 
 
 def _select_path(path: str, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Force the reference ops, or make sure the compiled kernels are the ones tested."""
     kind = torch.device(device).type
     if path == "reference":
-        monkeypatch.setenv(_loader.DISABLE_ENV, "1")
-        _loader.clear_cache()
-        assert _loader.get_extension(kind) is None
-    elif _loader.get_extension(kind) is None:
-        pytest.skip(f"no compiled {kind} extension: {_loader.unavailable_reason(kind)}")
+        monkeypatch.setenv(extensions.DISABLE_ENV, "1")
+        extensions.clear_cache()
+        assert extensions.get_extension(kind) is None
+    elif extensions.get_extension(kind) is None:
+        pytest.skip(f"no compiled {kind} extension: {extensions.unavailable_reason(kind)}")
 
 
 @pytest.mark.parametrize("device", DEVICES)

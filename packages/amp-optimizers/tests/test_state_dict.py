@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from _registry import (
+from _amp_optimizers_helpers import (
     ACTIVE,
     DEVICES,
     GROUP_SHAPES,

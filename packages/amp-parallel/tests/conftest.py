@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-from _launch import run_world
-from _scenarios import DDP_CASES, SYNCBN_CASES
+from _parallel_launch import run_world
+from _parallel_scenarios import DDP_CASES, SYNCBN_CASES
 
 ALL_SCENARIOS = (
     [f"ddp:{case}" for case in DDP_CASES]
@@ -50,13 +46,3 @@ def world(request: pytest.FixtureRequest) -> int:
 @pytest.fixture
 def results(world: int) -> dict[str, dict[int, dict[str, Any]]]:
     return world_results(world)
-
-
-def values(outcomes: dict[int, dict[str, Any]]) -> list[Any]:
-    """The value of every rank, failing the test with the rank's traceback if one failed."""
-    out = []
-    for rank, outcome in sorted(outcomes.items()):
-        if not outcome["ok"]:
-            pytest.fail(f"rank {rank} failed:\n{outcome['error']}")
-        out.append(outcome["value"])
-    return out

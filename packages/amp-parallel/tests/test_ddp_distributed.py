@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from _scenarios import DDP_CASES
-from conftest import values
+from _parallel_launch import values
+from _parallel_scenarios import DDP_CASES
 
 pytestmark = pytest.mark.distributed
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from _launch import run_world
+from _parallel_launch import run_world
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # spawns its own worlds
 PG_TIMEOUT_S = 3

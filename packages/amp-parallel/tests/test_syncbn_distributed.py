@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from _scenarios import SYNCBN_CASES
-from conftest import values
+from _parallel_launch import values
+from _parallel_scenarios import SYNCBN_CASES
 
 pytestmark = pytest.mark.distributed
 

@@ -1,6 +1,6 @@
 """The CUDA kernels of ``csrc/cuda`` compiled for the CPU through the emulation layer.
 
-DESIGN decision 9: no GPU is available to this project in practice, so every ``.cu`` file
+docs/design.rst, decision 9: no GPU is available to this project's CI, so every ``.cu`` file
 of ``csrc/cuda`` is also compiled as C++ for the CPU, against the CPU build of torch, with
 ``csrc/emulation/amp_emu.h`` force-included (CUDA's keywords, threads of a block as fibers,
 warp shuffles, ``__syncthreads``, launch checks). The sources are not changed: the build only
@@ -33,6 +33,7 @@ import os
 import re
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -240,6 +241,28 @@ def reset_counters() -> None:
     import torch
 
     torch.ops.amp_emu.reset_counters()
+
+
+@contextlib.contextmanager
+def amp_C_on_emulated_kernels(module: ModuleType) -> Iterator[None]:
+    """Inside the block, ``amp_C``'s ops on CPU tensors run the emulated CUDA kernels.
+
+    For measuring whole steps (an optimizer or an amp O2 step calls ``amp_C`` itself): the
+    counters then count the launches and bytes the CUDA kernels would have made.
+
+    Args:
+        module: The emulated extension, as :func:`load` returns it.
+    """
+    original = _amp_C._kernel_for
+
+    def kernel_for(name: str, tensor: Any) -> Any:
+        return getattr(module, name, None) if tensor.device.type == "cpu" else None
+
+    _amp_C._kernel_for = kernel_for
+    try:
+        yield
+    finally:
+        _amp_C._kernel_for = original
 
 
 # ATen ops that launch no kernel on a GPU: a captured graph does nothing for them on replay.

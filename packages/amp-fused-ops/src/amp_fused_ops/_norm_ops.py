@@ -16,8 +16,9 @@ This module deliberately does not use ``from __future__ import annotations``: th
 decorators read the annotations at import time.
 """
 
+import functools
 import logging
-import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -372,10 +373,23 @@ def _to_autocast_dtype(t: Tensor | None, dtype: torch.dtype, device_type: str) -
     return t
 
 
+@functools.cache
+def _o1_casting_check() -> Callable[[], bool] | None:
+    """amp-core's public ``o1_casting_active``, or ``None`` where amp-core is not installed.
+
+    amp-core is optional for this package: imported on the first autocast call of a fused
+    norm, not when this package is imported.
+    """
+    try:
+        from amp_core import o1_casting_active
+    except ImportError:
+        return None
+    return o1_casting_active
+
+
 def _amp_o1_active() -> bool:
-    """Whether amp O1 casting is on for this thread (amp-core, when it is imported at all)."""
-    core = sys.modules.get("amp_core")  # never imported from here: only when the user did
-    check = getattr(core, "o1_casting_active", None)
+    """Whether amp O1 casting is on for this thread (never, where amp-core is not installed)."""
+    check = _o1_casting_check()
     return check is not None and bool(check())
 
 

@@ -80,7 +80,7 @@ _PARALLEL = Alias(
     extras=(("ReduceOp", "torch.distributed", "ReduceOp"),),
 )
 _FP16_UTILS = Alias(("amp_legacy_fp16",), "amp-legacy-fp16", exclude=("amp",))
-_MTA = Alias(("amp_fused_ops._multi_tensor_apply",), "amp-fused-ops")
+_MTA = Alias(("amp_fused_ops",), "amp-fused-ops", only=("MultiTensorApply", "multi_tensor_applier"))
 # Apex's later home of the cut-down FP16_Optimizer and the FusedAdam it drives.
 _CONTRIB_OPTIMIZERS = Alias(
     ("amp_optimizers",), "amp-optimizers", only=("FP16_Optimizer", "FusedAdam")
@@ -112,7 +112,7 @@ ALIASES: dict[str, Alias] = {
     "apex.fp16_utils.fp16util": _FP16_UTILS,
     "apex.fp16_utils.loss_scaler": _FP16_UTILS,
     "amp_C": Alias(("amp_fused_ops.amp_C",), "amp-fused-ops"),
-    "apex_C": Alias(("amp_fused_ops._flatten",), "amp-fused-ops"),
+    "apex_C": Alias(("amp_fused_ops",), "amp-fused-ops", only=("flatten", "unflatten")),
     # Apex's SyncBatchNorm kernel extension, top-level as Apex built it.
     "syncbn": Alias(("amp_fused_ops.syncbn",), "amp-fused-ops"),
     "apex.contrib": Alias((), "amp-optimizers"),

@@ -9,7 +9,6 @@ Apex's constructor and options. Apex's all-reduce semantics live in one communic
 from __future__ import annotations
 
 import logging
-import sys
 import warnings
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
@@ -77,11 +76,11 @@ def _check_module(module: nn.Module) -> torch.device:
 
 def _amp_master_weights(module: nn.Module) -> list[Tensor]:
     """The fp32 master weights amp-core keeps for ``module``'s params (O2), in param order."""
-    core = sys.modules.get("amp_core")  # amp-core is not a dependency: only when imported
-    find = getattr(core, "model_master_weights", None)
-    if find is None:
+    try:  # amp-core is not a dependency of this package: without it there are no masters
+        from amp_core import model_master_weights
+    except ImportError:
         return []
-    masters = find(module)
+    masters = model_master_weights(module)
     return [masters[p] for p in module.parameters() if p in masters]
 
 

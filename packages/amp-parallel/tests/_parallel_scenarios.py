@@ -1,4 +1,4 @@
-"""Scenarios run inside every rank of a spawned Gloo world (see ``_launch.run_world``).
+"""Scenarios run inside every rank of a spawned Gloo world (see ``_parallel_launch.run_world``).
 
 Each returns a JSON-able value (usually the largest error against a single-process
 reference); the test in the parent process asserts on it. The reference is computed on every
@@ -421,7 +421,7 @@ def _failing_step(stay_alive: bool) -> dict[str, Any]:
     """Rank 1 raises between forward and backward; rank 0 must fail, not hang."""
     import time
 
-    from _launch import FatalError
+    from _parallel_launch import FatalError
 
     rank, world = dist.get_rank(), dist.get_world_size()
     ddp = DistributedDataParallel(mlp(0))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _launch import free_port
+from _parallel_launch import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = ROOT / "examples" / "distributed"

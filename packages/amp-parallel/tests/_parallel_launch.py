@@ -15,6 +15,7 @@ import traceback
 from datetime import timedelta
 from typing import Any
 
+import pytest
 import torch.multiprocessing as mp
 
 Outcome = dict[str, Any]  # {"ok": bool, "value": ..., "error": str}
@@ -69,7 +70,7 @@ def _worker(
 def run_world(
     world: int,
     scenarios: list[str],
-    module: str = "_scenarios",
+    module: str = "_parallel_scenarios",
     timeout_s: float = 120.0,
     pg_timeout_s: float = 60.0,
 ) -> dict[str, dict[int, Outcome]]:
@@ -114,4 +115,14 @@ def run_world(
     for name in scenarios:
         for rank in range(world):
             out[name].setdefault(rank, {"ok": False, "error": "rank died or timed out"})
+    return out
+
+
+def values(outcomes: dict[int, dict[str, Any]]) -> list[Any]:
+    """The value of every rank, failing the test with the rank's traceback if one failed."""
+    out = []
+    for rank, outcome in sorted(outcomes.items()):
+        if not outcome["ok"]:
+            pytest.fail(f"rank {rank} failed:\n{outcome['error']}")
+        out.append(outcome["value"])
     return out

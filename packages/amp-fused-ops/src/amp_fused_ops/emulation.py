@@ -1,0 +1,39 @@
+"""The CUDA kernels compiled for the CPU through the emulation layer (a development tool).
+
+The ``.cu`` sources of amp-fused-ops, unchanged, compiled as C++ for the CPU with a header
+that emulates CUDA's threads, warps, barriers and launches (docs/design.rst, "Testing CUDA
+code"). Two builds: ``"counting"`` counts every global-memory byte and launch and raises on
+misaligned vector accesses; ``"asan"`` runs under AddressSanitizer and UBSan (the process must
+preload libasan: :func:`asan_environment`). Not a path for users' tensors::
+
+    from amp_fused_ops import emulation
+
+    kernels = emulation.load("counting")      # compiles once (ninja), then cached
+    emulation.reset_counters()
+    kernels.multi_tensor_scale(2048, flag, [src, dst], 0.5)
+    print(emulation.counters())               # launches, bytes read and written
+"""
+
+from __future__ import annotations
+
+from amp_fused_ops._emulation import (
+    Counters,
+    Graph,
+    amp_C_on_emulated_kernels,
+    asan_environment,
+    build_directory,
+    counters,
+    load,
+    reset_counters,
+)
+
+__all__ = [
+    "load",
+    "asan_environment",
+    "build_directory",
+    "counters",
+    "reset_counters",
+    "Counters",
+    "Graph",
+    "amp_C_on_emulated_kernels",
+]
