@@ -127,8 +127,12 @@ def _build(rng: random.Random, half: torch.dtype) -> World:
 # ---------------------------------------------------------------- operations
 
 
-def op_step(world: World, rng: random.Random) -> None:
+def _step(world: World, bad_microbatch: str | None = None) -> None:
+    """One training step of the model and its twin on the same batch. With ``bad_microbatch``
+    (``"before"`` or ``"after"`` its backward), a second micro-batch raises inside
+    ``amp.scale_loss`` and the loop skips it: the step takes the first one's gradients alone."""
     x, y = batch(world.next_seed(), din=4, dout=4)
+    bad_x, bad_y = batch(world.next_seed(), din=4, dout=4)
     world.opt.zero_grad()
     loss = F.mse_loss(world.model(x).float(), y)
     skipped = 0
@@ -138,6 +142,15 @@ def op_step(world: World, rng: random.Random) -> None:
     else:
         with amp.scale_loss(loss, world.opt) as scaled:
             scaled.backward()
+        if bad_microbatch is not None:
+            bad_loss = F.mse_loss(world.model(bad_x).float(), bad_y)
+            with (
+                pytest.raises(RuntimeError, match="bad batch"),
+                amp.scale_loss(bad_loss, world.opt) as scaled,
+            ):
+                if bad_microbatch == "after":
+                    scaled.backward()
+                raise RuntimeError("bad batch")
         before = amp.skipped_steps(world.opt)
         world.opt.step()
         skipped = amp.skipped_steps(world.opt) - before
@@ -147,6 +160,10 @@ def op_step(world: World, rng: random.Random) -> None:
     dtype = next(world.twin.parameters()).dtype
     F.mse_loss(world.twin(x.to(dtype)).float(), y).backward()
     world.twin_opt.step()
+
+
+def op_step(world: World, rng: random.Random) -> None:
+    _step(world)
 
 
 def op_deepcopy(world: World, rng: random.Random) -> None:
@@ -208,38 +225,9 @@ def op_checkpoint(world: World, rng: random.Random) -> None:
 
 
 def op_failed_microbatch(world: World, rng: random.Random) -> None:
-    """A step of two micro-batches whose second raises inside ``amp.scale_loss`` (before or
-    after its backward) and is skipped by the loop: the step takes the first one's gradients,
-    as plain PyTorch does for a batch that failed before its backward."""
-    x, y = batch(world.next_seed(), din=4, dout=4)
-    bad_x, bad_y = batch(world.next_seed(), din=4, dout=4)
-    world.opt.zero_grad()
-    loss = F.mse_loss(world.model(x).float(), y)
-    skipped = 0
-    if world.level is None:
-        loss.backward()
-        world.opt.step()
-    else:
-        with amp.scale_loss(loss, world.opt) as scaled:
-            scaled.backward()
-        after_backward = rng.random() < 0.5
-        bad_loss = F.mse_loss(world.model(bad_x).float(), bad_y)
-        with (
-            pytest.raises(RuntimeError, match="bad batch"),
-            amp.scale_loss(bad_loss, world.opt) as scaled,
-        ):
-            if after_backward:
-                scaled.backward()
-            raise RuntimeError("bad batch")
-        before = amp.skipped_steps(world.opt)
-        world.opt.step()
-        skipped = amp.skipped_steps(world.opt) - before
-    if skipped:
-        return
-    world.twin_opt.zero_grad()
-    dtype = next(world.twin.parameters()).dtype
-    F.mse_loss(world.twin(x.to(dtype)).float(), y).backward()
-    world.twin_opt.step()
+    """A step whose second micro-batch raises inside ``amp.scale_loss`` (before or after its
+    backward), as a loop that skips a bad batch sees it."""
+    _step(world, bad_microbatch=rng.choice(["before", "after"]))
 
 
 def op_close(world: World, rng: random.Random) -> None:
