@@ -6,7 +6,6 @@ amp.initialize. The reference is a float32 model stepped by a plain FusedAdam.""
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -22,12 +21,6 @@ TOL = {
     torch.float16: dict(rtol=1e-2, atol=5e-3),
     torch.bfloat16: dict(rtol=6e-2, atol=4e-2),
 }
-
-
-@pytest.fixture(autouse=True)
-def _amp_closed() -> Iterator[None]:
-    yield
-    amp.close()
 
 
 def _mlp(seed: int = 0) -> nn.Module:
