@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import re
 import subprocess
@@ -50,6 +51,8 @@ __all__ = [
     "load",
     "reset_counters",
 ]
+
+logger = logging.getLogger(__name__)
 
 BUILDS = ("counting", "asan")
 OPS_NAMESPACE = "amp_fused_ops_emu"
@@ -181,7 +184,7 @@ def load(build: str = "counting", *, verbose: bool = False) -> ModuleType:
     # The "CUDA" kernels run on the CPU: Python numbers become float32 tensors, as for CUDA.
     module = _amp_C.compiled_ops(OPS_NAMESPACE, "CPU", path, cpu_scalars=False)
     if verbose:
-        print(f"emulated extension ({build}) ready in {time.perf_counter() - start:.1f} s")
+        logger.info("emulated extension (%s) ready in %.1f s", build, time.perf_counter() - start)
     return module
 
 

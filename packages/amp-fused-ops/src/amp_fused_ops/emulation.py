@@ -11,7 +11,7 @@ preload libasan: :func:`asan_environment`). Not a path for users' tensors::
     kernels = emulation.load("counting")      # compiles once (ninja), then cached
     emulation.reset_counters()
     kernels.multi_tensor_scale(2048, flag, [src, dst], 0.5)
-    print(emulation.counters())               # launches, bytes read and written
+    counts = emulation.counters()             # launches, bytes read and written
 """
 
 from __future__ import annotations

@@ -7,9 +7,8 @@ tools, benchmarks and checks that need to know which path runs::
     from amp_fused_ops import extensions
 
     module = extensions.get_extension("cpu")   # None: the PyTorch reference path runs
-    if module is None:
-        print(extensions.unavailable_reason("cpu"))
-    print(extensions.extension_status("cuda"))  # what `python -m amp_fused_ops info` shows
+    why = extensions.unavailable_reason("cpu") if module is None else None
+    status = extensions.extension_status("cuda")  # what `python -m amp_fused_ops info` shows
 
 ``AMP_FUSED_OPS_DISABLE=1`` (or a comma-separated list of kinds, :data:`DISABLE_ENV`) makes
 the extensions unavailable on purpose; :func:`clear_cache` makes the next
