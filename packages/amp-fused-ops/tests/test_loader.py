@@ -400,3 +400,60 @@ def test_cache_key_covers_the_shared_headers(
     assert after["cpu"] != before["cpu"] and after["cuda"] != before["cuda"]
     # Headers are hashed, never compiled on their own.
     assert all(path.parent.name != "common" for path in cache.compiled_sources("cpu"))
+
+
+# --- the C++ runtime ------------------------------------------------------------------------
+# A second, uninitialised copy of libstdc++ inside an extension crashed the process (SIGSEGV in
+# std::ostream's number formatting) at the first error message that printed a number. These
+# check that the link line keeps the shared runtime that torch uses, also where the toolchain
+# links libstdc++ statically.
+
+_RUNTIME_SYMBOLS = ("__cxa_throw", "_ZNSo9_M_insertIlEERSoT_")  # throw; ostream << long
+
+
+def _defined_runtime_symbols(library: Path) -> list[str]:
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("nm (binutils) is not installed")
+    listing = subprocess.run(
+        [nm, "-D", "--defined-only", str(library)], capture_output=True, text=True, check=True
+    ).stdout
+    names = {line.split()[-1] for line in listing.splitlines() if line.strip()}
+    return [name for name in _RUNTIME_SYMBOLS if name in names]
+
+
+def test_link_flags_keep_libstdcxx_shared_under_a_static_toolchain(tmp_path: Path) -> None:
+    from amp_fused_ops._extension import flags
+
+    compiler = shutil.which(os.environ.get("CXX", "c++"))
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    ldflags = flags.extra_ldflags()
+    assert len(ldflags) == 1 and Path(ldflags[0]).name.startswith("libstdc++.so")
+    source = tmp_path / "formats.cpp"
+    source.write_text(
+        "#include <sstream>\n#include <stdexcept>\n"
+        "void fail(long n) { std::ostringstream o; o << n; throw std::runtime_error(o.str()); }\n"
+    )
+    static = ["-shared", "-fPIC", "-static-libstdc++", str(source)]
+    plain = tmp_path / "plain.so"
+    subprocess.run([compiler, *static, "-o", str(plain)], check=True)
+    # The check can see a runtime of its own: this toolchain does link one in when asked.
+    assert _defined_runtime_symbols(plain) == list(_RUNTIME_SYMBOLS)
+    fixed = tmp_path / "fixed.so"
+    subprocess.run([compiler, *static, *ldflags, "-o", str(fixed)], check=True)
+    assert _defined_runtime_symbols(fixed) == []
+
+
+def test_built_extension_has_no_cxx_runtime_of_its_own(build: SessionBuild) -> None:
+    module = _loader.get_extension("cpu")
+    assert module is not None, _loader.unavailable_reason("cpu")
+    assert _defined_runtime_symbols(Path(str(module.__file__))) == []
+
+
+def test_cache_key_follows_the_link_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    from amp_fused_ops._extension import cache, flags
+
+    before = cache.source_hash("cpu")
+    monkeypatch.setattr(flags, "extra_ldflags", lambda: ("/elsewhere/libstdc++.so.6",))
+    assert cache.source_hash("cpu") != before

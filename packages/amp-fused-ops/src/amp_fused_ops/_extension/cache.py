@@ -136,6 +136,7 @@ def source_hash(kind: str) -> str:
             toolkit.compiler_command()[0],
             str(toolkit.cuda_home()),
         )
+    used = (*used, *flags.extra_ldflags())
     digest.update(" ".join(used).encode())
     return digest.hexdigest()
 

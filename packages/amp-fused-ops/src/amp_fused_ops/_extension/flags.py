@@ -54,3 +54,39 @@ def extra_cflags() -> tuple[str, ...]:
     if capability == "AVX2":
         return (*base, *AVX2_CFLAGS)
     return base
+
+
+def loaded_libstdcxx() -> str | None:
+    """The path of the ``libstdc++`` shared object this process has loaded (torch's), if any.
+
+    Linux only (read from ``/proc/self/maps``); ``None`` elsewhere or when none is mapped.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and os.path.basename(fields[5].strip()).startswith(
+                    "libstdc++.so"
+                ):
+                    return fields[5].strip()
+    except OSError:
+        return None
+    return None
+
+
+def extra_ldflags() -> tuple[str, ...]:
+    """Link flags of both extensions: the libstdc++ that torch uses, named by its path.
+
+    Some toolchains link ``libstdc++`` statically into a shared library (a compiler with only
+    ``libstdc++.a`` in its search path, or ``-static-libstdc++`` in its specs). The extension
+    then holds a second copy of the C++ runtime whose iostream locale was never initialised:
+    formatting a number into an error message (``TORCH_CHECK(..., n)``) crashed the process
+    with a segmentation fault instead of raising. Naming the shared object that the process
+    already uses, before the toolchain's own ``-lstdc++``, resolves every C++ runtime symbol
+    from it, so no archive member is linked in (the library records the soname
+    ``libstdc++.so.6``, as it would anyway).
+    """
+    path = loaded_libstdcxx()
+    return (path,) if path else ()
