@@ -212,7 +212,7 @@ __global__ void norm_backward_input_kernel(const TOut* __restrict__ dy, const TS
     normalized<VEC>(sr, gamma, beta, c, mu, iv, memory_efficient, xh);
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
-      const float gk = gamma != nullptr ? d[k] * g[k] : d[k];
+      const float gk = gamma != nullptr ? __fmul_rn(d[k], g[k]) : d[k];
       sum_g += gk;
       sum_gx += gk * xh[k];
     }
@@ -229,7 +229,10 @@ __global__ void norm_backward_input_kernel(const TOut* __restrict__ dy, const TS
     normalized<VEC>(sr, gamma, beta, c, mu, iv, memory_efficient, xh);
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
-      const float gk = gamma != nullptr ? d[k] * g[k] : d[k];
+      // __fmul_rn: the rounded product, never fused into `gk - mean_g` (nvcc contracts a
+      // product and a subtraction into one fma by default), so that gk cancels exactly against
+      // the mean it was summed into (hidden = 1, or a constant dy * gamma: dx is exactly 0).
+      const float gk = gamma != nullptr ? __fmul_rn(d[k], g[k]) : d[k];
       d[k] = (gk - mean_g - xh[k] * proj) * iv;
     }
     store<VEC>(dxr, c, d);

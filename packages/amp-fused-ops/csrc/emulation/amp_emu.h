@@ -31,6 +31,8 @@ using std::isinf;
 using std::isnan;
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline float __fdividef(float a, float b) { return a / b; }
+// The emulator is compiled with -ffp-contract=off: a product is always rounded on its own.
+inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __expf(float x) { return std::exp(x); }
 inline float __logf(float x) { return std::log(x); }
 inline float __saturatef(float x) { return x < 0.f ? 0.f : (x > 1.f ? 1.f : x); }
