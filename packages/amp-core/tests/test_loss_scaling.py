@@ -390,3 +390,62 @@ def test_overflow_skips_every_optimizer_in_a_list(half, opt_level):
     assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before, strict=True))
     assert amp.skipped_steps(o_a) == 1 and amp.skipped_steps(o_b) == 1
     assert _scaler()[0] == 32768.0
+
+
+# ---------------------------------------------------------------- no fused unscale kernel
+
+
+@pytest.fixture
+def unscale_without_bf16(monkeypatch):
+    """PyTorch's fused unscale as its CUDA build has it: no bfloat16 kernel (it raises before
+    writing anything), on any device, so that CPU runs take the scaler's other path."""
+    from amp_core import _scaler as scaler_module
+
+    fused = torch._amp_foreach_non_finite_check_and_unscale_
+    calls = {"refused": 0}
+
+    def without_bf16(grads, found_inf, inv_scale):
+        if grads and grads[0].dtype == torch.bfloat16:
+            calls["refused"] += 1
+            raise NotImplementedError(
+                "\"_amp_foreach_non_finite_check_and_unscale_cuda\" not implemented for 'BFloat16'"
+            )
+        fused(grads, found_inf, inv_scale)
+
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", without_bf16)
+    monkeypatch.setattr(scaler_module, "_NO_FUSED_UNSCALE", set(), raising=False)
+    return calls
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2", "O3"])
+def test_bf16_grads_unscale_where_torch_has_no_bf16_kernel(opt_level, unscale_without_bf16):
+    ref = tiny_mlp()
+    model = tiny_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(
+        model, opt, opt_level=opt_level, half_dtype=torch.bfloat16, loss_scale=128.0,
+        verbosity=0,
+    )  # fmt: skip
+    x, y = batch(0)
+    F.mse_loss(ref(x), y).backward()
+    for _ in range(2):  # the second step goes straight to the other path
+        opt.zero_grad()
+        with amp.scale_loss(F.mse_loss(model(x), y), opt) as scaled:
+            scaled.backward()
+        for m, r in zip(amp.master_params(opt), ref.parameters(), strict=True):
+            torch.testing.assert_close(m.grad.float(), r.grad, **CHAIN_TOL[torch.bfloat16])
+    # Only O3 has bf16 grads at unscale time (O1/O2 unscale fp32 grads or masters); the op is
+    # tried once and then remembered as missing.
+    assert unscale_without_bf16["refused"] == (1 if opt_level == "O3" else 0)
+
+
+@pytest.mark.parametrize("inject", ["grad_inf", "grad_nan"])
+def test_bf16_overflow_found_where_torch_has_no_bf16_kernel(inject, unscale_without_bf16):
+    model, opt = _dynamic("O3", torch.bfloat16)
+    _clean_step(model, opt)
+    before = _snapshot(model, opt)
+    _overflow_step(model, opt, inject)
+    assert all(torch.equal(a, b) for a, b in zip(_snapshot(model, opt), before, strict=True))
+    assert _scaler() == (32768.0, 0)
+    assert amp.skipped_steps(opt) == 1
+    assert unscale_without_bf16["refused"] == 1

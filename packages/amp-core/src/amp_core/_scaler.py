@@ -53,6 +53,33 @@ def _mark_nonfinite(tensors: list[torch.Tensor], found_inf: torch.Tensor) -> Non
     found_inf.masked_fill_(bad.to(found_inf.device), 1.0)
 
 
+# (device type, dtype) pairs without a kernel of torch._amp_foreach_non_finite_check_and_unscale_
+# (PyTorch's CUDA kernel takes float32 and float16, not bfloat16), learned on first use.
+_NO_FUSED_UNSCALE: set[tuple[str, torch.dtype]] = set()
+
+
+def _check_and_unscale(
+    group: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+) -> None:
+    """Raise ``found_inf`` when a tensor of ``group`` (one device, one dtype) is not finite,
+    then multiply the group by ``inv_scale``, in place.
+
+    PyTorch's fused op where it has a kernel for the group's device and dtype; else the same
+    result in two foreach passes (the check reads the values before they are multiplied, as the
+    fused op does). The fused op raises before it writes anything, so a group it refuses is
+    unscaled exactly once.
+    """
+    key = (group[0].device.type, group[0].dtype)
+    if key not in _NO_FUSED_UNSCALE:
+        try:
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale)
+            return
+        except NotImplementedError:
+            _NO_FUSED_UNSCALE.add(key)
+    _mark_nonfinite(group, found_inf)
+    torch._foreach_mul_(group, inv_scale)
+
+
 def _dense_parts(grads: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors to unscale in place: a dense grad itself, a sparse COO grad's values."""
     parts = []
@@ -236,7 +263,7 @@ class LossScaler:
                     _mark_nonfinite(group, local_inf)
                 else:
                     inv_scale = scale.double().reciprocal().float().to(device, non_blocking=True)
-                    torch._amp_foreach_non_finite_check_and_unscale_(group, local_inf, inv_scale)
+                    _check_and_unscale(group, local_inf, inv_scale)
                     if check_output:  # finite * (1/scale > 1) may overflow
                         _mark_nonfinite(group, local_inf)
                 if local_inf is not found_inf:
