@@ -46,7 +46,7 @@ def test_capturable_equals_the_plain_path(device: str) -> None:
 
     for group in opt.param_groups:
         assert isinstance(group["lr"], torch.Tensor)
-        assert group["lr"].device == torch.device(device)
+        assert group["lr"].device == group["params"][0].device
     run_steps(opt, params, range(10))
     run_steps(plain, plain_params, range(10))
 

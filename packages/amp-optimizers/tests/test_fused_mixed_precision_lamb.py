@@ -398,17 +398,26 @@ def _linear_loss(params: list[Tensor], step: int, device: str) -> Tensor:
 
 
 def _run_on(device: str, dtype: torch.dtype, inject_inf_at: int | None) -> tuple[list[Tensor], int]:
-    """Masters (on the CPU) and the step count after 4 GradScaler steps on ``device``."""
+    """Masters (on the CPU) and the step count after 4 steps on ``device``.
+
+    float16 trains under GradScaler; bfloat16 without a loss scale, as it is used (PyTorch's
+    CUDA unscale kernel, which GradScaler calls, takes no bfloat16): an inf gradient then skips
+    the step through the optimizer's own non-finite norm check.
+    """
     params = _params(dtype, device)
     opt = FusedMixedPrecisionLamb(params, lr=1e-2, max_grad_norm=5.0, reduced_precision_dtype=dtype)
-    scaler = torch.amp.GradScaler(device, init_scale=1024.0)
+    scaler = torch.amp.GradScaler(device, init_scale=1024.0) if dtype == torch.float16 else None
     for step in range(4):
         opt.zero_grad()
-        scaler.scale(_linear_loss(params, step, device)).backward()
+        loss = _linear_loss(params, step, device)
+        (loss if scaler is None else scaler.scale(loss)).backward()
         if step == inject_inf_at:
             params[0].grad.view(-1)[0] = float("inf")
-        scaler.step(opt)
-        scaler.update()
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
     return [opt.state[p]["master_param"].cpu() for p in params], int(opt.param_groups[0]["step"])
 
 

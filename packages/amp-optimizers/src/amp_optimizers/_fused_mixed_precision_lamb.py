@@ -78,7 +78,10 @@ class FusedMixedPrecisionLamb(FusedOptimizerBase):
     Works with ``torch.amp.GradScaler``: the optimizer declares ``_step_supports_amp_scaling``,
     so ``scaler.step(optimizer)`` hands over its ``grad_scale`` and ``found_inf`` tensors,
     which are read on the device; after the step ``.grad`` holds the unscaled gradients (as
-    with a plain optimizer, whose gradients the scaler unscales in place).
+    with a plain optimizer, whose gradients the scaler unscales in place). ``GradScaler``
+    needs float16 or float32 gradients on CUDA (PyTorch has no CUDA kernel to unscale
+    bfloat16 ones); a bfloat16 model trains without a scaler, and a step whose gradient norm
+    is not finite is then skipped all the same.
 
     .. note:: A step reads the skip decision, ``lr`` and ``step`` back to the host in one
         transfer (the one host sync of a step, as ``GradScaler`` with a plain optimizer):
