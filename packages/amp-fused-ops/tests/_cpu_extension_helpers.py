@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from amp_fused_ops import _loader
+from amp_fused_ops._extension import build as ext_build
 
 # Run in each child: report whether the extension loaded and whether this process compiled.
 _CHILD = """
@@ -101,7 +102,7 @@ def load_from(cache: Path) -> object:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(_loader.CACHE_ENV, str(cache))
         patch.delenv(_loader.DISABLE_ENV, raising=False)
-        patch.setattr(_loader, "_compile", _no_compile)
+        patch.setattr(ext_build, "compile_extension", _no_compile)
         _loader.clear_cache()  # the loader decides once per process: look in `cache` now
         ext = _loader.get_extension("cpu")
     assert ext is not None, "the session build should have left a loadable extension"

@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,9 @@ import torch
 
 from _cpu_extension_helpers import SessionBuild, child_env, session_cache
 from amp_fused_ops import _loader
+from amp_fused_ops._extension import build as ext_build
+from amp_fused_ops._extension import lookup as ext_lookup
+from amp_fused_ops._extension import toolkit as ext_toolkit
 
 OPS = ("multi_tensor_scale", "multi_tensor_axpby", "multi_tensor_l2norm", "multi_tensor_adam")
 
@@ -53,7 +57,7 @@ def test_cache_hit_loads_without_compiling(
     build: SessionBuild, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv(_loader.CACHE_ENV, str(build.cache))
-    monkeypatch.setattr(_loader, "_compile", _fail_compile)
+    monkeypatch.setattr(ext_build, "compile_extension", _fail_compile)
     with caplog.at_level(logging.INFO, logger="amp_fused_ops"):
         ext = _loader.get_extension("cpu")
         assert _loader.get_extension("cpu") is ext  # memoized in the process
@@ -69,7 +73,7 @@ def test_disable_forces_none_with_one_line(
     value: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv(_loader.DISABLE_ENV, value)
-    monkeypatch.setattr(_loader, "_compile", _fail_compile)
+    monkeypatch.setattr(ext_build, "compile_extension", _fail_compile)
     with caplog.at_level(logging.INFO, logger="amp_fused_ops"):
         assert _loader.get_extension("cpu") is None
         assert _loader.get_extension("cpu") is None
@@ -96,9 +100,9 @@ CUDA_DIR = Path(_loader.__file__).resolve().parents[2] / "csrc" / "cuda"
 def cuda_toolchain(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """Pretend torch is a CUDA 13.0 build and a CUDA 13.0 nvcc exists (no GPU, arch 9.0)."""
     monkeypatch.setattr(torch.version, "cuda", "13.0")
-    monkeypatch.setattr(_loader, "nvcc_path", lambda: "/opt/cuda/bin/nvcc")
-    monkeypatch.setattr(_loader, "nvcc_version", lambda nvcc: (13, 0))
-    monkeypatch.setattr(_loader, "cuda_home", lambda: Path("/opt/cuda"))
+    monkeypatch.setattr(ext_toolkit, "nvcc_path", lambda: "/opt/cuda/bin/nvcc")
+    monkeypatch.setattr(ext_toolkit, "nvcc_version", lambda nvcc: (13, 0))
+    monkeypatch.setattr(ext_toolkit, "cuda_home", lambda: Path("/opt/cuda"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
     monkeypatch.setenv(_loader.CACHE_ENV, str(tmp_path))
@@ -109,7 +113,7 @@ def cuda_toolchain(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 def test_cuda_on_a_cpu_build_of_torch_says_so_once(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(_loader, "_compile", _fail_compile)
+    monkeypatch.setattr(ext_build, "compile_extension", _fail_compile)
     with caplog.at_level(logging.WARNING, logger="amp_fused_ops"):
         assert _loader.get_extension("cuda") is None
         assert _loader.get_extension("cuda") is None
@@ -128,7 +132,7 @@ def test_cuda_disabled_even_when_buildable(
     cuda_toolchain: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(_loader.DISABLE_ENV, "cuda")
-    monkeypatch.setattr(_loader, "_compile", _fail_compile)
+    monkeypatch.setattr(ext_build, "compile_extension", _fail_compile)
     assert _loader.get_extension("cuda") is None
     assert "disabled by AMP_FUSED_OPS_DISABLE=cuda" in str(_loader.unavailable_reason("cuda"))
 
@@ -136,7 +140,7 @@ def test_cuda_disabled_even_when_buildable(
 def test_cuda_without_nvcc_gives_the_fix(
     cuda_toolchain: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_loader, "nvcc_path", lambda: None)
+    monkeypatch.setattr(ext_toolkit, "nvcc_path", lambda: None)
     reason = str(_loader.unavailable_reason("cuda"))
     assert reason.startswith("nvcc not found (no CUDA toolkit in $CUDA_HOME, on PATH or in")
     assert "install the CUDA 13.0 toolkit and set CUDA_HOME" in reason
@@ -145,7 +149,7 @@ def test_cuda_without_nvcc_gives_the_fix(
 def test_cuda_version_mismatch_between_nvcc_and_torch(
     cuda_toolchain: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_loader, "nvcc_version", lambda nvcc: (12, 4))
+    monkeypatch.setattr(ext_toolkit, "nvcc_version", lambda nvcc: (12, 4))
     reason = str(_loader.unavailable_reason("cuda"))
     assert reason.startswith(
         "CUDA version mismatch: nvcc (/opt/cuda/bin/nvcc) is CUDA 12.4 but torch "
@@ -251,7 +255,7 @@ def test_missing_ninja_gives_the_fix(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv(_loader.CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(_loader, "ninja_path", lambda: None)
+    monkeypatch.setattr(ext_toolkit, "ninja_path", lambda: None)
     with caplog.at_level(logging.WARNING, logger="amp_fused_ops"):
         assert _loader.get_extension("cpu") is None
     (line,) = _warnings(caplog)
@@ -302,7 +306,7 @@ def test_prebuilt_module_is_preferred_when_torch_matches(
         "sha256": hashlib.sha256(built.read_bytes()).hexdigest(),
     }
     (prebuilt / "amp_fused_ops_cpu.json").write_text(json.dumps(meta))
-    monkeypatch.setattr(_loader, "_PREBUILT_DIR", prebuilt)
+    monkeypatch.setattr(ext_lookup, "PREBUILT_DIR", prebuilt)
     imported: list[Path] = []
     real_import = _loader._import_compiled
 
@@ -310,7 +314,7 @@ def test_prebuilt_module_is_preferred_when_torch_matches(
         imported.append(path)
         return real_import(path)
 
-    monkeypatch.setattr(_loader, "_import_compiled", spy)
+    monkeypatch.setattr(ext_lookup, "import_compiled", spy)
     assert _loader.extension_status("cpu").state == "prebuilt"
     assert _loader.get_extension("cpu") is not None
     assert imported == [prebuilt / built.name]  # (Python reuses the module object by name)
@@ -366,7 +370,7 @@ def test_cpu_flags_follow_the_vector_width_torch_uses(
     monkeypatch: pytest.MonkeyPatch, capability: str, avx2: bool, avx512: bool
 ) -> None:
     monkeypatch.delenv(_loader.PORTABLE_ENV, raising=False)
-    monkeypatch.setattr(_loader.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     flags = _loader._extra_cflags()
     assert {"-O3", "-fno-math-errno"} <= set(flags)

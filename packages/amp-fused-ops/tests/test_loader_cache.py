@@ -28,6 +28,8 @@ import pytest
 from _cpu_extension_helpers import SessionBuild, child_env, session_cache
 from amp_fused_ops import __version__, _loader
 from amp_fused_ops._extension import api, lock, progress
+from amp_fused_ops._extension import build as ext_build
+from amp_fused_ops._extension import toolkit as ext_toolkit
 
 MARKER = "amp_fused_ops_build.json"
 LOCK_INFO = "amp_fused_ops.lock.json"
@@ -190,7 +192,9 @@ def test_damaged_module_falls_back_when_it_cannot_be_rebuilt(
     cache, module = copy_cache(build, tmp_path)
     damage(module, how)
     # No ninja in the child (the compiler is part of the cache key, ninja is not).
-    report = first_op(cache, "_loader.ninja_path = lambda: None")
+    report = first_op(
+        cache, "from amp_fused_ops._extension import toolkit; toolkit.ninja_path = lambda: None"
+    )
     assert not report["compiled"]  # the reference path ran, and nothing crashed
     (line,) = warnings_of(report)
     assert line.startswith("amp_fused_ops CPU extension unavailable, using the PyTorch ")
@@ -280,7 +284,9 @@ def test_damaged_module_recovers_for_real(build: SessionBuild, tmp_path: Path) -
     assert report["compiled"], report["messages"]
     assert any("compiling it again from scratch" in m for m in warnings_of(report))
     # The next process loads the rebuilt module: no compile, no warning.
-    again = first_op(cache, "_loader._compile = None")
+    again = first_op(
+        cache, "from amp_fused_ops._extension import build; build.compile_extension = None"
+    )
     assert again["compiled"] and not warnings_of(again)
     record = json.loads((module.parent / MARKER).read_text())
     assert module.stat().st_size == record["size"]
@@ -548,10 +554,12 @@ class _NoLock:
 def test_calls_after_the_first_read_no_environment_and_take_no_lock(
     build: SessionBuild, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from amp_fused_ops import _amp_C
+    from amp_fused_ops import amp_C
 
     monkeypatch.setenv(_loader.CACHE_ENV, str(build.cache))
-    monkeypatch.setattr(_loader, "_compile", lambda kind, folder: pytest.fail("compiled"))
+    monkeypatch.setattr(
+        ext_build, "compile_extension", lambda kind, folder: pytest.fail("compiled")
+    )
     ext = _loader.get_extension("cpu")
     assert ext is not None
     import torch
@@ -561,7 +569,8 @@ def test_calls_after_the_first_read_no_environment_and_take_no_lock(
         patch.setattr(os, "environ", _NoEnvironment())
         patch.setattr(api, "_lock", _NoLock())
         assert _loader.get_extension("cpu") is ext
-        assert _amp_C._kernel("multi_tensor_scale", tensors) is ext.multi_tensor_scale
+        amp_C.multi_tensor_scale(64, torch.zeros(1, dtype=torch.int32), tensors, 2.0)
+        assert torch.equal(tensors[1][0], torch.full((3,), 2.0))
 
 
 def test_clear_cache_reads_the_environment_again(
@@ -582,8 +591,8 @@ def test_assigning_through_the_facade_reaches_the_module_that_uses_it(
     from amp_fused_ops._extension import build as build_module
     from amp_fused_ops._extension import toolkit
 
-    monkeypatch.setattr(_loader, "ninja_path", lambda: None)
-    monkeypatch.setattr(_loader, "_compile", None)
+    monkeypatch.setattr(ext_toolkit, "ninja_path", lambda: None)
+    monkeypatch.setattr(ext_build, "compile_extension", None)
     assert toolkit.ninja_path() is None and build_module.compile_extension is None
     assert "ninja is not installed" in str(toolkit.missing_tools_reason("cpu"))
     monkeypatch.undo()

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import types
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_fused_ops
 from amp_fused_ops import MultiTensorApply, _reference, amp_C, multi_tensor_applier
-from amp_fused_ops import _amp_C as amp_c_module
+from amp_fused_ops._extension import api as extension_api
 
 OPS = list(_reference.__all__)
 
@@ -49,7 +51,7 @@ def test_applier_rejects_bad_chunk_size(bad: Any) -> None:
         MultiTensorApply(bad)
 
 
-def test_applier_runs_a_real_op(fake_loader: types.ModuleType) -> None:
+def test_applier_runs_a_real_op() -> None:
     total, per = multi_tensor_applier(amp_C.multi_tensor_l2norm, _flag(), [[torch.ones(4)]], True)
     torch.testing.assert_close(total, torch.tensor([2.0]))
     torch.testing.assert_close(per, torch.tensor([2.0]))
@@ -59,7 +61,7 @@ def test_applier_runs_a_real_op(fake_loader: types.ModuleType) -> None:
 
 
 def test_amp_c_is_importable_as_submodule_and_attribute() -> None:
-    import amp_fused_ops.amp_C as imported  # type: ignore[import-not-found]
+    import amp_fused_ops.amp_C as imported
 
     assert imported is amp_C is amp_fused_ops.amp_C
     assert isinstance(amp_C, types.ModuleType)
@@ -78,75 +80,104 @@ def test_package_exports() -> None:
 # --- dispatch --------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def fake_loader(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
-    """Install a fake ``amp_fused_ops._loader`` whose ``get_extension`` is recorded."""
-    loader = types.ModuleType("amp_fused_ops._loader")
-    loader.requested = []  # type: ignore[attr-defined]
-    loader.extension = None  # type: ignore[attr-defined]
+class _OpCalls(TorchDispatchMode):
+    """Records every call of an op of torch.ops.amp_fused_ops (then runs it)."""
 
-    def get_extension(kind: str) -> types.ModuleType | None:
-        loader.requested.append(kind)
-        return loader.extension
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[Any, tuple[Any, ...]]] = []
 
-    loader.get_extension = get_extension  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "amp_fused_ops._loader", loader)
-    amp_c_module._loader_get_extension.cache_clear()
-    yield loader
-    amp_c_module._loader_get_extension.cache_clear()
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func.namespace == "amp_fused_ops":
+            self.calls.append((func, args))
+        return func(*args, **(kwargs or {}))
 
 
 def _scale_args() -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
     return _flag(), [[torch.full((3,), 2.0)], [torch.zeros(3)]]
 
 
-def test_dispatch_calls_kernel_with_identical_arguments(fake_loader: types.ModuleType) -> None:
-    calls: list[tuple[Any, ...]] = []
-    extension = types.ModuleType("fake_ext")
-    extension.multi_tensor_scale = lambda *args: calls.append(args)  # type: ignore[attr-defined]
-    fake_loader.extension = extension  # type: ignore[attr-defined]
-    flag, lists = _scale_args()
-    multi_tensor_applier(amp_C.multi_tensor_scale, flag, lists, 0.5)
-    assert fake_loader.requested == ["cpu"]
-    assert len(calls) == 1
-    assert calls[0][0] == 2048 * 32 and calls[0][1] is flag and calls[0][2] is lists
-    assert calls[0][3:] == (0.5,)
-    assert torch.equal(lists[1][0], torch.zeros(3))  # the reference did not run
+def test_an_amp_C_call_crosses_the_dispatcher_once_with_the_lists_unpacked() -> None:
+    flag, (ins, outs) = _scale_args()
+    with _OpCalls() as seen:
+        multi_tensor_applier(amp_C.multi_tensor_scale, flag, [ins, outs], 0.5)
+    assert len(seen.calls) == 1
+    func, args = seen.calls[0]
+    assert func is torch.ops.amp_fused_ops.multi_tensor_scale.default
+    assert args[0] == 2048 * 32 and args[1] is flag
+    assert list(args[2]) == ins and list(args[3]) == outs and args[4] == 0.5
+    assert torch.equal(outs[0], torch.ones(3))
 
 
-def test_dispatch_falls_back_when_extension_lacks_the_op(fake_loader: types.ModuleType) -> None:
-    fake_loader.extension = types.ModuleType("fake_ext")  # type: ignore[attr-defined]
-    flag, lists = _scale_args()
-    multi_tensor_applier(amp_C.multi_tensor_scale, flag, lists, 0.5)
-    assert torch.equal(lists[1][0], torch.ones(3))
+def test_every_amp_C_op_is_a_dispatcher_op() -> None:
+    for name in OPS:
+        assert hasattr(torch.ops.amp_fused_ops, name), name
+        assert getattr(amp_C, name).__name__ == name
 
 
-def test_dispatch_falls_back_when_no_extension(fake_loader: types.ModuleType) -> None:
-    flag, lists = _scale_args()
-    multi_tensor_applier(amp_C.multi_tensor_scale, flag, lists, 0.5)
-    assert fake_loader.requested == ["cpu"]
-    assert torch.equal(lists[1][0], torch.ones(3))
+def test_numbers_become_tensors_for_tensor_scalars() -> None:
+    flag = _flag()
+    grads, params = [torch.ones(4)], [torch.zeros(4)]
+    m, v = [torch.zeros(4)], [torch.zeros(4)]
+    with _OpCalls() as seen:
+        amp_C.multi_tensor_adam_capturable(
+            64, flag, [grads, params, m, v], 0.1, 0.9, 0.999, 1e-8, 1, 1, 1, 0.0, 1.0
+        )
+    ((_, args),) = seen.calls
+    lr, step, inv_scale = args[6], args[10], args[14]
+    assert all(isinstance(t, torch.Tensor) for t in (lr, step, inv_scale))
+    assert lr.item() == pytest.approx(0.1) and step.item() == 1 and inv_scale.item() == 1.0
+    assert not torch.equal(params[0], torch.zeros(4))
 
 
-def test_dispatch_skips_loader_for_other_devices_and_empty_lists(
-    fake_loader: types.ModuleType,
+def test_ops_without_a_compiled_kernel_run_the_reference() -> None:
+    # multi_tensor_l2norm_scale has no C++ kernel: the dispatcher runs the reference, which
+    # is registered for every device.
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key(
+        "amp_fused_ops::multi_tensor_l2norm_scale", "CPU"
+    )
+    xs, outs = [torch.full((4,), 3.0)], [torch.zeros(4)]
+    total, per = amp_C.multi_tensor_l2norm_scale(64, _flag(), [xs, outs], 0.5, True)
+    assert torch.equal(outs[0], torch.full((4,), 1.5))
+    assert total.item() == pytest.approx(6.0) and per.tolist() == pytest.approx([6.0])
+
+
+def test_meta_tensors_take_the_fake_kernels_and_load_nothing(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    meta = torch.empty(3, device="meta")
-    amp_C.multi_tensor_scale(64, torch.zeros(1, dtype=torch.int32, device="meta"), [[meta]] * 2, 1)
-    amp_C.multi_tensor_scale(64, _flag(), [[], []], 1.0)
-    assert fake_loader.requested == []
+    asked: list[str] = []
+    monkeypatch.setattr(extension_api, "get_extension", lambda kind: asked.append(kind))
+    meta = [torch.empty(3, device="meta")]
+    flag = torch.zeros(1, dtype=torch.int32, device="meta")
+    amp_C.multi_tensor_scale(64, flag, [meta, meta], 1.0)
+    total, per = amp_C.multi_tensor_l2norm(64, flag, [meta * 2], True)
+    assert total.device.type == "meta" and total.shape == (1,) and per.shape == (2,)
+    assert asked == []
 
 
-@pytest.mark.parametrize("broken", ["missing", "no_get_extension"])
-def test_dispatch_without_usable_loader_uses_reference(
-    monkeypatch: pytest.MonkeyPatch, broken: str
+def test_the_extension_of_the_device_is_loaded_on_first_use(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    loader = None if broken == "missing" else types.ModuleType("amp_fused_ops._loader")
-    monkeypatch.setitem(sys.modules, "amp_fused_ops._loader", loader)  # None: ImportError
-    amp_c_module._loader_get_extension.cache_clear()
-    try:
-        flag, lists = _scale_args()
-        amp_C.multi_tensor_scale(64, flag, lists, 0.5)
-        assert torch.equal(lists[1][0], torch.ones(3))
-    finally:
-        amp_c_module._loader_get_extension.cache_clear()
+    asked: list[str] = []
+    monkeypatch.setattr(extension_api, "get_extension", lambda kind: asked.append(kind))
+    flag, lists = _scale_args()
+    amp_C.multi_tensor_scale(64, flag, lists, 0.5)
+    amp_C.multi_tensor_scale(64, flag, [[], []], 0.5)  # empty lists: the reference's answer
+    assert asked == ["cpu"]
+
+
+def test_disabled_extensions_leave_the_reference_everywhere() -> None:
+    code = (
+        "import torch\n"
+        "from amp_fused_ops import amp_C\n"
+        "x = [torch.full((3,), 2.0)]; out = [torch.zeros(3)]\n"
+        "amp_C.multi_tensor_scale(64, torch.zeros(1, dtype=torch.int32), [x, out], 0.5)\n"
+        "assert torch.equal(out[0], torch.ones(3))\n"
+        "print(torch._C._dispatch_has_kernel_for_dispatch_key("
+        "'amp_fused_ops::multi_tensor_scale', 'CPU'))\n"
+    )
+    env = {**os.environ, "AMP_FUSED_OPS_DISABLE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.strip() == "False"

@@ -1,6 +1,7 @@
 // The dispatcher kernels of the multi-tensor ops of one backend: wrappers that take the
-// separate tensor lists of the schemas (ops_schema.h), call the backend's launcher
-// (multi_tensor_ops.h, Apex's `tensor_lists` signature) and bump the autograd version counters.
+// separate tensor lists of the schemas (src/amp_fused_ops/_library.py), call the backend's
+// launcher (multi_tensor_ops.h, Apex's `tensor_lists` signature) and bump the autograd
+// version counters.
 //
 // Included by one source per backend (csrc/cpu/ops_registration.cpp,
 // csrc/cuda/ops_registration.cpp) after it defines AMP_FUSED_OPS_BACKEND (cpu or cuda: the
@@ -30,9 +31,6 @@ namespace backend = ::amp_fused_ops::AMP_FUSED_OPS_BACKEND;
 using TensorLists = std::vector<std::vector<at::Tensor>>;
 using OptionalTensorList = std::optional<at::TensorList>;
 
-// The schemas are defined when the library is loaded, before its kernels are registered.
-const bool schemas_defined = (define_multi_tensor_schemas(AMP_FUSED_OPS_NS_NAME), true);
-
 // Apex's `tensor_lists` from the separate lists of a schema.
 TensorLists lists(std::initializer_list<at::TensorList> parts) {
   TensorLists out;
@@ -60,7 +58,7 @@ void bump(at::TensorList tensors) {
   for (const at::Tensor& t : tensors) bump(t);
 }
 
-// --- the wrappers, in the order of ops_schema.h ------------------------------------------
+// --- the wrappers, in the order of the op registry ------------------------------------------
 
 void scale(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList ins,
            at::TensorList outs, double scale) {

@@ -1,6 +1,6 @@
 // The CUDA kernels of the multi-tensor ops and the loss-scale update, registered with the
 // dispatcher for the CUDA dispatch key (torch.ops.amp_fused_ops.*; schemas in
-// csrc/common/ops_schema.h). The emulation build compiles this file for the CPU, under its own
+// src/amp_fused_ops/_library.py). The emulation build compiles this file for the CPU, under its own
 // namespace and the CPU key (csrc/emulation/amp_emu.h).
 #include <torch/library.h>
 
@@ -25,19 +25,19 @@ std::tuple<at::Tensor, at::Tensor> l2norm_mp(int64_t chunk_size, const at::Tenso
   return {total.masked_fill(skipped, 0.0), per.masked_fill(skipped, 0.0)};
 }
 
-at::Tensor update_scale_hysteresis(const at::Tensor& current_scale,
+// Returns nothing: Apex's Python-facing op returns current_scale, which amp_C does (a custom
+// op whose output aliases an input cannot be functionalized by torch.compile).
+void update_scale_hysteresis(const at::Tensor& current_scale,
                                    const at::Tensor& growth_tracker,
                                    const at::Tensor& hysteresis_tracker,
                                    const at::Tensor& found_inf, double growth_factor,
                                    double backoff_factor, int64_t growth_interval,
                                    int64_t hysteresis) {
-  at::Tensor result =
-      cuda::update_scale_hysteresis(current_scale, growth_tracker, hysteresis_tracker, found_inf,
-                                    growth_factor, backoff_factor, growth_interval, hysteresis);
+  cuda::update_scale_hysteresis(current_scale, growth_tracker, hysteresis_tracker, found_inf,
+                                growth_factor, backoff_factor, growth_interval, hysteresis);
   bump(current_scale);
   bump(growth_tracker);
   bump(hysteresis_tracker);
-  return result;
 }
 
 }  // namespace

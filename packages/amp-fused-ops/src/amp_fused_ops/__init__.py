@@ -11,10 +11,8 @@ whenever no compiled kernel is available for the tensors' device.
 """
 
 # SyncBatchNorm kernels (Apex: the syncbn extension), as the module amp_fused_ops.syncbn
-from amp_fused_ops import syncbn
-
 # The op namespace (Apex: the amp_C extension)
-from amp_fused_ops._amp_C import amp_C
+from amp_fused_ops import amp_C, syncbn
 
 # Flatten / unflatten for bucketing (Apex: apex_C)
 from amp_fused_ops._flatten import flatten, unflatten

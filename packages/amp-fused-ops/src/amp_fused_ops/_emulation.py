@@ -39,7 +39,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
 
-from amp_fused_ops import _amp_C
+from amp_fused_ops import _library, amp_C
 
 __all__ = [
     "BUILDS",
@@ -190,7 +190,7 @@ def load(build: str = "counting", *, verbose: bool = False) -> ModuleType:
         verbose=verbose,
     )
     # The "CUDA" kernels run on the CPU: Python numbers become float32 tensors, as for CUDA.
-    module = _amp_C.compiled_ops(OPS_NAMESPACE, "CPU", path, cpu_scalars=False)
+    module = _library.compiled_ops(OPS_NAMESPACE, "CPU", path, cpu_scalars=False)
     if verbose:
         logger.info("emulated extension (%s) ready in %.1f s", build, time.perf_counter() - start)
     return module
@@ -264,16 +264,15 @@ def amp_C_on_emulated_kernels(module: ModuleType) -> Iterator[None]:
     Args:
         module: The emulated extension, as :func:`load` returns it.
     """
-    original = _amp_C._kernel_for
-
-    def kernel_for(name: str, tensor: Any) -> Any:
-        return getattr(module, name, None) if tensor.device.type == "cpu" else None
-
-    _amp_C._kernel_for = kernel_for
+    previous = amp_C._routes.get("cpu")
+    amp_C._routes["cpu"] = module
     try:
         yield
     finally:
-        _amp_C._kernel_for = original
+        if previous is None:
+            del amp_C._routes["cpu"]
+        else:
+            amp_C._routes["cpu"] = previous
 
 
 # ATen ops that launch no kernel on a GPU: a captured graph does nothing for them on replay.

@@ -28,19 +28,13 @@ check). ``AMP_FUSED_OPS_DISABLE=1`` (or a comma-separated list of kinds, e.g. ``
 the extensions unavailable on purpose.
 
 The work is done in :mod:`amp_fused_ops._extension` (one module per job); this module
-re-exports its names (the ``as _name`` imports are private ones that tests and tools reach
-through this module). Assigning one of them here (``monkeypatch.setattr(_loader, "_compile",
-...)`` in a test) replaces it in the module that uses it, too.
+re-exports its names for reading (the ``as _name`` imports are private ones that tests and
+tools read through this module). To replace one (in a test), assign it in the module that
+owns and uses it, e.g. ``amp_fused_ops._extension.build.compile_extension``.
 """
 
 from __future__ import annotations
 
-import platform  # noqa: F401  (tests patch platform.machine through this name)
-import sys
-import types
-from typing import Any
-
-from amp_fused_ops._extension import api, build, cache, flags, lookup, record, toolkit
 from amp_fused_ops._extension.api import (
     build_directory,
     build_extension,
@@ -105,39 +99,3 @@ __all__ = [
     "LOCK_TIMEOUT_ENV",
     "PORTABLE_ENV",
 ]
-
-# Name here -> (module that uses it, its name there).
-_OWNERS: dict[str, tuple[types.ModuleType, str]] = {
-    "get_extension": (api, "get_extension"),
-    "unavailable_reason": (api, "unavailable_reason"),
-    "build_extension": (api, "build_extension"),
-    "extension_status": (api, "extension_status"),
-    "build_directory": (cache, "build_directory"),
-    "cache_root": (cache, "cache_root"),
-    "source_dir": (cache, "source_dir"),
-    "compiler_path": (toolkit, "compiler_path"),
-    "ninja_path": (toolkit, "ninja_path"),
-    "cuda_home": (toolkit, "cuda_home"),
-    "nvcc_path": (toolkit, "nvcc_path"),
-    "nvcc_version": (toolkit, "nvcc_version"),
-    "cuda_arch_list": (toolkit, "cuda_arch_list"),
-    "_missing_tools_reason": (toolkit, "missing_tools_reason"),
-    "_compile": (build, "compile_extension"),
-    "_extra_cflags": (flags, "extra_cflags"),
-    "_import_compiled": (lookup, "import_compiled"),
-    "_PREBUILT_DIR": (lookup, "PREBUILT_DIR"),
-    "_python_tag": (record, "python_tag"),
-}
-
-
-class _Facade(types.ModuleType):
-    """This module's type: an assignment to a re-exported name reaches the module using it."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        owner = _OWNERS.get(name)
-        if owner is not None:
-            setattr(owner[0], owner[1], value)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Facade

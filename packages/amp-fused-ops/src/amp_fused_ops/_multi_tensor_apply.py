@@ -8,7 +8,7 @@ Apex's fused optimizers and amp call every ``amp_C`` op through one callable::
     multi_tensor_applier(amp_C.multi_tensor_scale, flag, [grads, grads], 1.0 / loss_scale)
 
 The applier only supplies its chunk size as the op's first argument: the ops themselves pick
-the compiled kernel or the pure-PyTorch reference (see :mod:`amp_fused_ops._amp_C`).
+the compiled kernel or the pure-PyTorch reference (see :mod:`amp_fused_ops.amp_C`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """The preconditions on the scalar arguments of every ``amp_C`` op, in one table.
 
-:mod:`amp_fused_ops._amp_C` checks them once, before it picks the compiled kernel or the
-reference, and the reference ops check them with the same function when called directly: a
-bad ``chunk_size``, ``mode``, ``bias_correction``, ``step`` ... gives the same ``ValueError``,
-with the same message, on every path. The compiled kernels keep their own ``TORCH_CHECK``
-guards (a ``ValueError`` too), which only a direct call of the extension reaches.
+:mod:`amp_fused_ops.amp_C` checks them once, before the dispatcher picks the compiled
+kernel or the reference, and the reference ops check them with the same function when called
+directly: a bad ``chunk_size``, ``mode``, ``bias_correction``, ``step`` ... gives the same
+``ValueError``, with the same message, on every path. The compiled kernels keep their own
+``TORCH_CHECK`` guards (a ``ValueError`` too), which only a direct call of the extension
+reaches.
 
 The per-tensor preconditions (list count and lengths, sizes, dtypes, layouts, devices,
 overlap) stay with each path, which walks the tensors anyway; they raise the same exception

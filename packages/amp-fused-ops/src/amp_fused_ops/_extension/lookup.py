@@ -9,6 +9,8 @@ from types import ModuleType
 
 import torch
 
+from amp_fused_ops import _library
+
 from . import build, cache, lock, progress, record, toolkit
 from .record import DamagedBuildError
 from .settings import (
@@ -72,11 +74,7 @@ def import_or_explain(path: Path) -> ModuleType:
 
 def ops_module(kind: str, path: Path) -> ModuleType:
     """The module of the ops extension ``kind`` (loaded from ``path``) registered."""
-    from amp_fused_ops import _amp_C
-
-    return _amp_C.compiled_ops(
-        _amp_C.OPS_NAMESPACE, DISPATCH_KEYS[kind], path, cpu_scalars=kind == "cpu"
-    )
+    return _library.compiled_ops(_library.OPS_NAMESPACE, DISPATCH_KEYS[kind], path)
 
 
 def prebuilt_module_path(kind: str) -> Path | None:

@@ -1,0 +1,428 @@
+"""The dispatcher ops of ``amp_C``: the op registry, the schemas and the kernels of last resort.
+
+Every ``amp_C`` op is one op of the PyTorch dispatcher, ``torch.ops.amp_fused_ops.<name>``,
+and the dispatcher alone decides which kernel runs (``docs/design.rst``, "One dispatch
+layer"):
+
+========================== ====================================================================
+dispatch key               kernel
+========================== ====================================================================
+``CPU``                    the C++ CPU kernel, once the CPU extension is loaded
+``CUDA``                   the CUDA kernel, once the CUDA extension is loaded
+any other device, or no    the pure-PyTorch reference (:mod:`amp_fused_ops._reference`),
+compiled kernel            registered here for ``CompositeExplicitAutograd``
+``Meta`` / fake tensors    a fake kernel registered here: output shapes, no data
+========================== ====================================================================
+
+The extensions register only kernels (``TORCH_LIBRARY_IMPL``); the schemas are defined here,
+from :data:`REGISTRY`, when this module is imported, so the ops exist (and trace under
+``torch.compile``) whether or not an extension can be built. A schema has no list of tensor
+lists, so each op takes Apex's ``tensor_lists`` as separate arguments (those it writes marked
+mutable); :func:`apex_convention` turns such an op back into Apex's
+``op(chunk_size, noop_flag, tensor_lists, *args)``.
+
+Adding an op: one :class:`OpSpec` in :data:`REGISTRY` (schema, reference, fake kernel, the
+numbers of lists Apex passes), its preconditions row in :mod:`amp_fused_ops._preconditions`,
+and its compiled kernels registered under the same name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from amp_fused_ops import _reference
+from amp_fused_ops._reference_common import find_wrong_device
+
+__all__ = [
+    "OPS_NAMESPACE",
+    "REGISTRY",
+    "OpSpec",
+    "apex_convention",
+    "compiled_ops",
+    "define_schemas",
+]
+
+OPS_NAMESPACE = "amp_fused_ops"
+"""Namespace of the multi-tensor ops: ``torch.ops.amp_fused_ops``."""
+
+
+def _no_outputs(*args: Any, **kwargs: Any) -> None:
+    """Fake kernel of an op that only writes its arguments in place."""
+
+
+def _norms(chunk_size: int, noop_flag: Tensor, xs: Sequence[Tensor], *rest: Any) -> Any:
+    """Fake kernel of the L2-norm ops: ``(total (1,), per_tensor (n,) or (0,))`` in float32.
+
+    ``per_tensor`` is the last argument of every norm op's schema.
+    """
+    per_tensor = bool(rest[-1]) if rest else False
+    device = xs[0].device if xs else noop_flag.device
+    total = torch.empty(1, dtype=torch.float32, device=device)
+    per = torch.empty(len(xs) if per_tensor else 0, dtype=torch.float32, device=device)
+    return total, per
+
+
+def _scaled_norms(
+    chunk_size: int, noop_flag: Tensor, ins: Sequence[Tensor], outs: Sequence[Tensor], *rest: Any
+) -> Any:
+    """Fake kernel of ``multi_tensor_l2norm_scale``: the norms of ``ins``."""
+    return _norms(chunk_size, noop_flag, ins, *rest)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSpec:
+    """One op of :data:`REGISTRY`.
+
+    Attributes:
+        schema: The dispatcher schema, ``name(arguments) -> returns``; argument names are
+            Apex's (callers may pass the scalars by keyword), except ``decay_mode`` for Apex's
+            ``mode`` (PyTorch's functionalization of mutating ops, which ``torch.compile``
+            runs, reserves ``mode``; :func:`apex_convention` still takes ``mode=``).
+        reference: The pure-PyTorch reference, with Apex's calling convention.
+        fake: The fake (meta) kernel, with the schema's arguments.
+        list_counts: The numbers of tensor lists Apex passes (the schema's list arguments, the
+            last ones optional when fewer are given); empty for an op without tensor lists.
+    """
+
+    schema: str
+    reference: Callable[..., Any]
+    fake: Callable[..., Any] = _no_outputs
+    list_counts: tuple[int, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.schema[: self.schema.index("(")]
+
+    def __post_init__(self) -> None:
+        if self.name != self.reference.__name__:
+            raise ValueError(f"{self.name}: the reference is {self.reference.__name__}")
+
+
+# In the order of Apex's csrc/amp_C_frontend.cpp.
+_SPECS = (
+    OpSpec(
+        "multi_tensor_scale(int chunk_size, Tensor(a!) noop_flag, Tensor[] ins, "
+        "Tensor(b!)[] outs, float scale) -> ()",
+        _reference.multi_tensor_scale,
+        list_counts=(2,),
+    ),
+    OpSpec(
+        "multi_tensor_sgd(int chunk_size, Tensor noop_flag, Tensor[] grads, Tensor(a!)[] params, "
+        "Tensor(b!)[] momentum_bufs, Tensor(c!)[]? model_copies, float weight_decay, "
+        "float momentum, float dampening, float lr, bool nesterov, bool first_run, "
+        "bool wd_after_momentum, float scale) -> ()",
+        _reference.multi_tensor_sgd,
+        list_counts=(3, 4),
+    ),
+    OpSpec(
+        "multi_tensor_axpby(int chunk_size, Tensor(a!) noop_flag, Tensor[] xs, Tensor[] ys, "
+        "Tensor(b!)[] outs, float a, float b, int arg_to_check) -> ()",
+        _reference.multi_tensor_axpby,
+        list_counts=(3,),
+    ),
+    OpSpec(
+        "multi_tensor_l2norm(int chunk_size, Tensor(a!) noop_flag, Tensor[] xs, "
+        "bool? per_tensor=False) -> (Tensor, Tensor)",
+        _reference.multi_tensor_l2norm,
+        _norms,
+        (1,),
+    ),
+    OpSpec(
+        "multi_tensor_l2norm_mp(int chunk_size, Tensor(a!) noop_flag, Tensor[] xs, "
+        "bool? per_tensor=False) -> (Tensor, Tensor)",
+        _reference.multi_tensor_l2norm_mp,
+        _norms,
+        (1,),
+    ),
+    OpSpec(
+        "multi_tensor_l2norm_scale(int chunk_size, Tensor(a!) noop_flag, Tensor[] ins, "
+        "Tensor(b!)[] outs, float scale, bool? per_tensor=False) -> (Tensor, Tensor)",
+        _reference.multi_tensor_l2norm_scale,
+        _scaled_norms,
+        (2,),
+    ),
+    OpSpec(
+        "multi_tensor_unscale_l2norm(int chunk_size, Tensor(a!) noop_flag, Tensor[] xs, "
+        "Tensor inv_scale, bool? per_tensor=False) -> (Tensor, Tensor)",
+        _reference.multi_tensor_unscale_l2norm,
+        _norms,
+        (1,),
+    ),
+    OpSpec(
+        "multi_tensor_lamb_stage1_cuda(int chunk_size, Tensor noop_flag, Tensor[] grads, "
+        "Tensor[] params, Tensor(a!)[] exp_avgs, Tensor(b!)[] exp_avg_sqs, "
+        "Tensor(c!)[] updates, Tensor per_tensor_decay, int step, float beta1, float beta2, "
+        "float epsilon, Tensor global_grad_norm, float max_global_grad_norm) -> ()",
+        _reference.multi_tensor_lamb_stage1_cuda,
+        list_counts=(5,),
+    ),
+    OpSpec(
+        "multi_tensor_lamb_stage2_cuda(int chunk_size, Tensor noop_flag, Tensor(a!)[] params, "
+        "Tensor[] updates, Tensor per_tensor_param_norm, Tensor per_tensor_update_norm, "
+        "float lr, float weight_decay, bool? use_nvlamb=None) -> ()",
+        _reference.multi_tensor_lamb_stage2_cuda,
+        list_counts=(2,),
+    ),
+    OpSpec(
+        "multi_tensor_adam(int chunk_size, Tensor noop_flag, Tensor[] grads, "
+        "Tensor(a!)[] params, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, float lr, "
+        "float beta1, float beta2, float eps, int step, int decay_mode, int bias_correction, "
+        "float weight_decay) -> ()",
+        _reference.multi_tensor_adam,
+        list_counts=(4,),
+    ),
+    OpSpec(
+        "multi_tensor_adam_capturable(int chunk_size, Tensor(a!) noop_flag, "
+        "Tensor(b!)[] grads, Tensor(c!)[] params, Tensor(d!)[] exp_avgs, "
+        "Tensor(e!)[] exp_avg_sqs, Tensor lr, float beta1, float beta2, float eps, "
+        "Tensor step, int decay_mode, int bias_correction, float weight_decay, "
+        "Tensor inv_scale) -> ()",
+        _reference.multi_tensor_adam_capturable,
+        list_counts=(4,),
+    ),
+    OpSpec(
+        "multi_tensor_adam_capturable_master(int chunk_size, Tensor(a!) noop_flag, "
+        "Tensor[] grads, Tensor(b!)[] params, Tensor(c!)[] exp_avgs, "
+        "Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] masters, Tensor lr, float beta1, float beta2, "
+        "float eps, Tensor step, int decay_mode, int bias_correction, float weight_decay, "
+        "Tensor inv_scale) -> ()",
+        _reference.multi_tensor_adam_capturable_master,
+        list_counts=(5,),
+    ),
+    OpSpec(
+        "multi_tensor_adagrad(int chunk_size, Tensor noop_flag, Tensor[] grads, "
+        "Tensor(a!)[] params, Tensor(b!)[] state_sums, float lr, float epsilon, int decay_mode, "
+        "float weight_decay) -> ()",
+        _reference.multi_tensor_adagrad,
+        list_counts=(3,),
+    ),
+    OpSpec(
+        "multi_tensor_novograd(int chunk_size, Tensor(a!) noop_flag, Tensor[] grads, "
+        "Tensor(b!)[] params, Tensor(c!)[] exp_avgs, Tensor(d!) grad_norms, float lr, "
+        "float beta1, float beta2, float epsilon, int step, int bias_correction, "
+        "float weight_decay, int grad_averaging, int decay_mode, int norm_type) -> ()",
+        _reference.multi_tensor_novograd,
+        list_counts=(3,),
+    ),
+    OpSpec(
+        "multi_tensor_lamb(int chunk_size, Tensor(a!) noop_flag, Tensor[] grads, "
+        "Tensor(b!)[] params, Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, float lr, "
+        "float beta1, float beta2, float epsilon, int step, int bias_correction, "
+        "float weight_decay, int grad_averaging, int decay_mode, Tensor global_grad_norm, "
+        "float max_grad_norm, bool? use_nvlamb=None) -> ()",
+        _reference.multi_tensor_lamb,
+        list_counts=(4,),
+    ),
+    OpSpec(
+        "multi_tensor_lamb_mp(int chunk_size, Tensor(a!) noop_flag, Tensor[] grads, "
+        "Tensor(b!)[] params, Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, "
+        "Tensor(e!)[]? model_params, Tensor lr, float beta1, float beta2, float epsilon, "
+        "Tensor step, int bias_correction, float weight_decay, int grad_averaging, int decay_mode, "
+        "Tensor global_grad_norm, Tensor max_grad_norm, bool? use_nvlamb, Tensor found_inf, "
+        "Tensor inv_scale) -> ()",
+        _reference.multi_tensor_lamb_mp,
+        list_counts=(4, 5),
+    ),
+    OpSpec(
+        "update_scale_hysteresis(Tensor(a!) current_scale, Tensor(b!) growth_tracker, "
+        "Tensor(c!) hysteresis_tracker, Tensor found_inf, float growth_factor, "
+        "float backoff_factor, int growth_interval, int hysteresis) -> ()",
+        _reference.update_scale_hysteresis,
+    ),
+)
+
+REGISTRY: dict[str, OpSpec] = {spec.name: spec for spec in _SPECS}
+"""Every ``amp_C`` op by name: the one list the schemas, the fallback kernels, the fake
+kernels, ``amp_C`` itself and the op tests are made from."""
+
+_libraries: dict[str, torch.library.Library] = {}
+
+
+def _reference_kernel(spec: OpSpec) -> Callable[..., Any]:
+    """The reference as a kernel of the schema (separate lists) instead of Apex's call."""
+    if not spec.list_counts:
+
+        def plain(*args: Any) -> None:
+            spec.reference(*args)  # writes its arguments; the schema returns nothing
+
+        plain.__name__ = plain.__qualname__ = f"{spec.name}_reference"
+        return plain
+    most = max(spec.list_counts)
+
+    def kernel(chunk_size: int, noop_flag: Tensor, *rest: Any) -> Any:
+        lists = [list(part) for part in rest[:most] if part is not None]
+        return spec.reference(chunk_size, noop_flag, lists, *rest[most:])
+
+    kernel.__name__ = kernel.__qualname__ = f"{spec.name}_reference"
+    return kernel
+
+
+def _fake_kernel(spec: OpSpec) -> Callable[..., Any]:
+    """The op's fake kernel, after the kernels' device check (a real kernel raises for a
+    tensor on another device than the noop flag; so does the fake one, on meta tensors too)."""
+    if not spec.list_counts:
+        return spec.fake
+    most = max(spec.list_counts)
+
+    def fake(chunk_size: int, noop_flag: Tensor, *rest: Any) -> Any:
+        lists = [list(part) for part in rest[:most] if part is not None]
+        wrong = find_wrong_device(spec.name, noop_flag, lists)
+        if wrong is not None:
+            raise wrong
+        return spec.fake(chunk_size, noop_flag, *rest)
+
+    fake.__name__ = fake.__qualname__ = f"{spec.name}_fake"
+    return fake
+
+
+def define_schemas(namespace: str = OPS_NAMESPACE, *, fallbacks: bool | None = None) -> None:
+    """Define every op of :data:`REGISTRY` in ``torch.ops.<namespace>`` (once per process).
+
+    Args:
+        namespace: The dispatcher namespace; the emulated CUDA kernels register under one of
+            their own.
+        fallbacks: Also register the reference (``CompositeExplicitAutograd``) and the fake
+            kernels; default: for :data:`OPS_NAMESPACE` only.
+    """
+    if namespace in _libraries:
+        return
+    library = torch.library.Library(namespace, "FRAGMENT")
+    for spec in REGISTRY.values():
+        library.define(spec.schema)
+    if fallbacks if fallbacks is not None else namespace == OPS_NAMESPACE:
+        for spec in REGISTRY.values():
+            library.impl(spec.name, _reference_kernel(spec), "CompositeExplicitAutograd")
+            torch.library.register_fake(
+                f"{namespace}::{spec.name}", _fake_kernel(spec), lib=library
+            )
+    _libraries[namespace] = library
+
+
+def _number_tensor(op: str, name: str, value: Any, device: torch.device, cpu: bool) -> Any:
+    """``value`` as a one-element tensor when it is a Python number.
+
+    Apex's callers pass ``lr``, ``step``, ``inv_scale`` ... as numbers or tensors; the schema
+    takes a tensor: float64 on the CPU (the C++ kernels read it in double), float32 on the
+    device otherwise.
+    """
+    if isinstance(value, Tensor):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(
+            f"{op}: {name} must be a tensor or a number, got {type(value).__name__}; pass a "
+            "one-element tensor (or a float)"
+        )
+    if cpu:
+        return torch.tensor(float(value), dtype=torch.float64)
+    return torch.full((1,), float(value), dtype=torch.float32, device=device)
+
+
+def apex_convention(
+    name: str, overload: Any, *, cpu_scalars: bool | None = None
+) -> Callable[..., Any]:
+    """``overload`` (an op of :data:`REGISTRY`, separate list arguments) called as Apex's
+    ``amp_C.<name>(chunk_size, noop_flag, tensor_lists, *args)``.
+
+    A Python number given for a tensor scalar of the schema (``lr``, ``step``,
+    ``inv_scale`` ...) becomes a tensor (see :func:`_number_tensor`): float64 on the CPU and
+    float32 on other devices, unless ``cpu_scalars`` says which (the emulated CUDA kernels run
+    on the CPU and read float32). Ops without tensor lists are returned as they are.
+    """
+    counts = REGISTRY[name].list_counts
+    if not counts:  # update_scale_hysteresis: Apex's returns its first argument
+
+        def plain(current_scale: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+            overload(current_scale, *args, **kwargs)
+            return current_scale
+
+        plain.__name__ = plain.__qualname__ = name
+        return plain
+    most = max(counts)
+    layouts = f"{' or '.join(map(str, counts))} tensor lists"
+    scalars = overload._schema.arguments[2 + most :]
+    numbers = tuple(
+        (index, argument.name)
+        for index, argument in enumerate(scalars)
+        if str(argument.type) == "Tensor"
+    )
+
+    def op(
+        chunk_size: int,
+        noop_flag: Tensor,
+        tensor_lists: Sequence[Sequence[Tensor]],
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        given = len(tensor_lists)
+        if given not in counts:
+            raise ValueError(f"{name}: expected {layouts}, got {given}")
+        lists: list[Any] = [*tensor_lists, *([None] * (most - given))]
+        if "mode" in kwargs:
+            kwargs["decay_mode"] = kwargs.pop("mode")
+        if numbers:
+            first = tensor_lists[0][0] if given and tensor_lists[0] else noop_flag
+            device = first.device if isinstance(first, Tensor) else noop_flag.device
+            cpu = device.type == "cpu" if cpu_scalars is None else cpu_scalars
+            args_list = list(args)
+            for index, argument in numbers:
+                if index < len(args_list):
+                    args_list[index] = _number_tensor(name, argument, args_list[index], device, cpu)
+                elif argument in kwargs:
+                    kwargs[argument] = _number_tensor(name, argument, kwargs[argument], device, cpu)
+            args = tuple(args_list)
+        try:
+            return overload(chunk_size, noop_flag, *lists, *args, **kwargs)
+        except NotImplementedError:
+            # A tensor on a device the op has no kernel for ends here, before any kernel's own
+            # device check: raise that check's error instead.
+            wrong = find_wrong_device(name, noop_flag, tensor_lists)
+            if wrong is None:
+                raise
+            raise wrong from None
+
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = f"``torch.ops.{overload.namespace}.{name}`` with Apex's ``amp_C`` arguments."
+    return op
+
+
+def compiled_ops(
+    namespace: str, dispatch_key: str, path: str | Path, *, cpu_scalars: bool | None = None
+) -> types.ModuleType:
+    """The ops of ``torch.ops.<namespace>`` that have a kernel for ``dispatch_key``, as a module.
+
+    Each attribute is one op with Apex's ``amp_C`` signature (:func:`apex_convention`).
+
+    Args:
+        namespace: The dispatcher namespace (:data:`OPS_NAMESPACE`; the emulation build's own).
+        dispatch_key: ``"CPU"`` or ``"CUDA"``: only the ops with a kernel for it are listed.
+        path: The shared library that registered the kernels (loaded already); the module's
+            ``__file__``.
+        cpu_scalars: As in :func:`apex_convention`.
+
+    Returns:
+        The module of ops.
+    """
+    define_schemas(namespace)
+    module = types.ModuleType(
+        f"{namespace}.{dispatch_key.lower()}",
+        f"Kernels of torch.ops.{namespace} for {dispatch_key}, with Apex's amp_C signatures.",
+    )
+    module.__file__ = str(path)
+    packets = getattr(torch.ops, namespace)
+    for name in REGISTRY:
+        qualified = f"{namespace}::{name}"
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(qualified, dispatch_key):
+            continue
+        overload = getattr(packets, name).default
+        setattr(module, name, apex_convention(name, overload, cpu_scalars=cpu_scalars))
+    return module
+
+
+define_schemas()
