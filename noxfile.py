@@ -279,20 +279,27 @@ def _install(session: nox.Session, *args: str) -> None:
 
 
 def _toolkit_requirements(package: str) -> list[str]:
-    """The toolkit packages that ``package`` requires: its ``dependencies``, not its extras."""
+    """The toolkit packages that ``package`` declares: its ``dependencies`` and its extras'.
+
+    An extra is part of the package (amp-parallel's ``amp`` and ``kernels``): its tests test
+    the package with the extra and, by hiding the module, without it.
+    """
     with (ROOT / "packages" / package / "pyproject.toml").open("rb") as file:
         project = tomllib.load(file)["project"]
-    environment = {**default_environment(), "extra": ""}
-    names = [
-        canonicalize_name(requirement.name)
-        for requirement in map(Requirement, project.get("dependencies", []))
-        if requirement.marker is None or requirement.marker.evaluate(environment)
-    ]
+    declared = [("", text) for text in project.get("dependencies", [])]
+    for extra, texts in project.get("optional-dependencies", {}).items():
+        declared += [(extra, text) for text in texts]
+    names = set()
+    for extra, text in declared:
+        requirement = Requirement(text)
+        environment = {**default_environment(), "extra": extra}
+        if requirement.marker is None or requirement.marker.evaluate(environment):
+            names.add(canonicalize_name(requirement.name))
     return [name for name in PACKAGES if name in names]
 
 
 def _with_toolkit_requirements(package: str) -> list[str]:
-    """``package`` and the toolkit packages it requires, directly or through another one."""
+    """``package`` and the toolkit packages it declares, directly or through another one."""
     found = {package}
     pending = [package]
     while pending:

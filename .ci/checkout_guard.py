@@ -45,9 +45,9 @@ def main(root: pathlib.Path, names: list[str], absent: list[str]) -> int:
             file=sys.stderr,
         )
         return 1
-    message = f"checkout guard: {', '.join(names)} come from {root}"
+    message = f"checkout guard: from {root}: {', '.join(names)}"
     if absent:
-        message += f"; {', '.join(absent)} not installed"
+        message += f"; not installed: {', '.join(absent)}"
     print(message)
     return 0
 
