@@ -394,6 +394,8 @@ def _pytest(session: nox.Session, package: str, marker: str, success_codes: list
 def tests(session: nox.Session, package: str) -> None:
     """Run one package's CPU tests (or tests/integration), without the slow tier.
 
+    A package's session has that package and the toolkit packages it declares (dependencies
+    and extras, transitively), no other; the integration session has all five.
     ``AMP_SLOW_TESTS=1`` adds the slow tier to the same pytest run (what CI does): one
     virtualenv per package instead of two (``slow_tests`` has its own), and the fixtures that
     compile the C++ extension for real run once.

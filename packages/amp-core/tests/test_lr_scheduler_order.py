@@ -8,8 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _amp_core_helpers import HALF_DTYPES, batch, tiny_mlp
+from _amp_core_helpers import HALF_DTYPES, MasterAdam, batch, tiny_mlp
 from amp_core import amp
+
+
+def _optimizer(kind: str, params) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=1.0)
+    return MasterAdam(params, lr=1.0)  # the fused master-weight path at O2
 
 
 # The same with amp_optimizers.FusedAdam at O2 (another package):
@@ -17,10 +23,16 @@ from amp_core import amp
 @pytest.mark.filterwarnings("error")
 @pytest.mark.parametrize("built", ["before_initialize", "after_initialize"])
 @pytest.mark.parametrize("half", HALF_DTYPES)
-@pytest.mark.parametrize("opt_level", ["O0", "O1", "O2", "O3"])
-def test_scheduler_steps_without_warnings_and_skipped_steps_stay_skipped(opt_level, half, built):
+@pytest.mark.parametrize(
+    "opt_level, kind",
+    [("O0", "sgd"), ("O1", "sgd"), ("O2", "sgd"), ("O3", "sgd"), ("O2", "master_adam")],
+    ids=["O0-sgd", "O1-sgd", "O2-sgd", "O3-sgd", "O2-master_adam"],
+)
+def test_scheduler_steps_without_warnings_and_skipped_steps_stay_skipped(
+    opt_level, kind, half, built
+):
     model = tiny_mlp(0)
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    opt = _optimizer(kind, model.parameters())
     if built == "before_initialize":  # the usual order of Apex scripts
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     model, opt = amp.initialize(model, opt, opt_level=opt_level, half_dtype=half, verbosity=0)
