@@ -8,10 +8,11 @@ driver; ``AMP_TORCH_BUILD=cuda`` picks the CUDA build, and ``AMP_TORCH`` names a
 requirement or a local wheel. ``cuda_build`` keeps its own CUDA torch (``AMP_CUDA_TORCH``).
 The test sessions install our packages from this checkout (editable, without dependencies),
 never from an index: a package's ``tests`` and ``slow_tests`` install that package and the
-toolkit packages its pyproject.toml requires (and theirs), nothing else of the toolkit, so its
-tests fail on an import it does not declare; ``integration`` and the other sessions that run
-the checkout install all five. ``build`` installs them from the wheelhouse it writes
-(``dist/``) and from this repository's git URL, with the exact commands README.md shows.
+toolkit packages its pyproject.toml declares (dependencies and extras, and theirs), nothing
+else of the toolkit, so its tests fail on an import it does not declare; ``integration`` and
+the other sessions that run the checkout install all five. ``build`` installs them from the
+wheelhouse it writes (``dist/``) and from this repository's git URL, with the exact commands
+README.md shows.
 """
 
 from __future__ import annotations
@@ -372,7 +373,7 @@ def _pytest(session: nox.Session, package: str, marker: str, success_codes: list
         # The fused norms' ONNX export is tested with both exporters (TorchScript: onnx;
         # dynamo: onnxscript too); both are pure-Python or wheels from PyPI.
         extra = ["onnx", "onnxscript"]
-    # A package's own tests get that package and the toolkit packages it requires only: an
+    # A package's own tests get that package and the toolkit packages it declares only: an
     # import of another one fails there (tests/integration/test_declared_dependencies.py finds
     # such imports without running anything). The integration tests get all five.
     packages = PACKAGES if package == "integration" else _with_toolkit_requirements(package)
