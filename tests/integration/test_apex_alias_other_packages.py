@@ -48,6 +48,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return dict(json.loads(lines[0].removeprefix("results ")))
 
 
+@pytest.mark.slow  # one Python process for the three checks
 @pytest.mark.parametrize(
     "check",
     [
