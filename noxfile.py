@@ -7,8 +7,12 @@ later session links to that. That install is the CPU build on machines without a
 driver; ``AMP_TORCH_BUILD=cuda`` picks the CUDA build, and ``AMP_TORCH`` names any other
 requirement or a local wheel. ``cuda_build`` keeps its own CUDA torch (``AMP_CUDA_TORCH``).
 The test sessions install our packages from this checkout (editable, without dependencies),
-never from an index; ``build`` installs them from the wheelhouse it writes (``dist/``) and from
-this repository's git URL, with the exact commands README.md shows.
+never from an index: a package's ``tests`` and ``slow_tests`` install that package and the
+toolkit packages its pyproject.toml declares (dependencies and extras, and theirs), nothing
+else of the toolkit, so its tests fail on an import it does not declare; ``integration`` and
+the other sessions that run the checkout install all five. ``build`` installs them from the
+wheelhouse it writes (``dist/``) and from this repository's git URL, with the exact commands
+README.md shows.
 """
 
 from __future__ import annotations
@@ -27,8 +31,16 @@ import sys
 import time
 from pathlib import Path
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # nox itself requires tomli on Python 3.10
+    import tomli as tomllib
+
 import nox
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent
@@ -267,15 +279,62 @@ def _install(session: nox.Session, *args: str) -> None:
     session.log(f"installed {' '.join(args)} in {time.perf_counter() - start:.0f} s")
 
 
-def _install_checkout(session: nox.Session, *requirements: str) -> None:
-    """Install all five packages from this checkout, after torch and ``requirements``."""
-    _link_torch(session)
+def _toolkit_requirements(package: str) -> list[str]:
+    """The toolkit packages that ``package`` declares: its ``dependencies`` and its extras'.
+
+    An extra is part of the package (amp-parallel's ``amp`` and ``kernels``): its tests test
+    the package with the extra and, by hiding the module, without it.
+    """
+    with (ROOT / "packages" / package / "pyproject.toml").open("rb") as file:
+        project = tomllib.load(file)["project"]
+    declared = [("", text) for text in project.get("dependencies", [])]
+    for extra, texts in project.get("optional-dependencies", {}).items():
+        declared += [(extra, text) for text in texts]
+    names = set()
+    for extra, text in declared:
+        requirement = Requirement(text)
+        environment = {**default_environment(), "extra": extra}
+        if requirement.marker is None or requirement.marker.evaluate(environment):
+            names.add(canonicalize_name(requirement.name))
+    return [name for name in PACKAGES if name in names]
+
+
+def _with_toolkit_requirements(package: str) -> list[str]:
+    """``package`` and the toolkit packages it declares, directly or through another one."""
+    found = {package}
+    pending = [package]
+    while pending:
+        for requirement in _toolkit_requirements(pending.pop()):
+            if requirement not in found:
+                found.add(requirement)
+                pending.append(requirement)
+    return [name for name in PACKAGES if name in found]
+
+
+def _install_checkout(
+    session: nox.Session, *requirements: str, packages: list[str] = PACKAGES
+) -> None:
+    """Install ``packages`` (default: all five) from this checkout, after torch and
+    ``requirements``; the toolkit's other packages must not be importable in the session.
+
+    torch's site folder is linked without the toolkit packages that may be installed next to
+    torch, so that neither their modules nor their metadata are found. A reused virtualenv may
+    hold toolkit packages from an earlier version of this file that installed all five: those
+    not in ``packages`` are uninstalled. The guard then checks both: every package of
+    ``packages`` comes from this checkout, and every other one is missing.
+    """
+    _link_torch(session, hide_toolkit=True)
     _install(session, "hatchling", *requirements)
-    editables = [arg for package in PACKAGES for arg in ("-e", f"packages/{package}")]
+    absent = [package for package in PACKAGES if package not in packages]
+    if absent and getattr(session.virtualenv, "_reused", False):
+        session.run("python", "-m", "pip", "uninstall", "--yes", *absent, silent=True)
+    editables = [arg for package in packages for arg in ("-e", f"packages/{package}")]
     session.install("--no-deps", "--no-build-isolation", *editables)
     session.run(
-        "python", str(CI_DIR / "checkout_guard.py"), str(ROOT / "packages"), *IMPORT_NAMES.values()
-    )
+        "python", str(CI_DIR / "checkout_guard.py"), str(ROOT / "packages"),
+        *(IMPORT_NAMES[package] for package in packages),
+        *(["--absent", *(IMPORT_NAMES[package] for package in absent)] if absent else []),
+    )  # fmt: skip
 
 
 def _has_test_files(folder: Path) -> bool:
@@ -314,7 +373,11 @@ def _pytest(session: nox.Session, package: str, marker: str, success_codes: list
         # The fused norms' ONNX export is tested with both exporters (TorchScript: onnx;
         # dynamo: onnxscript too); both are pure-Python or wheels from PyPI.
         extra = ["onnx", "onnxscript"]
-    _install_checkout(session, "pytest", "ninja", *extra)
+    # A package's own tests get that package and the toolkit packages it declares only: an
+    # import of another one fails there (tests/integration/test_declared_dependencies.py finds
+    # such imports without running anything). The integration tests get all five.
+    packages = PACKAGES if package == "integration" else _with_toolkit_requirements(package)
+    _install_checkout(session, "pytest", "ninja", *extra, packages=packages)
     session.run(
         "python",
         "-m",
@@ -332,6 +395,8 @@ def _pytest(session: nox.Session, package: str, marker: str, success_codes: list
 def tests(session: nox.Session, package: str) -> None:
     """Run one package's CPU tests (or tests/integration), without the slow tier.
 
+    A package's session has that package and the toolkit packages it declares (dependencies
+    and extras, transitively), no other; the integration session has all five.
     ``AMP_SLOW_TESTS=1`` adds the slow tier to the same pytest run (what CI does): one
     virtualenv per package instead of two (``slow_tests`` has its own), and the fixtures that
     compile the C++ extension for real run once.

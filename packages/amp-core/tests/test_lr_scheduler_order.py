@@ -8,23 +8,25 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _amp_core_helpers import HALF_DTYPES, batch, tiny_mlp
+from _amp_core_helpers import HALF_DTYPES, MasterAdam, batch, tiny_mlp
 from amp_core import amp
 
 
 def _optimizer(kind: str, params) -> torch.optim.Optimizer:
     if kind == "sgd":
         return torch.optim.SGD(params, lr=1.0)
-    return pytest.importorskip("amp_optimizers").FusedAdam(params, lr=1.0)
+    return MasterAdam(params, lr=1.0)  # the fused master-weight path at O2
 
 
+# The same with amp_optimizers.FusedAdam at O2 (another package):
+# tests/integration/test_lr_scheduler_order_fused_adam.py.
 @pytest.mark.filterwarnings("error")
 @pytest.mark.parametrize("built", ["before_initialize", "after_initialize"])
 @pytest.mark.parametrize("half", HALF_DTYPES)
 @pytest.mark.parametrize(
     "opt_level, kind",
-    [("O0", "sgd"), ("O1", "sgd"), ("O2", "sgd"), ("O3", "sgd"), ("O2", "fused_adam")],
-    ids=["O0-sgd", "O1-sgd", "O2-sgd", "O3-sgd", "O2-fused_adam"],
+    [("O0", "sgd"), ("O1", "sgd"), ("O2", "sgd"), ("O3", "sgd"), ("O2", "master_adam")],
+    ids=["O0-sgd", "O1-sgd", "O2-sgd", "O3-sgd", "O2-master_adam"],
 )
 def test_scheduler_steps_without_warnings_and_skipped_steps_stay_skipped(
     opt_level, kind, half, built

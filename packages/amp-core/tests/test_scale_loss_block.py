@@ -12,19 +12,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _amp_core_helpers import CHAIN_TOL, HALF_DTYPES, batch, tiny_mlp
+from _amp_core_helpers import CHAIN_TOL, HALF_DTYPES, MasterAdam, batch, tiny_mlp
 from amp_core import amp
 from amp_core._optimizer import optimizer_state
 
 LEVELS = ["O0", "O1", "O2", "O3"]
-# A torch optimizer at every level, and amp_optimizers.FusedAdam, which takes the fused
-# master-weight path at O2 (an ordinary optimizer at the other levels).
+# A torch optimizer at every level, and at O2 an Adam that keeps the masters itself (amp-core's
+# FusedMasterWeightOptimizer protocol, in plain PyTorch: MasterAdam), which takes the fused
+# master-weight path. The same blocks with amp_optimizers.FusedAdam (another package)
+# are in tests/integration/test_scale_loss_block_fused_adam.py.
 OPTIMIZERS = [
     pytest.param("O0", "sgd", id="O0-sgd"),
     pytest.param("O1", "sgd", id="O1-sgd"),
     pytest.param("O2", "sgd", id="O2-sgd"),
     pytest.param("O3", "sgd", id="O3-sgd"),
-    pytest.param("O2", "fused_adam", id="O2-fused_adam"),
+    pytest.param("O2", "master_adam", id="O2-master_adam"),
 ]
 
 
@@ -71,8 +73,7 @@ def _net(seed: int = 0) -> nn.Module:
 def _optimizer(kind: str, params, lr: float = 0.1) -> torch.optim.Optimizer:
     if kind == "sgd":
         return torch.optim.SGD(params, lr=lr)
-    fused = pytest.importorskip("amp_optimizers")
-    return fused.FusedAdam(params, lr=lr, eps=ADAM_EPS)
+    return MasterAdam(params, lr=lr, eps=ADAM_EPS)
 
 
 def _reference_optimizer(kind: str, params, lr: float = 0.1) -> torch.optim.Optimizer:
@@ -89,6 +90,8 @@ def _setup(opt_level: str, half: torch.dtype, kind: str = "sgd", **kwargs):
     model, opt = amp.initialize(
         model, opt, opt_level=opt_level, half_dtype=half, verbosity=0, **kwargs
     )
+    state = optimizer_state(opt)
+    assert state is not None and state.fused == (kind == "master_adam")
     return model, opt, ref, ref_opt
 
 
@@ -317,7 +320,7 @@ def test_nested_blocks_for_two_optimizers_keep_both_gradients(opt_level, half):
     [
         pytest.param("O1", "sgd", id="O1-sgd"),
         pytest.param("O2", "sgd", id="O2-sgd"),
-        pytest.param("O2", "fused_adam", id="O2-fused_adam"),
+        pytest.param("O2", "master_adam", id="O2-master_adam"),
     ],
 )
 def test_a_delayed_loss_finished_under_another_loss_id_keeps_its_weight(opt_level, kind, half):

@@ -262,47 +262,6 @@ def test_autocast_functional_forms_cast_like_the_modules(spec: NormSpec):
     assert float64.dtype == torch.float64  # float64 is left alone, as by autocast
 
 
-@pytest.fixture
-def amp_o1():
-    amp_core = pytest.importorskip("amp_core")
-    amp = amp_core.amp
-    yield amp
-    amp.initialize(torch.nn.Linear(1, 1), opt_level="O0", verbosity=0)  # casting off again
-
-
-@pytest.mark.parametrize("spec", NORMS, ids=NORM_IDS)
-@pytest.mark.parametrize("memory_efficient", [False, True])
-def test_amp_o1_runs_the_norms_in_fp32_like_layer_norm(amp_o1, spec: NormSpec, memory_efficient):
-    torch.manual_seed(6)
-    norm = spec.ours(16, memory_efficient=memory_efficient)
-    random_params(norm)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), norm)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    model, optimizer = amp_o1.initialize(
-        model, optimizer, opt_level="O1", half_dtype=torch.bfloat16, verbosity=0
-    )
-    x = torch.randn(3, 8)
-    hidden = model[0](x)
-    assert hidden.dtype == torch.bfloat16  # O1 casts the linear layer
-    out = model[1](hidden)
-    # layer_norm is an fp32 op in Apex's O1 policy; the fused norms follow it.
-    assert out.dtype == F.layer_norm(hidden, (16,)).dtype == torch.float32
-    with torch.autocast("cpu", enabled=False):
-        expected = spec.oracle(hidden.float(), (16,), norm.weight, norm.bias, norm.eps)
-        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    loss = model(x).square().sum()
-    with amp_o1.scale_loss(loss, optimizer) as scaled:
-        scaled.backward()
-    assert norm.weight.grad is not None and norm.weight.grad.dtype == torch.float32
-    assert torch.isfinite(norm.weight.grad).all()
-    assert functional_dtype_under_o1(spec) == torch.float32
-
-
-def functional_dtype_under_o1(spec: NormSpec) -> torch.dtype:
-    x = torch.randn(2, 8, dtype=torch.bfloat16)
-    return (fused_rms_norm if spec.rms else fused_layer_norm)(x, 8).dtype
-
-
 @pytest.mark.parametrize("spec", NORMS, ids=NORM_IDS)
 @pytest.mark.parametrize("memory_efficient", [False, True])
 @pytest.mark.parametrize("affine", [True, False])

@@ -1,7 +1,9 @@
 """The ``apex`` import hook behind ``python -m amp_legacy_fp16.apex_run`` (in this process).
 
 The end-to-end runs (a script importing every alias, ``torchrun`` with two ranks) are in
-``tests/integration/test_apex_run.py``; these need only amp-core and this package.
+``tests/integration/test_apex_run.py``, and the aliases of amp-fused-ops' and amp-optimizers'
+modules in ``tests/integration/test_apex_alias_other_packages.py``; these need only amp-core
+and this package.
 """
 
 from __future__ import annotations
@@ -172,46 +174,3 @@ def test_apex_amp_initialize_warns_only_under_the_apex_name(hook: None) -> None:
             core_amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
     finally:
         core_amp.close()
-
-
-def test_top_level_syncbn_is_the_syncbn_kernels(hook: None) -> None:
-    import syncbn
-
-    from amp_fused_ops import syncbn as toolkit_syncbn
-
-    for name in ("welford_mean_var", "welford_parallel", "batchnorm_forward", "reduce_bn",
-                 "batchnorm_backward"):  # fmt: skip
-        assert getattr(syncbn, name) is getattr(toolkit_syncbn, name), name
-    x = torch.randn(4, 3, 5)
-    mean, var_biased = syncbn.welford_mean_var(x)
-    torch.testing.assert_close(mean, x.mean(dim=(0, 2)))
-    torch.testing.assert_close(var_biased, x.var(dim=(0, 2), unbiased=False))
-
-
-def test_apex_contrib_optimizers_holds_the_cut_down_fp16_optimizer_and_fused_adam(
-    hook: None,
-) -> None:
-    from apex.contrib.optimizers import FP16_Optimizer, FusedAdam
-    from apex.contrib.optimizers.fp16_optimizer import FP16_Optimizer as FromSubmodule
-    from apex.contrib.optimizers.fused_adam import FusedAdam as AdamFromSubmodule
-
-    import amp_optimizers
-
-    assert FP16_Optimizer is FromSubmodule is amp_optimizers.FP16_Optimizer
-    assert FusedAdam is AdamFromSubmodule is amp_optimizers.FusedAdam
-    contrib = importlib.import_module("apex.contrib.optimizers")
-    assert sorted(contrib.__all__) == ["FP16_Optimizer", "FusedAdam"]
-    assert {"FP16_Optimizer", "FusedAdam"} <= set(dir(contrib))
-    # Apex's contrib FusedLAMB had another signature than amp_optimizers.FusedLAMB: not aliased.
-    with pytest.raises(AttributeError, match="FusedLAMB"):
-        _ = contrib.FusedLAMB
-    assert "FusedSGD" not in dir(contrib)
-
-
-def test_dir_of_the_top_level_amp_C_lists_its_ops(hook: None) -> None:
-    import amp_C
-
-    names = dir(amp_C)
-    for op in ("multi_tensor_scale", "multi_tensor_adam", "multi_tensor_l2norm",
-               "update_scale_hysteresis"):  # fmt: skip
-        assert op in names, op
