@@ -572,3 +572,18 @@ def test_memory_efficient_with_a_zero_weight_saves_the_input(spec: NormSpec):
         norm(x)
     big = [t for t in saved if t.numel() == x.numel()]
     assert len(big) == 1 and big[0].data_ptr() == x.data_ptr()
+
+
+@pytest.mark.parametrize("memory_efficient", [False, True])
+def test_torch_export_names_the_norm_op_and_runs(memory_efficient: bool) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16),
+        FusedLayerNorm(16, memory_efficient=memory_efficient),
+        FusedRMSNorm(16, memory_efficient=memory_efficient),
+    )
+    x = torch.randn(4, 8)
+    exported = torch.export.export(model, (x,))
+    targets = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
+    assert "amp_fused_ops.norm_forward.default" in targets
+    torch.testing.assert_close(exported.module()(x), model(x), rtol=0, atol=0)
