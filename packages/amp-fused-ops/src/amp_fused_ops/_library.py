@@ -29,6 +29,7 @@ and its compiled kernels registered under the same name.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -324,6 +325,54 @@ def _number_tensor(op: str, name: str, value: Any, device: torch.device, cpu: bo
     return torch.full((1,), float(value), dtype=torch.float32, device=device)
 
 
+# Ops whose kernels work element by element and never raise the noop flag: on DTensor
+# (sharded) arguments they step each rank's local shards, which is the whole answer.
+_SHARD_LOCAL_OPS = frozenset({"multi_tensor_adam", "multi_tensor_sgd", "multi_tensor_adagrad"})
+
+
+def _local_shards(name: str, lists: list[Any]) -> list[Any]:
+    """``lists`` with every DTensor replaced by its local shard (FSDP2 parameters and state).
+
+    Only for :data:`_SHARD_LOCAL_OPS`. Every other op reduces over whole tensors (norms,
+    LAMB's trust ratio) or raises the noop flag from the values it reads, and a shard would
+    give a rank-local answer: those raise instead of computing it.
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None)
+    if dtensor is None or not any(
+        type(t) is dtensor for part in lists if part is not None for t in part
+    ):
+        return lists
+    if name not in _SHARD_LOCAL_OPS:
+        raise NotImplementedError(
+            f"{name} got DTensor (sharded) arguments: the op reduces over whole tensors or "
+            "raises the overflow flag from the values it reads, and on one rank's shards it "
+            "would give that rank's answer only. Sharded (FSDP2) parameters work with "
+            "FusedAdam (capturable=False), FusedSGD and FusedAdagrad; use torch.optim for "
+            "the others"
+        )
+    local: list[Any] = []
+    for index, part in enumerate(lists):
+        if part is None:
+            local.append(None)
+            continue
+        shards = []
+        for position, t in enumerate(part):
+            reference = lists[0][position]
+            if type(t) is not type(reference) or (
+                type(t) is dtensor
+                and (t.placements, t.device_mesh) != (reference.placements, reference.device_mesh)
+            ):
+                raise ValueError(
+                    f"{name}: tensor_lists[{index}][{position}] and tensor_lists[0][{position}] "
+                    "are not sharded alike (a DTensor and a plain tensor, or other placements "
+                    "or meshes); the optimizer state must be sharded as its parameter"
+                )
+            shards.append(t.to_local() if type(t) is dtensor else t)
+        local.append(shards)
+    return local
+
+
 def apex_convention(
     name: str, overload: Any, *, cpu_scalars: bool | None = None
 ) -> Callable[..., Any]:
@@ -364,6 +413,7 @@ def apex_convention(
         if given not in counts:
             raise ValueError(f"{name}: expected {layouts}, got {given}")
         lists: list[Any] = [*tensor_lists, *([None] * (most - given))]
+        lists = _local_shards(name, lists)
         if "mode" in kwargs:
             kwargs["decay_mode"] = kwargs.pop("mode")
         if numbers:
