@@ -84,7 +84,7 @@ ZERO_WEIGHT_CASES = [
 def check_zero_weight_gradients(spec: NormSpec, variant: str, dtype: torch.dtype) -> None:
     """``memory_efficient=True`` with two zero columns in the weight: every gradient (input,
     weight, bias) matches PyTorch's own norm differentiated in fp32 on the same values."""
-    from amp_fused_ops._norm_functions import (
+    from amp_fused_ops.normalization._functions import (
         FusedLayerNormAffineFunction,
         FusedRMSNormAffineFunction,
     )

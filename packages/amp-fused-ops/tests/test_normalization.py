@@ -34,7 +34,6 @@ from amp_fused_ops import (
     MixedFusedLayerNorm,
     MixedFusedRMSNorm,
     _loader,
-    _norm_ops,
     fused_layer_norm,
     fused_layer_norm_affine,
     fused_rms_norm,
@@ -43,6 +42,7 @@ from amp_fused_ops import (
     mixed_dtype_fused_rms_norm_affine,
 )
 from amp_fused_ops._extension import api as ext_api
+from amp_fused_ops.normalization import _ops as _norm_ops
 
 SHAPES = [  # (input shape, normalized_shape): rows of 1, 7, 64, 555 and 1025 elements
     ((4, 7), (7,)),
@@ -441,8 +441,11 @@ def test_signatures_follow_apex(name):
 def test_cpu_layer_norm_on_aten_kernels_matches_the_fp32_reference(dtype, mixed):
     # CPU LayerNorm runs ATen's fused kernels (native_layer_norm and its backward, with fp32
     # parameters); the statistics and the math must stay those of the fp32 reference.
-    from amp_fused_ops import _norm_ops
-    from amp_fused_ops._norm_reference import norm_backward_reference, norm_forward_reference
+    from amp_fused_ops.normalization import _ops as _norm_ops
+    from amp_fused_ops.normalization._reference import (
+        norm_backward_reference,
+        norm_forward_reference,
+    )
 
     torch.manual_seed(3)
     rows, hidden = 33, 1000

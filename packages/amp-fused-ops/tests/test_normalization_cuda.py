@@ -6,8 +6,8 @@ Two oracles:
   its error against a float64 reference (plus two roundings of the dtype at the result's scale
   for fp32, whose errors are all summation order; plus one rounding with ``memory_efficient``,
   whose input is recomputed from the rounded output);
-* the fp32 PyTorch reference path (``amp_fused_ops._norm_reference``) on the same CUDA tensors,
-  for the statistics and the dtype combinations PyTorch has no op for (mixed dtypes).
+* the fp32 PyTorch reference path (``amp_fused_ops.normalization._reference``) on the same
+  CUDA tensors, for the statistics and the dtype combinations PyTorch has no op for (mixed dtypes).
 
 Row lengths run from 1 to 65536 and include sizes that are not multiples of the vector width
 (7, 555, 1025, 4099) and a misaligned buffer, so both the vector and the scalar paths run.
@@ -21,7 +21,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from _norm_helpers import NORM_IDS, NORMS, NormSpec, max_err, random_params, run_with_grads
-from amp_fused_ops import FusedLayerNorm, FusedRMSNorm, _loader, _norm_ops, _norm_reference
+from amp_fused_ops import FusedLayerNorm, FusedRMSNorm, _loader
+from amp_fused_ops.normalization import _ops as _norm_ops
+from amp_fused_ops.normalization import _reference as _norm_reference
 
 pytestmark = pytest.mark.gpu
 

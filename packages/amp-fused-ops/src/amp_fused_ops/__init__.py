@@ -19,9 +19,10 @@ from amp_fused_ops._flatten import flatten, unflatten
 
 # Multi-tensor apply (Apex: apex.multi_tensor_apply)
 from amp_fused_ops._multi_tensor_apply import MultiTensorApply, multi_tensor_applier
+from amp_fused_ops._version import __version__
 
 # Fused LayerNorm / RMSNorm (Apex: apex.normalization)
-from amp_fused_ops._normalization import (
+from amp_fused_ops.normalization._modules import (
     FusedLayerNorm,
     FusedRMSNorm,
     MixedFusedLayerNorm,
@@ -33,7 +34,6 @@ from amp_fused_ops._normalization import (
     mixed_dtype_fused_layer_norm_affine,
     mixed_dtype_fused_rms_norm_affine,
 )
-from amp_fused_ops._version import __version__
 
 __all__ = [
     "__version__",

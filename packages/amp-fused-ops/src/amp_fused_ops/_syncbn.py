@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from amp_fused_ops._norm_ops import cuda_op
+from amp_fused_ops.normalization._ops import cuda_op
 
 __all__ = [
     "batchnorm_backward",

@@ -6,13 +6,13 @@ FusedLayerNorm``); the autograd Functions and functional forms are in
 :mod:`amp_fused_ops.normalization.fused_layer_norm`, as in Apex.
 """
 
-from amp_fused_ops._normalization import (
+from amp_fused_ops.normalization import fused_layer_norm
+from amp_fused_ops.normalization._modules import (
     FusedLayerNorm,
     FusedRMSNorm,
     MixedFusedLayerNorm,
     MixedFusedRMSNorm,
 )
-from amp_fused_ops.normalization import fused_layer_norm
 
 __all__ = [
     "FusedLayerNorm",

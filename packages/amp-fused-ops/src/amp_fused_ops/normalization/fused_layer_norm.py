@@ -14,7 +14,7 @@ Groups:
     * :func:`manual_rms_norm`, Apex's plain-PyTorch RMSNorm
 """
 
-from amp_fused_ops._norm_functions import (
+from amp_fused_ops.normalization._functions import (
     FusedLayerNormAffineFunction,
     FusedLayerNormAffineMixedDtypesFunction,
     FusedLayerNormFunction,
@@ -23,7 +23,7 @@ from amp_fused_ops._norm_functions import (
     FusedRMSNormFunction,
     manual_rms_norm,
 )
-from amp_fused_ops._normalization import (
+from amp_fused_ops.normalization._modules import (
     FusedLayerNorm,
     FusedRMSNorm,
     MixedFusedLayerNorm,

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from amp_fused_ops._norm_ops import norm_backward, norm_forward, saves_output
+from amp_fused_ops.normalization._ops import norm_backward, norm_forward, saves_output
 
 __all__ = [
     "FusedLayerNormAffineFunction",

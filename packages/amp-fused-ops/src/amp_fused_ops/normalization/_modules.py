@@ -2,7 +2,7 @@
 
 Every entry point reshapes the input to ``(rows, hidden)`` and calls the custom op
 ``torch.ops.amp_fused_ops.norm_forward`` (CUDA kernel or fp32-accumulating PyTorch reference,
-see :mod:`amp_fused_ops._norm_ops`). The math is fp32 whatever the dtypes. Under
+see :mod:`amp_fused_ops.normalization._ops`). The math is fp32 whatever the dtypes. Under
 ``torch.autocast`` they do what Apex's did: input and parameters are cast to the autocast dtype
 and the output is in it (fp32 statistics inside). Under amp O1, whose policy runs
 ``layer_norm`` in fp32, they return fp32 like ``layer_norm``.
@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from amp_fused_ops._norm_ops import check_floating, norm_forward
-from amp_fused_ops._norm_reference import output_dtype
+from amp_fused_ops.normalization._ops import check_floating, norm_forward
+from amp_fused_ops.normalization._reference import output_dtype
 
 __all__ = [
     "FusedLayerNorm",

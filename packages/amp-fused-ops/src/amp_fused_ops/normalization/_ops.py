@@ -4,7 +4,7 @@ Both are ``torch.library`` custom ops with fake (meta) implementations, so ``tor
 treats them as opaque nodes, and ``norm_forward`` has its autograd formula registered. Each
 runs the CUDA kernels of ``csrc/cuda/layer_norm.cu`` (``torch.ops.amp_fused_ops_cuda_ops``)
 when the input is on CUDA and the CUDA extension is loaded, and the fp32-accumulating
-PyTorch reference of :mod:`amp_fused_ops._norm_reference` everywhere else.
+PyTorch reference of :mod:`amp_fused_ops.normalization._reference` everywhere else.
 
 Under ``torch.autocast`` on the input's device, ``norm_forward`` does what Apex's fused norms
 did: the input and the parameters (float32 / float16 / bfloat16) are cast to the autocast
@@ -26,7 +26,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 from amp_fused_ops import _loader
-from amp_fused_ops._norm_reference import (
+from amp_fused_ops.normalization._reference import (
     norm_backward_reference,
     norm_forward_reference,
     output_dtype,
