@@ -67,7 +67,7 @@ def _load_loader(root: Path) -> ModuleType:
     """Import ``src/amp_fused_ops/_extension`` by path (without the package's __init__).
 
     Its modules import each other relatively, so the folder loads as a package of its own.
-    Loading a compiled module imports ``amp_fused_ops._amp_C`` (the ops' Python wrappers):
+    Loading a compiled module imports ``amp_fused_ops._library`` (the op registry):
     ``src/`` goes first on ``sys.path`` so that this tree's package is the one imported, even
     where none (or another version) is installed in the build environment.
     """
