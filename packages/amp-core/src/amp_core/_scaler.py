@@ -223,7 +223,6 @@ class LossScaler:
         self._pending: tuple[float, int] | None = None  # from load_state_dict before first use
         self._static_unskipped = 0  # a static scale's step count lives on the host
         self._static_inv: torch.Tensor | None = None  # 1/scale of a static scale, once made
-        self._static_inv: torch.Tensor | None = None  # 1/scale of a static scale, once made
 
     # -- device state -----------------------------------------------------------------------
 
