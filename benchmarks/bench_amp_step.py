@@ -435,8 +435,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--compare-threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--compare-rounds", type=int, default=6)
-    parser.add_argument("--compare-warmup", type=int, default=2)
-    parser.add_argument("--compare-iters", type=int, default=5)
+    # A fresh amp.initialize takes a few steps to settle: warm up longer than the variants.
+    parser.add_argument("--compare-warmup", type=int, default=5)
+    parser.add_argument("--compare-iters", type=int, default=10)
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
     return parser.parse_args(argv)
 

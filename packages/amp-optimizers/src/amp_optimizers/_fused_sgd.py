@@ -141,7 +141,7 @@ class FusedSGD(FusedOptimizerBase):
             # The op's first_run flag holds for a whole launch: params whose momentum buffer is
             # new (the first step, or a param whose first gradient comes later) are launched
             # apart from those that continue their buffer.
-            if self._fresh_buffers.isdisjoint(map(id, plan.params)):
+            if not self._fresh_buffers or self._fresh_buffers.isdisjoint(map(id, plan.params)):
                 launches = [(False, b.device, [b.grads(grads), *b.columns]) for b in plan.buckets]
             else:
                 launches = self._split_first_run(plan.params, grads)
