@@ -134,7 +134,7 @@ def scale_loss(
     # in the dtypes the forward saved. With autocast left on, the engine would run them through
     # the autocast kernels too, and the policy's fp32 ops (the bias gradients' sums) would cast.
     suspend = (
-        casting.suspended()
+        casting.autocast_off()
         if casting is not None and casting.is_active()
         else contextlib.nullcontext()
     )
