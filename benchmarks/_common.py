@@ -99,3 +99,31 @@ def default_threads() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+# The CPU features that decide how fast bf16 runs on a CPU (AVX-512 BF16 dot products, AMX tiles).
+CPU_FLAGS_OF_INTEREST = ("avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_flags() -> dict[str, bool]:
+    """Which of :data:`CPU_FLAGS_OF_INTEREST` /proc/cpuinfo lists (all False elsewhere)."""
+    listed: set[str] = set()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                listed = set(line.split(":", 1)[1].split())
+                break
+    return {flag: flag in listed for flag in CPU_FLAGS_OF_INTEREST}
+
+
+def format_cpu_flags(flags: dict[str, bool]) -> str:
+    """``avx512_bf16 yes, amx_bf16 no, ...`` for a table's heading."""
+    return ", ".join(f"{flag} {'yes' if on else 'no'}" for flag, on in flags.items())
+
+
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages (a shared machine's other work), or ``n/a``."""
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"

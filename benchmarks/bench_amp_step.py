@@ -1,4 +1,5 @@
-"""Time one training step of a small transformer under fp32, torch.autocast, amp O1 and amp O2.
+"""Time one training step of a small transformer under fp32, torch.autocast, amp O1 and amp O2,
+and compare amp O1 with torch.autocast on an MLP, interleaved, per thread count and loss scale.
 
 A step is forward, loss, backward, optimizer.step() and zero_grad(). Each round builds every
 variant afresh (same seed), warms it up and times a few steps; the median over all rounds is
@@ -6,11 +7,18 @@ reported. Order matters: ``amp.initialize(opt_level="O1")`` turns casting on for
 thread until the next ``initialize``, so within a round fp32 and plain autocast run first, then
 O1, then O2 (whose ``initialize`` switches O1 casting off again, before the next round).
 
+The O1 comparison (``--compare``) times an MLP (512-1024-512 + LayerNorm, batch 256, SGD)
+under ``torch.autocast`` and under amp O1 with a dynamic loss scale, a static scale of 1 and a
+static 128, at each of ``--compare-threads``. Rounds alternate the order of the two (autocast
+first, then O1 first, ...), and amp is closed after each O1 block, so the autocast steps never
+run with amp's casting on. Each table records the CPU's bf16 features (AVX512-BF16, AMX).
+
 Usage:
     python benchmarks/bench_amp_step.py --device cpu
+    python benchmarks/bench_amp_step.py --device cpu --compare-only --compare-threads 1 2
     python benchmarks/bench_amp_step.py --device cuda --iters 100
 
-Prints a table and writes ``benchmarks/out/amp_step_<device>.json``. Never asserts a time.
+Prints tables and writes ``benchmarks/out/amp_step_<device>.json``. Never asserts a time.
 """
 
 from __future__ import annotations
@@ -28,11 +36,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from _common import cpu_flags, format_cpu_flags, load_average
 from amp_core import amp
 
 LOG = logging.getLogger("bench_amp_step")
@@ -271,6 +281,136 @@ def format_table(results: Sequence[VariantResult], goal: dict[str, float | bool]
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class MlpConfig:
+    dim: int = 512
+    hidden: int = 1024
+    batch: int = 256
+
+
+# The loss scales of the O1 comparison: amp's default, a static scale of one, a static 128.
+COMPARE_SCALES: tuple[str, ...] = ("dynamic", "1.0", "128")
+
+
+def make_mlp(cfg: MlpConfig, device: torch.device, seed: int) -> tuple[nn.Module, torch.optim.SGD]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Linear(cfg.dim, cfg.hidden),
+        nn.GELU(),
+        nn.Linear(cfg.hidden, cfg.dim),
+        nn.LayerNorm(cfg.dim),
+    ).to(device)
+    return model, torch.optim.SGD(model.parameters(), lr=1e-3)
+
+
+def mlp_autocast_step(
+    cfg: MlpConfig, device: torch.device, seed: int, data: tuple[Tensor, Tensor], half: torch.dtype
+) -> Step:
+    model, optimizer = make_mlp(cfg, device, seed)
+    scaler = torch.amp.GradScaler(device.type, enabled=half == torch.float16)
+    x, y = data
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=half):
+            loss = F.mse_loss(model(x).float(), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+
+    return step
+
+
+def mlp_o1_step(
+    cfg: MlpConfig,
+    device: torch.device,
+    seed: int,
+    data: tuple[Tensor, Tensor],
+    half: torch.dtype,
+    loss_scale: str,
+) -> Step:
+    model, optimizer = make_mlp(cfg, device, seed)
+    scale: float | str = loss_scale if loss_scale == "dynamic" else float(loss_scale)
+    model, optimizer = amp.initialize(
+        model, optimizer, opt_level="O1", verbosity=0, half_dtype=half, loss_scale=scale
+    )
+    x, y = data
+
+    def step() -> None:
+        loss = F.mse_loss(model(x), y)  # O1 runs mse_loss in fp32
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step
+
+
+def compare_o1(
+    device: torch.device, half: torch.dtype, threads: int, loss_scale: str, args: argparse.Namespace
+) -> dict[str, float]:
+    """Interleaved medians of the MLP step under autocast and under amp O1 at ``loss_scale``."""
+    torch.set_num_threads(threads)
+    cfg = MlpConfig()
+    generator = torch.Generator().manual_seed(args.seed)
+    x = torch.randn(cfg.batch, cfg.dim, generator=generator).to(device)  # (B, D)
+    y = torch.randn(cfg.batch, cfg.dim, generator=generator).to(device)  # (B, D)
+    builders: list[tuple[str, Callable[[], Step]]] = [
+        ("autocast", lambda: mlp_autocast_step(cfg, device, args.seed, (x, y), half)),
+        ("amp O1", lambda: mlp_o1_step(cfg, device, args.seed, (x, y), half, loss_scale)),
+    ]
+    times: dict[str, list[float]] = {"autocast": [], "amp O1": []}
+    for round_index in range(args.compare_rounds):
+        order = builders if round_index % 2 == 0 else builders[::-1]
+        for name, build in order:
+            times[name] += time_step(build(), device, args.compare_warmup, args.compare_iters)
+            if name == "amp O1":
+                amp.close()  # autocast steps run with amp's casting off
+    auto, o1 = times["autocast"], times["amp O1"]
+    return {
+        "threads": threads,
+        "loss_scale": loss_scale,
+        "autocast_median_ms": statistics.median(auto),
+        "o1_median_ms": statistics.median(o1),
+        "autocast_min_ms": min(auto),
+        "o1_min_ms": min(o1),
+        "ratio": statistics.median(o1) / statistics.median(auto),
+        "ratio_by_min": min(o1) / min(auto),
+    }
+
+
+def format_compare_table(rows: Sequence[dict[str, float]]) -> str:
+    columns = f"{'loss scale':<12}{'autocast ms':>13}{'amp O1 ms':>11}{'O1/autocast':>13}"
+    columns += f"{'by min':>9}"
+    lines = [columns, "-" * len(columns)]
+    for r in rows:
+        met = "" if r["ratio"] <= O1_GOAL else "  (goal not met)"
+        lines.append(
+            f"{r['loss_scale']!s:<12}{r['autocast_median_ms']:>13.2f}{r['o1_median_ms']:>11.2f}"
+            f"{r['ratio']:>12.3f}x{r['ratio_by_min']:>8.3f}x{met}"
+        )
+    return "\n".join(lines)
+
+
+def run_compare(
+    device: torch.device, half: torch.dtype, args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    flags = cpu_flags() if device.type == "cpu" else {}
+    tables = []
+    for threads in args.compare_threads:
+        rows = [compare_o1(device, half, threads, scale, args) for scale in COMPARE_SCALES]
+        heading = (
+            f"amp O1 vs torch.autocast, MLP {asdict(MlpConfig())}, {threads} thread(s), "
+            f"{str(half).removeprefix('torch.')}, load average {load_average()}"
+        )
+        if flags:
+            heading += f"\nCPU flags: {format_cpu_flags(flags)}"
+        print(heading)
+        print(format_compare_table(rows))
+        tables.append({"threads": threads, "cpu_flags": flags, "rows": rows})
+    return tables
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -284,6 +424,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--compare",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run the interleaved amp O1 vs autocast MLP comparison",
+    )
+    parser.add_argument(
+        "--compare-only", action="store_true", help="run only the O1 vs autocast comparison"
+    )
+    parser.add_argument("--compare-threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--compare-rounds", type=int, default=6)
+    # A fresh amp.initialize takes a few steps to settle: warm up longer than the variants.
+    parser.add_argument("--compare-warmup", type=int, default=5)
+    parser.add_argument("--compare-iters", type=int, default=10)
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
     return parser.parse_args(argv)
 
@@ -306,8 +460,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         half = getattr(torch, args.half_dtype)
     cfg = ModelConfig()
-    results = run_variants(cfg, device, half, args)
-    goal = goals(results)
+    compare = run_compare(device, half, args) if args.compare or args.compare_only else []
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.compare_only:
+        results, goal = [], {}
+    else:
+        results = run_variants(cfg, device, half, args)
+        goal = goals(results)
     record = {
         "benchmark": "amp_step",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -323,12 +483,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "iters": args.iters,
         "results": [asdict(r) for r in results],
         "goals": goal,
+        "load_average": load_average(),
+        "cpu_flags": cpu_flags() if device.type == "cpu" else {},
+        "o1_compare": compare,
     }
-    print(
-        f"{record['device_name']} ({device.type}), {record['threads']} threads, "
-        f"torch {torch.__version__}, half dtype {record['half_dtype']}"
-    )
-    print(format_table(results, goal))
+    if results:
+        print(
+            f"{record['device_name']} ({device.type}), {record['threads']} threads, "
+            f"torch {torch.__version__}, half dtype {record['half_dtype']}"
+        )
+        print(format_table(results, goal))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     out = args.out_dir / f"amp_step_{device.type}.json"
     out.write_text(json.dumps(record, indent=2) + "\n")

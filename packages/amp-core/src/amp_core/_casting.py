@@ -235,6 +235,20 @@ class O1Casting:
             finally:
                 self._suspended -= 1
 
+    @contextlib.contextmanager
+    def autocast_off(self) -> Iterator[None]:
+        """Switch PyTorch's autocast off inside the block, for the backward of a step.
+
+        Unlike :meth:`suspended`, the user's function registrations stay in force (Apex's
+        patches were always on), so a forward recomputed during the backward (activation
+        checkpointing, which restores the autocast state of the original forward) is cast as
+        the original forward was.
+        """
+        with contextlib.ExitStack() as stack:
+            for device_type in self.device_types:
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+            yield
+
     def deactivate(self) -> None:
         """Undo everything: autocast state, policy kernels, user wraps, the step hook."""
         if registry.casting is not self:

@@ -128,8 +128,19 @@ def scale_loss(
     scale = None if unit else scaler.scale_tensor(loss.device)
     for state in states:
         state.begin_backward(scaler, delay_unscale=delay_unscale, unit=unit)
+    scaled = loss.float() if scale is None else loss.float() * scale
+    # The backward runs without O1's casts, as under Apex (whose casts were Python-level
+    # patches of the forward functions) and as after a torch.autocast block: backward ops run
+    # in the dtypes the forward saved. With autocast left on, the engine would run them through
+    # the autocast kernels too, and the policy's fp32 ops (the bias gradients' sums) would cast.
+    suspend = (
+        casting.autocast_off()
+        if casting is not None and casting.is_active()
+        else contextlib.nullcontext()
+    )
     try:
-        yield loss.float() if scale is None else loss.float() * scale
+        with suspend:
+            yield scaled
     except BaseException:
         # The gradients and the stage go back to what they were before the block.
         for state in states:

@@ -386,9 +386,15 @@ def read_overflow(
     Returns:
         Whether ``found_inf`` is set, and the scales of ``scalers`` in order.
     """
-    values = [found_inf.float().reshape(())]
-    values += [s.scale_tensor(s.device or found_inf.device).to(found_inf.device) for s in scalers]
-    flag, *scales = torch.stack(values).tolist()
+    if not scalers:
+        return bool(found_inf.item()), []
+    # amp's own bookkeeping, outside the O1 policy (stack would go through its Python kernel).
+    with torch._C._DisableAutocast():
+        values = [found_inf.float().reshape(())]
+        values += [
+            s.scale_tensor(s.device or found_inf.device).to(found_inf.device) for s in scalers
+        ]
+        flag, *scales = torch.stack(values).tolist()
     for scaler, value in zip(scalers, scales, strict=True):
         scaler.note_host_scale(value)
     return bool(flag), scales

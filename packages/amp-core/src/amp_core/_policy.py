@@ -201,22 +201,52 @@ def _make_kernel(
 
         return no_half_inplace
 
-    def kernel(*args: Any, **kwargs: Any) -> Any:
-        with torch._C._ExcludeDispatchKeyGuard(below):
-            if cast is Cast.FP32:
-                args, kwargs = cast_args(args, kwargs, torch.float32, only=_LOW_PRECISION)
-            elif cast is Cast.LOW:
+    call = getattr(op, "_op", op)  # the C++ callable: one Python frame less per call
+    guard = torch._C._ExcludeDispatchKeyGuard
+
+    if cast is Cast.FP32:
+        # Most calls under O1 get fp32 inputs already: look before rebuilding the arguments.
+        def fp32(*args: Any, **kwargs: Any) -> Any:
+            with guard(below):
+                if _has_dtype(args, _LOW_PRECISION) or (
+                    kwargs and _has_dtype(tuple(kwargs.values()), _LOW_PRECISION)
+                ):
+                    args, kwargs = cast_args(args, kwargs, torch.float32, only=_LOW_PRECISION)
+                return call(*args, **kwargs)
+
+        return fp32
+
+    if cast is Cast.LOW:
+
+        def low(*args: Any, **kwargs: Any) -> Any:
+            with guard(below):
                 half = torch.get_autocast_dtype(device_type)
                 args, kwargs = cast_args(args, kwargs, half, only=(torch.float32, *_LOW_PRECISION))
-            else:
-                widest = widest_dtype([*args, *kwargs.values()])
-                if widest is not None:
-                    args, kwargs = cast_args(
-                        args, kwargs, widest, only=(torch.float32, torch.float64, *_LOW_PRECISION)
-                    )
-            return op(*args, **kwargs)
+                return call(*args, **kwargs)
 
-    return kernel
+        return low
+
+    def promote(*args: Any, **kwargs: Any) -> Any:
+        with guard(below):
+            widest = widest_dtype([*args, *kwargs.values()])
+            if widest is not None:
+                args, kwargs = cast_args(
+                    args, kwargs, widest, only=(torch.float32, torch.float64, *_LOW_PRECISION)
+                )
+            return call(*args, **kwargs)
+
+    return promote
+
+
+def _has_dtype(values: tuple[Any, ...] | list[Any], dtypes: tuple[torch.dtype, ...]) -> bool:
+    """Whether a tensor in ``values`` (nested lists and tuples included) has one of ``dtypes``."""
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            if v.dtype in dtypes:
+                return True
+        elif isinstance(v, (list, tuple)) and _has_dtype(v, dtypes):
+            return True
+    return False
 
 
 class PolicyKernels:

@@ -39,10 +39,11 @@ _STATE_KEYS = ("loss_scale", "unskipped")
 _MAX_COUNT = torch.iinfo(torch.int32).max  # the device counter is int32
 
 
-def _mark_nonfinite(tensors: list[torch.Tensor], found_inf: torch.Tensor) -> None:
-    """Raise ``found_inf`` (on the device) when any of ``tensors`` holds an inf or a nan.
+def _norm_nonfinite(tensors: list[torch.Tensor], found_inf: torch.Tensor) -> None:
+    """:func:`_mark_nonfinite` through max-norms: reads the tensors once, writes nothing.
 
-    Reads the tensors once and writes nothing to them.
+    Much slower than the fused check on CPU (PyTorch's inf-norm is not vectorized there), so
+    used only where the fused op cannot take the tensors.
     """
     tensors = [t for t in tensors if t.numel() > 0]
     if not tensors:
@@ -57,6 +58,50 @@ def _mark_nonfinite(tensors: list[torch.Tensor], found_inf: torch.Tensor) -> Non
 # (PyTorch's CUDA kernel takes float32 and float16, not bfloat16), learned on first use.
 _NO_FUSED_UNSCALE: set[tuple[str, torch.dtype]] = set()
 
+# A 0-dim float32 one per device: the inverse scale of a check that changes no value.
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
+def _one(device: torch.device) -> torch.Tensor:
+    one = _ONES.get(device)
+    if one is None:
+        one = _ONES[device] = torch.ones((), dtype=torch.float32, device=device)
+    return one
+
+
+def _fused_check(
+    group: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+) -> bool:
+    """PyTorch's fused check-and-unscale of ``group`` (one device, one dtype), in one pass;
+    False (nothing done) where it has no kernel for the group's device and dtype.
+
+    The op raises before it writes anything, so a group it refuses is left as it was.
+    """
+    key = (group[0].device.type, group[0].dtype)
+    if key in _NO_FUSED_UNSCALE:
+        return False
+    try:
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale)
+    except NotImplementedError:
+        _NO_FUSED_UNSCALE.add(key)
+        return False
+    return True
+
+
+def _mark_nonfinite(group: list[torch.Tensor], found_inf: torch.Tensor) -> None:
+    """Raise ``found_inf`` (on the device) when a tensor of ``group`` (one device, one dtype)
+    holds an inf or a nan; every value stays as it was.
+
+    The fused check with an inverse scale of exactly one, which hands each value back untouched
+    (PyTorch's kernels skip the multiply for a scale of one: bit for bit, nan payloads and
+    subnormals included). Tensors that must not be written to even so (part of an autograd
+    graph, inference tensors) and groups without a fused kernel are checked through max-norms.
+    """
+    if any(t.requires_grad or t.is_inference() for t in group) or not _fused_check(
+        group, found_inf, _one(found_inf.device)
+    ):
+        _norm_nonfinite(group, found_inf)
+
 
 def _check_and_unscale(
     group: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
@@ -66,18 +111,11 @@ def _check_and_unscale(
 
     PyTorch's fused op where it has a kernel for the group's device and dtype; else the same
     result in two foreach passes (the check reads the values before they are multiplied, as the
-    fused op does). The fused op raises before it writes anything, so a group it refuses is
-    unscaled exactly once.
+    fused op does).
     """
-    key = (group[0].device.type, group[0].dtype)
-    if key not in _NO_FUSED_UNSCALE:
-        try:
-            torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale)
-            return
-        except NotImplementedError:
-            _NO_FUSED_UNSCALE.add(key)
-    _mark_nonfinite(group, found_inf)
-    torch._foreach_mul_(group, inv_scale)
+    if not _fused_check(group, found_inf, inv_scale):
+        _norm_nonfinite(group, found_inf)
+        torch._foreach_mul_(group, inv_scale)
 
 
 def _dense_parts(grads: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -184,6 +222,7 @@ class LossScaler:
         self._unskipped: torch.Tensor | None = None
         self._pending: tuple[float, int] | None = None  # from load_state_dict before first use
         self._static_unskipped = 0  # a static scale's step count lives on the host
+        self._static_inv: torch.Tensor | None = None  # 1/scale of a static scale, once made
 
     # -- device state -----------------------------------------------------------------------
 
@@ -200,6 +239,20 @@ class LossScaler:
             assert self._unskipped is not None
             self._unskipped = self._unskipped.to(device)
         return self._scale
+
+    def inv_scale_tensor(self, device: torch.device) -> torch.Tensor:
+        """``1 / scale`` as a 0-dim fp32 tensor on ``device`` (computed in fp64, as the fused
+        optimizers do); kept between steps for a static scale, whose value does not change."""
+        cached = self._static_inv
+        if cached is not None and cached.device == device:
+            return cached
+        scale = self.scale_tensor(device)
+        # amp's own arithmetic, outside the O1 policy (which would widen it through Python).
+        with torch._C._DisableAutocast():
+            inv = scale.double().reciprocal().float()
+        if not self.dynamic:
+            self._static_inv = inv
+        return inv
 
     @property
     def is_unit_static(self) -> bool:
@@ -250,27 +303,27 @@ class LossScaler:
             groups[(g.device, g.dtype)].append(g)
         if not groups:
             return
-        scale = self.scale_tensor(found_inf.device)
+        inv_scale = None if unit else self.inv_scale_tensor(found_inf.device)
         check_output = check and self._low_hint < 1.0
         for (device, _), group in groups.items():
-            if check:
-                local_inf = (
-                    found_inf
-                    if device == found_inf.device
-                    else torch.zeros_like(found_inf, device=device)
-                )
-                if unit:  # nothing to multiply: read the gradients once, write nothing
+            local_inv = None if inv_scale is None else inv_scale.to(device, non_blocking=True)
+            if not check:
+                assert local_inv is not None
+                torch._foreach_mul_(group, local_inv)
+                continue
+            local_inf = (
+                found_inf
+                if device == found_inf.device
+                else torch.zeros_like(found_inf, device=device)
+            )
+            if local_inv is None:  # a static scale of one: check only, no value changes
+                _mark_nonfinite(group, local_inf)
+            else:  # one fused pass: check, then multiply
+                _check_and_unscale(group, local_inf, local_inv)
+                if check_output:  # finite * (1/scale > 1) may overflow
                     _mark_nonfinite(group, local_inf)
-                else:
-                    inv_scale = scale.double().reciprocal().float().to(device, non_blocking=True)
-                    _check_and_unscale(group, local_inf, inv_scale)
-                    if check_output:  # finite * (1/scale > 1) may overflow
-                        _mark_nonfinite(group, local_inf)
-                if local_inf is not found_inf:
-                    found_inf.add_(local_inf.to(found_inf.device, non_blocking=True))
-            else:
-                inv_scale = scale.double().reciprocal().float().to(device, non_blocking=True)
-                torch._foreach_mul_(group, inv_scale)
+            if local_inf is not found_inf:
+                found_inf.add_(local_inf.to(found_inf.device, non_blocking=True))
 
     def unscale_with_stash_(
         self,
@@ -414,6 +467,7 @@ class LossScaler:
         if not self.dynamic:
             self._initial_scale = scale  # the host copy of a static scale
             self._static_unskipped = unskipped
+            self._static_inv = None
         self._low_hint = scale
         if self._scale is None:
             self._pending = (scale, unskipped)

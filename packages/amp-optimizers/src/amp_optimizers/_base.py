@@ -8,12 +8,19 @@ The algorithms live in their own modules; this one only holds the plumbing, writ
 * :class:`FusedOptimizerBase` adds Apex's ``set_grad_none`` ``zero_grad`` and a
   ``load_state_dict`` that keeps the saved state's dtypes (``torch.optim.Optimizer`` would cast
   float32 state to the dtype of a half parameter, which is lossy).
+* :class:`StepPlan` keeps what a step of one param group needs that does not depend on the
+  tensor values (which params have a gradient, the buckets, the checked preconditions, the
+  state tensors), so that a step with the same layout as the last one only gathers the
+  gradients; see :meth:`FusedOptimizerBase.step_plan` for when a plan is rebuilt.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -22,6 +29,8 @@ from torch import Tensor
 __all__ = [
     "AmpCOp",
     "FusedOptimizerBase",
+    "PlanBucket",
+    "StepPlan",
     "check_betas",
     "check_nonnegative",
     "first_param_device",
@@ -173,6 +182,60 @@ def first_param_device(param_groups: Iterable[dict[str, Any]]) -> torch.device:
     return torch.device("cpu")
 
 
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
+_GRAD = operator.attrgetter("grad")
+_IS_SPARSE = operator.attrgetter("is_sparse")
+
+
+@dataclass(frozen=True)
+class PlanBucket:
+    """The params of one ``(device, dtype)`` of a group and their state tensors.
+
+    Attributes:
+        device: Where they live.
+        index: Positions of the bucket's params among the group's params with a gradient, or
+            ``None`` when the bucket holds all of them (the usual case: one bucket).
+        columns: ``[params, state_column_0, ...]``, the lists passed to the multi-tensor op.
+    """
+
+    device: torch.device
+    index: list[int] | None
+    columns: list[list[Tensor]]
+
+    def grads(self, grads: list[Tensor]) -> list[Tensor]:
+        """The bucket's gradients, out of the group's list (in the order of ``columns``)."""
+        return grads if self.index is None else [grads[i] for i in self.index]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One param group's step layout, valid while nothing it was built from changed.
+
+    Attributes:
+        group: The param group it was built for (identity).
+        signature: Identity, dtype and device of each param with a gradient, in order.
+        state: The optimizer's state mapping it read (identity) and its length then.
+        generation: The optimizer's plan generation (bumped by ``load_state_dict`` etc.).
+        params: The params with a gradient.
+        buckets: One per ``(device, dtype)``, in the order of first appearance.
+    """
+
+    group: dict[str, Any]
+    signature: tuple[tuple[int, ...], tuple[torch.dtype, ...], tuple[torch.device, ...]]
+    state: Any
+    state_len: int
+    generation: int
+    params: list[Tensor]
+    buckets: list[PlanBucket]
+
+
+def _signature(
+    params: list[Tensor],
+) -> tuple[tuple[int, ...], tuple[torch.dtype, ...], tuple[torch.device, ...]]:
+    return tuple(map(id, params)), tuple(map(_DTYPE, params)), tuple(map(_DEVICE, params))
+
+
 class FusedOptimizerBase(torch.optim.Optimizer):
     """``torch.optim.Optimizer`` plus Apex's ``zero_grad`` and dtype-preserving state loading.
 
@@ -189,6 +252,8 @@ class FusedOptimizerBase(torch.optim.Optimizer):
     def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
         super().__init__(params, defaults)
         self._noop_flags: dict[torch.device, Tensor] = {}
+        self._plans: dict[int, StepPlan] = {}  # by id of the param group
+        self._plan_generation = 0
         self._dummy_overflow_buf = self.noop_flag(first_param_device(self.param_groups))
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
@@ -204,6 +269,93 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                     p.grad = None
         else:
             super().zero_grad(set_to_none=False)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.invalidate_step_plans()  # also gives an optimizer pickled without plans its own
+
+    def invalidate_step_plans(self) -> None:
+        """Forget every cached :class:`StepPlan` (the next step rebuilds them)."""
+        self._plans = {}
+        self._plan_generation = getattr(self, "_plan_generation", 0) + 1
+
+    def step_plan(
+        self,
+        name: str,
+        group: dict[str, Any],
+        state_columns: Callable[[Tensor], Sequence[Tensor]],
+    ) -> tuple[StepPlan | None, list[Tensor]]:
+        """The group's step layout and the gradients of this step, in the plan's order.
+
+        Per step this reads each param's ``.grad``, identity, dtype and device; the rest (the
+        sparse and dtype checks of :func:`params_with_grads`, the grouping by device and dtype,
+        the state lookups and their creation through ``state_columns``) is done again only when
+        the layout changed: a param gained or lost its gradient, a param of the group was
+        replaced, added or removed, a param's dtype or device changed (``p.data = ...``,
+        ``module.half()``), the optimizer's ``state`` was replaced or gained or lost entries, or
+        :meth:`invalidate_step_plans` was called (``load_state_dict`` does). A state tensor
+        replaced in ``optimizer.state[p]`` by hand is not seen before one of those.
+
+        Args:
+            name: The optimizer's name, for the errors of :func:`params_with_grads`.
+            group: The param group.
+            state_columns: A param's state tensors, created on first use (e.g. its moments).
+
+        Returns:
+            ``(plan, grads)``, or ``(None, [])`` when no param of the group has a gradient.
+
+        Raises:
+            RuntimeError: as :func:`params_with_grads`, when the plan is (re)built.
+        """
+        params = group["params"]
+        grads = list(map(_GRAD, params))
+        if not all(map(operator.is_not, grads, repeat(None))):
+            params = [p for p, g in zip(params, grads, strict=True) if g is not None]
+            grads = [g for g in grads if g is not None]
+        if not params:
+            return None, []
+        signature = _signature(params)
+        plan = self._plans.get(id(group))
+        if (
+            plan is None
+            or plan.group is not group
+            or plan.signature != signature
+            or plan.state is not self.state
+            or plan.state_len != len(self.state)
+            or plan.generation != self._plan_generation
+        ):
+            plan = self._build_plan(name, group, list(params), signature, state_columns)
+        # A sparse gradient is a property of this step's tensors: checked every step.
+        if any(map(_IS_SPARSE, grads)):
+            params_with_grads(name, plan.params)  # raises
+        return plan, grads
+
+    def _build_plan(
+        self,
+        name: str,
+        group: dict[str, Any],
+        params: list[Tensor],
+        signature: tuple[tuple[int, ...], tuple[torch.dtype, ...], tuple[torch.device, ...]],
+        state_columns: Callable[[Tensor], Sequence[Tensor]],
+    ) -> StepPlan:
+        params_with_grads(name, params)  # raises on a sparse gradient or an unsupported dtype
+        rows = [(p, *state_columns(p)) for p in params]
+        keys = list(zip(signature[2], signature[1], strict=True))
+        buckets = []
+        for key, columns in group_by_device_dtype(rows).items():
+            index = (
+                None
+                if len(columns[0]) == len(params)
+                else [i for i, k in enumerate(keys) if k == key]
+            )
+            buckets.append(PlanBucket(key[0], index, columns))
+        plan = StepPlan(
+            group, signature, self.state, len(self.state), self._plan_generation, params, buckets
+        )
+        live = {id(g) for g in self.param_groups}
+        self._plans = {k: v for k, v in self._plans.items() if k in live}
+        self._plans[id(group)] = plan
+        return plan
 
     def noop_flag(self, device: torch.device) -> Tensor:
         """This optimizer's one-element int32 flag on ``device``, reset to 0."""
@@ -223,6 +375,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         """
         saved_state = state_dict["state"]
         saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        self.invalidate_step_plans()
         super().load_state_dict(state_dict)
         params = [p for g in self.param_groups for p in g["params"]]
         for pid, param in zip(saved_ids, params, strict=False):

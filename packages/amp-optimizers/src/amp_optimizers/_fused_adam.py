@@ -26,6 +26,7 @@ from ._adam_state_format import add_per_param_steps, from_torch_adam, is_torch_a
 from ._base import (
     AmpCOp,
     FusedOptimizerBase,
+    StepPlan,
     check_betas,
     check_nonnegative,
     group_by_device_dtype,
@@ -257,12 +258,15 @@ class FusedAdam(FusedOptimizerBase):
             or grad_scale is not None
             or found_inf is not None
         )
+        if not use_device_path:
+            # Every group's layout (and its checks) before any group steps.
+            plans = [(g, *self.step_plan("FusedAdam", g, self._moments)) for g in self.param_groups]
+            for group, plan, grads in plans:
+                if plan is not None:
+                    self._plain_step(group, plan, grads)
+            return loss
         work = [(g, params_with_grads("FusedAdam", g["params"])) for g in self.param_groups]
         work = [(group, params) for group, params in work if params]
-        if not use_device_path:
-            for group, params in work:
-                self._plain_step(group, params)
-            return loss
         inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
         if found_inf is not None:
             # GradScaler's found_inf already covers every gradient: no pre-check needed.
@@ -279,25 +283,28 @@ class FusedAdam(FusedOptimizerBase):
             unscale_grads_in_place(grads, grad_scale)
         return loss
 
-    def _plain_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
+    def _moments(self, p: Tensor) -> tuple[Tensor, Tensor]:
+        state = self._state(p)
+        return state["exp_avg"], state["exp_avg_sq"]
+
+    def _plain_step(self, group: dict[str, Any], plan: StepPlan, grads: list[Tensor]) -> None:
         group["step"] = int(group.get("step", 0)) + 1
         beta1, beta2 = group["betas"]
-        rows = []
-        for p in params:
-            state = self._state(p)
-            rows.append((p, p.grad, state["exp_avg"], state["exp_avg_sq"]))
-        for (device, _), (ps, gs, ms, vs) in group_by_device_dtype(rows).items():
+        lr = float(group["lr"])
+        bias_correction = 1 if group["bias_correction"] else 0
+        for bucket in plan.buckets:
+            ps, ms, vs = bucket.columns
             multi_tensor_applier(
                 amp_C.multi_tensor_adam,
-                self.noop_flag(device),
-                [gs, ps, ms, vs],
-                float(group["lr"]),
+                self.noop_flag(bucket.device),
+                [bucket.grads(grads), ps, ms, vs],
+                lr,
                 beta1,
                 beta2,
                 group["eps"],
                 group["step"],
                 self.adam_w_mode,
-                1 if group["bias_correction"] else 0,
+                bias_correction,
                 group["weight_decay"],
             )
 
@@ -393,6 +400,7 @@ class FusedAdam(FusedOptimizerBase):
             ``(model_param, master)`` for every half param.
         """
         self._amp_master = True
+        self.invalidate_step_plans()
         pairs = []
         for group in self.param_groups:
             for p in group["params"]:
@@ -405,6 +413,7 @@ class FusedAdam(FusedOptimizerBase):
         """Undo :meth:`amp_enable_fused_master_weights` (masters dropped unless
         ``master_weights=True`` was asked for at construction)."""
         self._amp_master = False
+        self.invalidate_step_plans()
         if not self.master_weights:
             for state in self.state.values():
                 state.pop("master_param", None)

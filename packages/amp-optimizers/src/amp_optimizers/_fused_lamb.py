@@ -16,7 +16,6 @@ from ._base import (
     check_betas,
     check_nonnegative,
     group_by_device_dtype,
-    params_with_grads,
 )
 
 __all__ = ["FusedLAMB", "check_lamb_args", "global_grad_norm", "lamb_moments", "launch_lamb"]
@@ -28,8 +27,16 @@ def global_grad_norm(grads: list[Tensor], device: torch.device) -> Tensor:
     Returns:
         A one-element float32 tensor on ``device`` (no host sync).
     """
+    buckets = group_by_device_dtype((g,) for g in grads)
+    return _bucketed_grad_norm({key: gs for key, (gs,) in buckets.items()}, device)
+
+
+def _bucketed_grad_norm(
+    buckets: dict[tuple[torch.device, torch.dtype], list[Tensor]], device: torch.device
+) -> Tensor:
+    """:func:`global_grad_norm` of gradients already grouped by ``(device, dtype)``."""
     norms = []
-    for (dev, _), (gs,) in group_by_device_dtype((g,) for g in grads).items():
+    for (dev, _), gs in buckets.items():
         flag = torch.zeros(1, dtype=torch.int32, device=dev)
         total, _ = multi_tensor_applier(amp_C.multi_tensor_l2norm, flag, [gs], False)
         norms.append(total.reshape(1).to(device))
@@ -197,6 +204,9 @@ class FusedLAMB(FusedOptimizerBase):
         self.set_grad_none = set_grad_none
         self.use_nvlamb = use_nvlamb
 
+    def _moments(self, p: Tensor) -> tuple[Tensor, Tensor]:
+        return lamb_moments(self.state[p], p)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One LAMB step over every param that has a gradient.
@@ -208,30 +218,32 @@ class FusedLAMB(FusedOptimizerBase):
             The closure's loss, or None.
         """
         loss = self._run_closure(closure)
-        per_group = [params_with_grads("FusedLAMB", g["params"]) for g in self.param_groups]
-        grads = [p.grad for params in per_group for p in params if p.grad is not None]
-        if not grads:
+        # Every group's layout (and its checks) before any group steps.
+        plans = [(g, *self.step_plan("FusedLAMB", g, self._moments)) for g in self.param_groups]
+        # The gradients by (device, dtype) in the order global_grad_norm would group them.
+        by_key: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+        for _, plan, group_grads in plans:
+            for bucket in plan.buckets if plan is not None else []:
+                key = (bucket.device, bucket.columns[0][0].dtype)
+                by_key.setdefault(key, []).extend(bucket.grads(group_grads))
+        if not by_key:
             return loss
-        norm = global_grad_norm(grads, grads[0].device)
+        first = next(g for _, _, group_grads in plans for g in group_grads)
+        norm = _bucketed_grad_norm(by_key, first.device)
         max_grad_norm = self.defaults["max_grad_norm"]
-        for group, params in zip(self.param_groups, per_group, strict=True):
-            if not params:
+        for group, plan, group_grads in plans:
+            if plan is None:
                 continue
             group["step"] = int(group.get("step", 0)) + 1
-            rows = []
-            for p in params:
-                grad = p.grad
-                assert grad is not None  # params_with_grads kept only these
-                exp_avg, exp_avg_sq = lamb_moments(self.state[p], p)
-                rows.append((p, grad, exp_avg, exp_avg_sq))
-            for (device, _), (ps, gs, ms, vs) in group_by_device_dtype(rows).items():
+            for bucket in plan.buckets:
+                ps, ms, vs = bucket.columns
                 launch_lamb(
-                    self.noop_flag(device),
-                    [gs, ps, ms, vs],
+                    self.noop_flag(bucket.device),
+                    [bucket.grads(group_grads), ps, ms, vs],
                     group,
                     lr=group["lr"],
                     step=group["step"],
-                    global_norm=norm.to(device),
+                    global_norm=norm.to(bucket.device),
                     max_grad_norm=max_grad_norm,
                     adam_w_mode=self.adam_w_mode,
                     use_nvlamb=self.use_nvlamb,

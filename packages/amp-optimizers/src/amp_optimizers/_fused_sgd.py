@@ -16,7 +16,6 @@ from ._base import (
     FusedOptimizerBase,
     check_nonnegative,
     group_by_device_dtype,
-    params_with_grads,
 )
 
 __all__ = ["FusedSGD"]
@@ -93,11 +92,32 @@ class FusedSGD(FusedOptimizerBase):
         self.most_recent_scale = 1.0
         self.scale_set_by_backward = False
         self.set_grad_none = set_grad_none
+        self._fresh_buffers: set[int] = set()  # ids of params given a buffer in this step
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         for group in self.param_groups:
             group.setdefault("nesterov", False)
+
+    def _momentum_buffer(self, p: Tensor) -> tuple[Tensor]:
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+            self._fresh_buffers.add(id(p))
+        return (state["momentum_buffer"],)
+
+    def _split_first_run(
+        self, params: list[Tensor], grads: list[Tensor]
+    ) -> list[tuple[bool, torch.device, list[list[Tensor]]]]:
+        """The launches of a step in which some momentum buffers are new: those apart."""
+        rows: dict[bool, list[tuple[Tensor, Tensor, Tensor]]] = {True: [], False: []}
+        for p, g in zip(params, grads, strict=True):
+            rows[id(p) in self._fresh_buffers].append((p, g, self.state[p]["momentum_buffer"]))
+        return [
+            (first_run, device, [gs, ps, bufs])
+            for first_run, first_rows in rows.items()
+            for (device, _), (ps, gs, bufs) in group_by_device_dtype(first_rows).items()
+        ]
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -110,34 +130,34 @@ class FusedSGD(FusedOptimizerBase):
             The closure's loss, or None.
         """
         loss = self._run_closure(closure)
-        for group in self.param_groups:
-            params = params_with_grads("FusedSGD", group["params"])
-            if not params:
+        self._fresh_buffers = set()
+        # Every group's layout (and its checks) before any group steps.
+        plans = [
+            (g, *self.step_plan("FusedSGD", g, self._momentum_buffer)) for g in self.param_groups
+        ]
+        for group, plan, grads in plans:
+            if plan is None:
                 continue
             # The op's first_run flag holds for a whole launch: params whose momentum buffer is
             # new (the first step, or a param whose first gradient comes later) are launched
             # apart from those that continue their buffer.
-            rows: dict[bool, list[tuple[Tensor, Tensor, Tensor]]] = {True: [], False: []}
-            for p in params:
-                state = self.state[p]
-                first = "momentum_buffer" not in state
-                if first:
-                    state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
-                assert p.grad is not None  # params_with_grads kept only those
-                rows[first].append((p, p.grad, state["momentum_buffer"]))
-            for first_run, first_rows in rows.items():
-                for (device, _), (ps, gs, bufs) in group_by_device_dtype(first_rows).items():
-                    multi_tensor_applier(
-                        amp_C.multi_tensor_sgd,
-                        self.noop_flag(device),
-                        [gs, ps, bufs],
-                        group["weight_decay"],
-                        group["momentum"],
-                        group["dampening"],
-                        group["lr"],
-                        group["nesterov"],
-                        first_run,
-                        self.wd_after_momentum,
-                        1.0,
-                    )
+            if not self._fresh_buffers or self._fresh_buffers.isdisjoint(map(id, plan.params)):
+                launches = [(False, b.device, [b.grads(grads), *b.columns]) for b in plan.buckets]
+            else:
+                launches = self._split_first_run(plan.params, grads)
+                self.invalidate_step_plans()  # the next step continues every buffer
+            for first_run, device, (gs, ps, bufs) in launches:
+                multi_tensor_applier(
+                    amp_C.multi_tensor_sgd,
+                    self.noop_flag(device),
+                    [gs, ps, bufs],
+                    group["weight_decay"],
+                    group["momentum"],
+                    group["dampening"],
+                    group["lr"],
+                    group["nesterov"],
+                    first_run,
+                    self.wd_after_momentum,
+                    1.0,
+                )
         return loss

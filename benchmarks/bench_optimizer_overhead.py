@@ -1,0 +1,183 @@
+"""Time one optimizer step over many small tensors, where the Python layer is most of the step.
+
+Variants, each over ``--tensors`` fp32 params of ``--numel`` elements (10, 100 and 1000 tensors
+by default), every param with a gradient:
+
+- ``FusedAdam``: ``amp_optimizers.FusedAdam`` (AdamW mode), the ``optimizer.step()`` a user calls;
+- ``torch fused``: ``torch.optim.AdamW(fused=True)``;
+- ``torch foreach``: ``torch.optim.AdamW(foreach=True)``;
+- ``FusedSGD``: ``amp_optimizers.FusedSGD`` with momentum, and ``torch SGD foreach`` beside it;
+- ``FusedLAMB``: ``amp_optimizers.FusedLAMB`` (no torch equivalent; reported for its trend).
+
+The params stay the same tensors between steps and their gradients are set once, so a step
+does what a training step's ``optimizer.step()`` does after the first one (the first, which
+creates the state, is a warm-up step). Rounds alternate the variants and rebuild them, so a
+change of the machine's load shows in every variant; the median over all rounds is reported,
+with its ratio to ``torch fused``.
+
+Usage:
+    python benchmarks/bench_optimizer_overhead.py
+    python benchmarks/bench_optimizer_overhead.py --tensors 10 100 1000 --threads 1
+
+Prints a table per tensor count and writes ``benchmarks/out/optimizer_overhead.json``. Never
+asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import platform
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from _common import (
+    Step,
+    cpu_flags,
+    default_threads,
+    device_name,
+    format_cpu_flags,
+    load_average,
+    time_step,
+)
+from amp_optimizers import FusedAdam, FusedLAMB, FusedSGD
+
+LOG = logging.getLogger("bench_optimizer_overhead")
+
+DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "out"
+GOAL_VARIANT = "FusedAdam"  # <= torch fused at every tensor count (docs/design.rst)
+YARDSTICK = "torch fused"
+
+OptimizerFactory = Callable[[list[Tensor]], torch.optim.Optimizer]
+
+VARIANTS: dict[str, OptimizerFactory] = {
+    "FusedAdam": lambda ps: FusedAdam(ps, lr=1e-3, weight_decay=0.01),
+    "torch fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, fused=True),
+    "torch foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, foreach=True),
+    "FusedSGD": lambda ps: FusedSGD(ps, lr=1e-3, momentum=0.9),
+    "torch SGD foreach": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, foreach=True),
+    "FusedLAMB": lambda ps: FusedLAMB(ps, lr=1e-3),
+}
+
+
+def make_params(tensors: int, numel: int, device: str, seed: int) -> list[Tensor]:
+    """``tensors`` fp32 params of ``numel`` elements, each with a gradient."""
+    gen = torch.Generator().manual_seed(seed)
+    params = []
+    for _ in range(tensors):
+        p = torch.nn.Parameter(torch.randn(numel, generator=gen).to(device))
+        p.grad = (1e-3 * torch.randn(numel, generator=gen)).to(device)
+        params.append(p)
+    return params
+
+
+def optimizer_step(factory: OptimizerFactory, params: list[Tensor]) -> Step:
+    optimizer = factory(params)
+
+    def step() -> None:
+        optimizer.step()
+
+    return step
+
+
+def run_count(tensors: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Median step time of every variant at ``tensors`` tensors, interleaved by rounds."""
+    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    names = list(VARIANTS)
+    for round_index in range(args.rounds):
+        order = names if round_index % 2 == 0 else names[::-1]
+        LOG.info("%d tensors, round %d/%d", tensors, round_index + 1, args.rounds)
+        for name in order:
+            params = make_params(tensors, args.numel, args.device, args.seed)
+            step = optimizer_step(VARIANTS[name], params)
+            times[name] += time_step(step, args.device, args.warmup, args.iters)
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    return {
+        "tensors": tensors,
+        "numel": args.numel,
+        "median_ms": medians,
+        "min_ms": {name: min(t) for name, t in times.items()},
+        "vs_torch_fused": {name: m / medians[YARDSTICK] for name, m in medians.items()},
+        "goal_met": medians[GOAL_VARIANT] <= medians[YARDSTICK],
+    }
+
+
+def format_table(result: dict[str, Any]) -> str:
+    columns = f"{'variant':<20}{'median us':>11}{'min us':>9}{'vs torch fused':>16}"
+    lines = [
+        f"{result['tensors']} tensors x {result['numel']} elements",
+        columns,
+        "-" * len(columns),
+    ]
+    for name, median in result["median_ms"].items():
+        lines.append(
+            f"{name:<20}{median * 1e3:>11.1f}{result['min_ms'][name] * 1e3:>9.1f}"
+            f"{result['vs_torch_fused'][name]:>15.3f}x"
+        )
+    met = "met" if result["goal_met"] else "NOT met"
+    lines.append(f"goal: {GOAL_VARIANT} <= {YARDSTICK} (medians): {met}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--tensors", type=int, nargs="+", default=[10, 100, 1000])
+    parser.add_argument("--numel", type=int, default=64, help="elements per tensor")
+    parser.add_argument("--rounds", type=int, default=4, help="repeats of the variant sequence")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per round")
+    parser.add_argument("--iters", type=int, default=20, help="timed steps per round")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for, but torch.cuda.is_available() is False")
+    torch.set_num_threads(args.threads or default_threads())
+    results = [run_count(n, args) for n in args.tensors]
+    flags = cpu_flags() if args.device == "cpu" else {}
+    record = {
+        "benchmark": "optimizer_overhead",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "device": args.device,
+        "device_name": device_name(args.device),
+        "threads": torch.get_num_threads(),
+        "cpu_flags": flags,
+        "load_average": load_average(),
+        "rounds": args.rounds,
+        "warmup": args.warmup,
+        "iters": args.iters,
+        "results": results,
+    }
+    print(
+        f"{record['device_name']} ({args.device}), {record['threads']} threads, "
+        f"torch {torch.__version__}, load average {record['load_average']}"
+    )
+    if flags:
+        print(f"CPU flags: {format_cpu_flags(flags)}")
+    for result in results:
+        print(format_table(result))
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    out = args.out_dir / "optimizer_overhead.json"
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    LOG.info("results written to %s", out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
