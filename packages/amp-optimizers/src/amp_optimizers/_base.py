@@ -236,6 +236,25 @@ def _signature(
     return tuple(map(id, params)), tuple(map(_DTYPE, params)), tuple(map(_DEVICE, params))
 
 
+def _plan_buckets(
+    name: str,
+    params: list[Tensor],
+    signature: tuple[tuple[int, ...], tuple[torch.dtype, ...], tuple[torch.device, ...]],
+    state_columns: Callable[[Tensor], Sequence[Tensor]],
+) -> list[PlanBucket]:
+    """The checks of :func:`params_with_grads`, then the params and their state by bucket."""
+    params_with_grads(name, params)  # raises on a sparse gradient or an unsupported dtype
+    rows = [(p, *state_columns(p)) for p in params]
+    keys = list(zip(signature[2], signature[1], strict=True))
+    buckets = []
+    for key, columns in group_by_device_dtype(rows).items():
+        index = (
+            None if len(columns[0]) == len(params) else [i for i, k in enumerate(keys) if k == key]
+        )
+        buckets.append(PlanBucket(key[0], index, columns))
+    return buckets
+
+
 class FusedOptimizerBase(torch.optim.Optimizer):
     """``torch.optim.Optimizer`` plus Apex's ``zero_grad`` and dtype-preserving state loading.
 
@@ -307,6 +326,8 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         Raises:
             RuntimeError: as :func:`params_with_grads`, when the plan is (re)built.
         """
+        if torch.compiler.is_compiling():
+            return self._traced_plan(name, group, state_columns)
         params = group["params"]
         grads = list(map(_GRAD, params))
         if not all(map(operator.is_not, grads, repeat(None))):
@@ -330,6 +351,26 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             params_with_grads(name, plan.params)  # raises
         return plan, grads
 
+    def _traced_plan(
+        self,
+        name: str,
+        group: dict[str, Any],
+        state_columns: Callable[[Tensor], Sequence[Tensor]],
+    ) -> tuple[StepPlan | None, list[Tensor]]:
+        """:meth:`step_plan` while ``torch.compile`` traces: built every time, never cached.
+
+        The compiled step is guarded on these params by Dynamo itself; the cache's identity
+        bookkeeping (``id``, ``operator.attrgetter``) is host work Dynamo does not trace.
+        """
+        pairs = [(p, p.grad) for p in group["params"] if p.grad is not None]
+        if not pairs:
+            return None, []
+        params = [p for p, _ in pairs]
+        grads = [g for _, g in pairs]
+        signature = ((), tuple(p.dtype for p in params), tuple(p.device for p in params))
+        buckets = _plan_buckets(name, params, signature, state_columns)
+        return StepPlan(group, signature, self.state, 0, -1, params, buckets), grads
+
     def _build_plan(
         self,
         name: str,
@@ -338,17 +379,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         signature: tuple[tuple[int, ...], tuple[torch.dtype, ...], tuple[torch.device, ...]],
         state_columns: Callable[[Tensor], Sequence[Tensor]],
     ) -> StepPlan:
-        params_with_grads(name, params)  # raises on a sparse gradient or an unsupported dtype
-        rows = [(p, *state_columns(p)) for p in params]
-        keys = list(zip(signature[2], signature[1], strict=True))
-        buckets = []
-        for key, columns in group_by_device_dtype(rows).items():
-            index = (
-                None
-                if len(columns[0]) == len(params)
-                else [i for i, k in enumerate(keys) if k == key]
-            )
-            buckets.append(PlanBucket(key[0], index, columns))
+        buckets = _plan_buckets(name, params, signature, state_columns)
         plan = StepPlan(
             group, signature, self.state, len(self.state), self._plan_generation, params, buckets
         )
