@@ -151,3 +151,26 @@ def test_the_fake_kernels_check_devices_as_the_kernels_do() -> None:
     ins = [torch.empty(3, device="meta")]
     with pytest.raises(RuntimeError, match=r"tensor_lists\[0\]\[0\] is on meta but noop_flag"):
         _op("multi_tensor_scale")(64, _flag(), ins, [torch.empty(3)], 1.0)
+
+
+# --- the norm ops (custom ops of their own, outside the amp_C registry) --------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("memory_efficient", [False, True])
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_opcheck_norm_ops(rms: bool, memory_efficient: bool, device: str) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 8, generator=gen).to(device).requires_grad_()
+    weight = (torch.rand(8, generator=gen) + 0.5).to(device).requires_grad_()
+    bias = None if rms else torch.randn(8, generator=gen).to(device).requires_grad_()
+    forward = torch.ops.amp_fused_ops.norm_forward.default
+    args = (x, weight, bias, 1e-5, rms, False, memory_efficient)
+    torch.library.opcheck(forward, args)
+    y, mean, invvar = (t.detach() for t in forward(*args))
+    saved = y if memory_efficient else x.detach()
+    grad_out = torch.randn(4, 8, generator=gen).to(device)
+    backward_args = (grad_out, saved, mean, invvar, weight.detach(),
+                     None if bias is None else bias.detach(), rms, memory_efficient,
+                     torch.float32)  # fmt: skip
+    torch.library.opcheck(torch.ops.amp_fused_ops.norm_backward.default, backward_args)
