@@ -335,8 +335,9 @@ def run_scaling(args: argparse.Namespace, kernel_reason: str | None) -> ScalingR
         sum(math.prod(s) for s in shapes), [list(s) for s in shapes], counts, cpu_flags()
     )
     base = make_tensors(shapes, args.seed, "cpu")
-    # Adam with L2 weight decay (the design goal names torch.optim.Adam(fused=True)); the same
-    # math in all three: mode 0 of the kernel, FusedAdam(adam_w_mode=False).
+    # Adam with L2 weight decay, as the CPU goal in docs/design.rst names
+    # torch.optim.Adam(fused=True); the same math in all three: mode 0 of the kernel,
+    # FusedAdam(adam_w_mode=False).
     builders: dict[str, Callable[[TensorLists], Step]] = {
         "torch fused": lambda lists: torch_adam_step(lists, torch.optim.Adam, fused=True)
     }
