@@ -169,7 +169,7 @@ def torch_adamw_step(lists: TensorLists, **kwargs: bool) -> Step:
 
 
 def torch_adam_step(
-    lists: TensorLists, optimizer_class: type[torch.optim.Optimizer], **kwargs: bool
+    lists: TensorLists, optimizer_class: Callable[..., torch.optim.Optimizer], **kwargs: bool
 ) -> Step:
     """``optimizer_class`` (torch.optim.Adam or AdamW) over the lists, from the same moments."""
     grads, params, exp_avgs, exp_avg_sqs = lists
