@@ -2,9 +2,10 @@
 //
 // Every op checks its tensor lists once (check_tensor_lists), cuts the tensors of the first
 // list into chunks of at most `chunk_size` elements (make_chunks), and runs one functor per
-// chunk with at::parallel_for over all chunks of all tensors (for_each_chunk). Elements are
-// visited in storage order, which is why every tensor must be dense (contiguous in some
-// memory format) and every tensor at one list position must share one layout.
+// chunk with at::parallel_for over all chunks of all tensors, split between the threads by
+// elements (for_each_chunk). Elements are visited in storage order, which is why every
+// tensor must be dense (contiguous in some memory format) and every tensor at one list
+// position must share one layout.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -64,17 +65,41 @@ inline std::vector<Chunk> make_chunks(const std::vector<at::Tensor>& tensors,
   return chunks;
 }
 
-// Calls fn(chunk_index, chunk) for every chunk, in parallel over chunks. The grain keeps
-// about 32K elements per task so that small chunk sizes do not pay one task per chunk.
+// Work units of one chunk beyond its elements (tile loop, dtype dispatch, scalar copies):
+// a launch of many tiny tensors is not counted as free.
+constexpr int64_t kChunkOverhead = 256;
+// Work units (about elements) per task: below this a launch runs on the calling thread, as
+// torch's own elementwise kernels do (at::internal::GRAIN_SIZE).
+constexpr int64_t kGrain = int64_t{1} << 15;
+
+// Calls fn(chunk_index, chunk) for every chunk of the launch, in parallel on PyTorch's
+// intra-op threads (at::parallel_for: torch.set_num_threads applies).
+//
+// The threads split the launch by work, not by chunk count: each chunk weighs its elements
+// plus kChunkOverhead, at::parallel_for cuts [0, total work) into one contiguous range per
+// thread, and a thread runs the chunks that *start* in its range. Every chunk thus runs once,
+// on one thread, whole; a thread's share differs from the mean by at most one chunk. (Cutting
+// the chunk indices instead gave one thread all the big tensors of a launch whose small
+// tensors come last: 6 x 1M + 50 x 4K elements ran 1.6x faster on 2 threads instead of 2x.)
+// A chunk is never split between threads, so per-chunk partials (the norms) are the same
+// for any number of threads; the callers merge them in chunk order.
 template <typename Fn>
-void for_each_chunk(const std::vector<Chunk>& chunks, int64_t chunk_size, const Fn& fn) {
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / chunk_size);
-  at::parallel_for(0, static_cast<int64_t>(chunks.size()), grain,
-                   [&](int64_t begin, int64_t end) {
-                     for (int64_t c = begin; c < end; ++c) {
-                       fn(c, chunks[c]);
-                     }
-                   });
+void for_each_chunk(const std::vector<Chunk>& chunks, int64_t /*chunk_size*/, const Fn& fn) {
+  const int64_t n_chunks = static_cast<int64_t>(chunks.size());
+  if (n_chunks == 0) return;
+  // start[c]: the work before chunk c; start[n_chunks]: the whole launch.
+  std::vector<int64_t> start(static_cast<size_t>(n_chunks) + 1, 0);
+  for (int64_t c = 0; c < n_chunks; ++c) {
+    start[c + 1] = start[c] + (chunks[c].end - chunks[c].begin) + kChunkOverhead;
+  }
+  const auto first = start.begin();
+  const auto last = start.begin() + n_chunks;  // chunk starts only
+  at::parallel_for(0, start[n_chunks], kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t c = std::lower_bound(first, last, begin) - first; c < n_chunks && start[c] < end;
+         ++c) {
+      fn(c, chunks[c]);
+    }
+  });
 }
 
 // Calls fn(T{}) with T the C++ type of `type` (float, c10::Half or c10::BFloat16).
