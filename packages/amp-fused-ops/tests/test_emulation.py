@@ -142,7 +142,8 @@ def test_master_adam_reads_no_half_params():
     # 5 lists: fp16 grads, fp16 params (only written, from the masters), fp32 m, v, masters.
     # Reads: the grads twice (the finiteness pass, then the step), m, v and the masters, plus
     # the device scalars every thread reads once per chunk (one chunk here, 512 threads): the
-    # finiteness pass inv_scale (4 B), the step the noop flag, lr, inv_scale and step (16 B).
+    # finiteness pass the noop flag and inv_scale (8 B), the step the noop flag, lr, inv_scale
+    # and step (16 B).
     n = 4096
     grads = [torch.linspace(-1, 1, n, dtype=torch.float16)]
     params = [torch.full((n,), float("nan"), dtype=torch.float16)]
@@ -167,7 +168,7 @@ def test_master_adam_reads_no_half_params():
         )
     )
     torch.testing.assert_close(params[0], masters[0].half(), rtol=0, atol=0)
-    assert counts.bytes_read == 2 * 2 * n + 3 * 4 * n + 512 * (4 + 16)
+    assert counts.bytes_read == 2 * 2 * n + 3 * 4 * n + 512 * (8 + 16)
     assert counts.bytes_written == 2 * n + 3 * 4 * n
 
 

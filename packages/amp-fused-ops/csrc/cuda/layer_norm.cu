@@ -22,7 +22,13 @@
 #include <cstdint>
 #include <optional>
 
+#include "welford.cuh"
+
 namespace {
+
+using amp_fused_ops::cuda::warp_welford;
+using amp_fused_ops::cuda::welford_add;
+using amp_fused_ops::cuda::welford_merge;
 
 constexpr int64_t kMaxHidden = 65536;
 constexpr int kMaxThreads = 512;
@@ -56,27 +62,10 @@ __device__ __forceinline__ void store(T* __restrict__ p, int64_t i, const float 
   reinterpret_cast<Pack<T, VEC>*>(p)[i] = pack;
 }
 
-// Chan's merge of Welford states (count, mean, m2); b is merged into a.
-__device__ __forceinline__ void welford_merge(float& n, float& mean, float& m2, float nb,
-                                              float mean_b, float m2_b) {
-  const float total = n + nb;
-  if (total == 0.f) return;
-  const float delta = mean_b - mean;
-  const float wb = nb / total;
-  mean += delta * wb;
-  m2 += m2_b + delta * delta * n * wb;
-  n = total;
-}
-
 // Block-wide Welford reduction; every thread gets the result. blockDim.x is a multiple of 32.
 __device__ void block_welford(float& n, float& mean, float& m2) {
   __shared__ float shared[3][kMaxThreads / 32];
-  for (int offset = 16; offset > 0; offset /= 2) {
-    const float nb = __shfl_xor_sync(0xffffffffu, n, offset);
-    const float mb = __shfl_xor_sync(0xffffffffu, mean, offset);
-    const float m2b = __shfl_xor_sync(0xffffffffu, m2, offset);
-    welford_merge(n, mean, m2, nb, mb, m2b);
-  }
+  warp_welford(n, mean, m2);
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int warps = blockDim.x / 32;
@@ -132,10 +121,7 @@ __global__ void norm_forward_kernel(const TIn* __restrict__ x, const TP* __restr
       if (rms) {
         m2 += v[k] * v[k];
       } else {
-        n += 1.f;
-        const float delta = v[k] - mean;
-        mean += delta / n;
-        m2 += delta * (v[k] - mean);
+        welford_add(n, mean, m2, v[k]);
       }
     }
   }
@@ -191,6 +177,28 @@ __device__ __forceinline__ void normalized(const TS* __restrict__ saved_row,
   }
 }
 
+// Chunk c of a row for the input gradient: gk = dy * gamma (dy without gamma) and xhat.
+// __fmul_rn: the rounded product, never fused into a later `gk - mean_g` (nvcc contracts a
+// product and a subtraction into one fma by default), so that gk cancels exactly against the
+// mean it was summed into (hidden = 1, or a constant dy * gamma: dx is exactly 0).
+template <int VEC, typename TOut, typename TS, typename TP>
+__device__ __forceinline__ void scaled_dy_and_xhat(const TOut* __restrict__ dy_row,
+                                                   const TS* __restrict__ saved_row,
+                                                   const TP* __restrict__ gamma,
+                                                   const TP* __restrict__ beta, int64_t c,
+                                                   float mean, float invvar,
+                                                   bool memory_efficient, float (&gk)[VEC],
+                                                   float (&xhat)[VEC]) {
+  float g[VEC];
+  load<VEC>(dy_row, c, gk);
+  if (gamma != nullptr) load<VEC>(gamma, c, g);
+  normalized<VEC>(saved_row, gamma, beta, c, mean, invvar, memory_efficient, xhat);
+  if (gamma != nullptr) {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) gk[k] = __fmul_rn(gk[k], g[k]);
+  }
+}
+
 template <typename TIn, typename TP, typename TOut, typename TS, int VEC>
 __global__ void norm_backward_input_kernel(const TOut* __restrict__ dy, const TS* __restrict__ saved,
                                            const float* __restrict__ mean,
@@ -206,15 +214,12 @@ __global__ void norm_backward_input_kernel(const TOut* __restrict__ dy, const TS
   const TS* sr = saved + row * hidden;
   float sum_g = 0.f, sum_gx = 0.f;
   for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
-    float d[VEC], g[VEC], xh[VEC];
-    load<VEC>(dyr, c, d);
-    if (gamma != nullptr) load<VEC>(gamma, c, g);
-    normalized<VEC>(sr, gamma, beta, c, mu, iv, memory_efficient, xh);
+    float gk[VEC], xh[VEC];
+    scaled_dy_and_xhat<VEC>(dyr, sr, gamma, beta, c, mu, iv, memory_efficient, gk, xh);
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
-      const float gk = gamma != nullptr ? __fmul_rn(d[k], g[k]) : d[k];
-      sum_g += gk;
-      sum_gx += gk * xh[k];
+      sum_g += gk[k];
+      sum_gx += gk[k] * xh[k];
     }
   }
   block_sum2(sum_g, sum_gx);
@@ -223,19 +228,11 @@ __global__ void norm_backward_input_kernel(const TOut* __restrict__ dy, const TS
   const float proj = sum_gx * inv_n;
   TIn* dxr = dx + row * hidden;
   for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
-    float d[VEC], g[VEC], xh[VEC];
-    load<VEC>(dyr, c, d);
-    if (gamma != nullptr) load<VEC>(gamma, c, g);
-    normalized<VEC>(sr, gamma, beta, c, mu, iv, memory_efficient, xh);
+    float gk[VEC], xh[VEC];
+    scaled_dy_and_xhat<VEC>(dyr, sr, gamma, beta, c, mu, iv, memory_efficient, gk, xh);
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) {
-      // __fmul_rn: the rounded product, never fused into `gk - mean_g` (nvcc contracts a
-      // product and a subtraction into one fma by default), so that gk cancels exactly against
-      // the mean it was summed into (hidden = 1, or a constant dy * gamma: dx is exactly 0).
-      const float gk = gamma != nullptr ? __fmul_rn(d[k], g[k]) : d[k];
-      d[k] = (gk - mean_g - xh[k] * proj) * iv;
-    }
-    store<VEC>(dxr, c, d);
+    for (int k = 0; k < VEC; ++k) gk[k] = (gk[k] - mean_g - xh[k] * proj) * iv;
+    store<VEC>(dxr, c, gk);
   }
 }
 

@@ -117,6 +117,12 @@ inline at::Tensor device_scalar(const char* op, const char* name, const at::Tens
   return value.reshape({}).to(device, at::kFloat);
 }
 
+// The bias correction 1 - beta**step in double on the host, as the reference computes it in
+// Python (the callers round it to float); 1 without bias correction.
+inline double bias_correction_of(double beta, int64_t step, bool on) {
+  return on ? 1.0 - std::pow(beta, static_cast<double>(step)) : 1.0;
+}
+
 // Number of chunks of every tensor of `tensors`, and the total.
 inline std::vector<int64_t> chunk_offsets(const std::vector<at::Tensor>& tensors,
                                           int64_t chunk_size) {

@@ -8,11 +8,13 @@
 //     ratio = lr * param_norm / update_norm when both are nonzero and (use_nvlamb or
 //     weight_decay != 0), else lr.
 // The per-tensor decays and norms and the global norm are device tensors read by the kernels
-// (no host sync). The noop flag is neither read nor written, as in Apex. Self-contained
-// functors over multi_tensor_apply.cuh; the element math is csrc/common/optim_math.h's
-// lamb_stage1_math / lamb_stage2_math, shared with the CPU kernels.
+// (no host sync). The noop flag is neither read nor written, as in Apex. Functors over
+// multi_tensor_apply.cuh (stage 2 is lamb_apply.cuh's, shared with multi_tensor_lamb); the
+// element math is csrc/common/optim_math.h's lamb_stage1_math / lamb_stage2_math, shared with
+// the CPU kernels.
 #include "../common/optim_math.h"
 #include "multi_tensor_apply.cuh"
+#include "lamb_apply.cuh"
 #include "../common/multi_tensor_ops.h"
 
 namespace amp_fused_ops {
@@ -38,25 +40,6 @@ struct LambStage1ApexOp {
   }
   __device__ void operator()(float (&x)[5], float (&)[2], bool&) const {
     x[4] = math::lamb_stage1_math(scalars, clip, decay, x[0], x[1], x[2], x[3]);
-  }
-};
-
-struct LambStage2ApexOp {
-  static constexpr unsigned kStores = 0b01;
-  static constexpr int kReduce = 0;
-  static constexpr bool kReduceMax = false;
-  const float* param_norms;
-  const float* update_norms;
-  float lr;
-  bool use_ratio;
-  float ratio;
-
-  __device__ bool prepare(int tensor, const int*) {
-    ratio = lr * math::lamb_trust_ratio_math(use_ratio, param_norms[tensor], update_norms[tensor]);
-    return true;
-  }
-  __device__ void operator()(float (&x)[2], float (&)[2], bool&) const {
-    x[0] = math::lamb_stage2_math(x[0], x[1], ratio);
   }
 };
 
@@ -103,10 +86,8 @@ void multi_tensor_lamb_stage1(int64_t chunk_size, const at::Tensor& noop_flag,
   s.beta2 = static_cast<float>(beta2);
   s.one_minus_beta1 = static_cast<float>(1.0 - beta1);
   s.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-  // Bias corrections in double on the host, as the reference computes them in Python.
-  const double next_step = static_cast<double>(step + 1);
-  s.bc1 = static_cast<float>(1.0 - std::pow(beta1, next_step));
-  s.bc2 = static_cast<float>(1.0 - std::pow(beta2, next_step));
+  s.bc1 = static_cast<float>(bias_correction_of(beta1, step + 1, true));
+  s.bc2 = static_cast<float>(bias_correction_of(beta2, step + 1, true));
   s.epsilon = static_cast<float>(epsilon);
 
   const bool fp32_state = tensor_lists[2][0].scalar_type() == at::kFloat;
@@ -150,7 +131,7 @@ void multi_tensor_lamb_stage2(int64_t chunk_size, const at::Tensor& noop_flag,
       per_tensor_arg(op, "per_tensor_param_norm", per_tensor_param_norm, n, device);
   const at::Tensor update_norms =
       per_tensor_arg(op, "per_tensor_update_norm", per_tensor_update_norm, n, device);
-  LambStage2ApexOp stage2{};
+  LambApplyOp<true> stage2{};
   stage2.param_norms = param_norms.data_ptr<float>();
   stage2.update_norms = update_norms.data_ptr<float>();
   stage2.lr = static_cast<float>(lr);
@@ -160,9 +141,9 @@ void multi_tensor_lamb_stage2(int64_t chunk_size, const at::Tensor& noop_flag,
   dispatch_float_types(op, types, [&](auto type_list) {
     using P = TypeAt<0, decltype(type_list)>;
     if (fp32_update) {
-      multi_tensor_apply<LambStage2ApexOp, P, float>(chunk_size, noop_flag, tensor_lists, stage2);
+      multi_tensor_apply<LambApplyOp<true>, P, float>(chunk_size, noop_flag, tensor_lists, stage2);
     } else {
-      multi_tensor_apply<LambStage2ApexOp, P, P>(chunk_size, noop_flag, tensor_lists, stage2);
+      multi_tensor_apply<LambApplyOp<true>, P, P>(chunk_size, noop_flag, tensor_lists, stage2);
     }
   });
 }

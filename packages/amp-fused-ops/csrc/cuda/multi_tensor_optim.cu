@@ -8,6 +8,7 @@
 #include "../common/norm_math.h"
 #include "../common/optim_math.h"
 #include "multi_tensor_apply.cuh"
+#include "lamb_apply.cuh"
 #include "../common/multi_tensor_ops.h"
 
 namespace amp_fused_ops {
@@ -92,28 +93,6 @@ struct LambStage1Op {
   }
 };
 
-// LAMB pass 2 on [params, updates]: p -= lr * ratio * update, ratio per tensor from the norms.
-struct LambStage2Op {
-  static constexpr unsigned kStores = 0b01;
-  static constexpr int kReduce = 0;
-  static constexpr bool kReduceMax = false;
-  const float* param_norms;
-  const float* update_norms;
-  float lr;
-  bool use_ratio;
-  float ratio;
-
-  __device__ bool prepare(int tensor, const int*) {
-    const float pn = param_norms[tensor];
-    const float un = update_norms[tensor];
-    ratio = math::lamb_trust_ratio_math(use_ratio, pn, un);
-    return true;
-  }
-  __device__ void operator()(float (&x)[2], float (&)[2], bool&) const {
-    x[0] = x[0] + (-lr) * (x[1] * ratio);
-  }
-};
-
 // NovoGrad pass 1 on [grads]: per chunk, the sum of squares (L2) or the max of |g| (inf norm).
 template <bool kMax>
 struct GradNormOp {
@@ -175,6 +154,14 @@ struct NovogradOp {
 void check_choice(const char* op, const char* name, int64_t value, int64_t a, int64_t b) {
   TORCH_CHECK_VALUE(value == a || value == b, op, ": ", name, " must be ", a, " or ", b, ", got ",
                     value);
+}
+
+// The 0-or-1 choices of multi_tensor_lamb and multi_tensor_novograd.
+void check_layerwise_choices(const char* op, int64_t bias_correction, int64_t grad_averaging,
+                             int64_t mode) {
+  check_choice(op, "bias_correction", bias_correction, 0, 1);
+  check_choice(op, "grad_averaging", grad_averaging, 0, 1);
+  check_choice(op, "mode", mode, 0, 1);
 }
 
 // Calls fn(TypeList<G, P, S>{}) with S float or P, as the state list's dtype says.
@@ -266,9 +253,7 @@ void multi_tensor_lamb(int64_t chunk_size, const at::Tensor& noop_flag,
                        const at::Tensor& global_grad_norm, double max_grad_norm,
                        bool use_nvlamb) {
   constexpr const char* op = "multi_tensor_lamb";
-  check_choice(op, "bias_correction", bias_correction, 0, 1);
-  check_choice(op, "grad_averaging", grad_averaging, 0, 1);
-  check_choice(op, "mode", mode, 0, 1);
+  check_layerwise_choices(op, bias_correction, grad_averaging, mode);
   const size_t n = check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 4);
   if (n == 0) {
     return;
@@ -293,19 +278,18 @@ void multi_tensor_lamb(int64_t chunk_size, const at::Tensor& noop_flag,
   float* update_norms = param_norms + n;
   int* noop = noop_flag.data_ptr<int>();
 
-  const double steps = static_cast<double>(step);
   LambStage1Op stage1{};
   stage1.beta1 = static_cast<float>(beta1);
   stage1.beta2 = static_cast<float>(beta2);
   stage1.beta3 = grad_averaging == 1 ? static_cast<float>(1.0 - beta1) : 1.0f;
-  stage1.bc1 = bias_correction == 1 ? static_cast<float>(1.0 - std::pow(beta1, steps)) : 1.0f;
-  stage1.bc2 = bias_correction == 1 ? static_cast<float>(1.0 - std::pow(beta2, steps)) : 1.0f;
+  stage1.bc1 = static_cast<float>(bias_correction_of(beta1, step, bias_correction == 1));
+  stage1.bc2 = static_cast<float>(bias_correction_of(beta2, step, bias_correction == 1));
   stage1.epsilon = static_cast<float>(epsilon);
   stage1.weight_decay = static_cast<float>(weight_decay);
   stage1.decoupled = mode == 1;
   stage1.global_norm_ptr = norm.data_ptr<float>();
   stage1.max_grad_norm = static_cast<float>(max_grad_norm);
-  LambStage2Op stage2{};
+  LambApplyOp<false> stage2{};
   stage2.param_norms = param_norms;
   stage2.update_norms = update_norms;
   stage2.lr = static_cast<float>(lr);
@@ -324,8 +308,8 @@ void multi_tensor_lamb(int64_t chunk_size, const at::Tensor& noop_flag,
                             k == 0 ? param_norms : update_norms, nullptr, noop,
                             /*flag_per_tensor=*/true, /*flag_total=*/false);
     }
-    multi_tensor_apply<LambStage2Op, P, float>(chunk_size, noop_flag, params_and_updates,
-                                               stage2);
+    multi_tensor_apply<LambApplyOp<false>, P, float>(chunk_size, noop_flag,
+                                                     params_and_updates, stage2);
   });
 }
 
@@ -335,9 +319,7 @@ void multi_tensor_novograd(int64_t chunk_size, const at::Tensor& noop_flag,
                            int64_t bias_correction, double weight_decay, int64_t grad_averaging,
                            int64_t mode, int64_t norm_type) {
   constexpr const char* op = "multi_tensor_novograd";
-  check_choice(op, "bias_correction", bias_correction, 0, 1);
-  check_choice(op, "grad_averaging", grad_averaging, 0, 1);
-  check_choice(op, "mode", mode, 0, 1);
+  check_layerwise_choices(op, bias_correction, grad_averaging, mode);
   check_choice(op, "norm_type", norm_type, 0, 2);
   const size_t n = check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 3);
   if (n == 0) {
@@ -366,16 +348,14 @@ void multi_tensor_novograd(int64_t chunk_size, const at::Tensor& noop_flag,
   int* noop = noop_flag.data_ptr<int>();
   const TensorListsArg grads{tensor_lists[0]};
 
-  const double steps = static_cast<double>(step);
   NovogradOp novograd{};
   novograd.grad_norms = grad_norms.data_ptr<float>();
   novograd.lr = static_cast<float>(lr);
   novograd.beta1 = static_cast<float>(beta1);
   novograd.beta3 = grad_averaging == 1 ? static_cast<float>(1.0 - beta1) : 1.0f;
-  novograd.bc1 =
-      bias_correction == 1 ? static_cast<float>(1.0 - std::pow(beta1, steps)) : 1.0f;
+  novograd.bc1 = static_cast<float>(bias_correction_of(beta1, step, bias_correction == 1));
   novograd.bc2 =
-      bias_correction == 1 ? static_cast<float>(std::sqrt(1.0 - std::pow(beta2, steps))) : 1.0f;
+      static_cast<float>(std::sqrt(bias_correction_of(beta2, step, bias_correction == 1)));
   novograd.epsilon = static_cast<float>(epsilon);
   novograd.weight_decay = static_cast<float>(weight_decay);
   novograd.decoupled = mode == 1;

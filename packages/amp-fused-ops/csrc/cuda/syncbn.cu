@@ -23,45 +23,30 @@
 #include <cstdint>
 #include <optional>
 
+#include "welford.cuh"
+
 namespace {
+
+using amp_fused_ops::cuda::warp_welford;
+using amp_fused_ops::cuda::welford_add;
+using amp_fused_ops::cuda::welford_merge;
 
 constexpr int kThreads = 256;   // channels-first reduction block
 constexpr int kColumns = 32;    // channels-last: channels per block
 constexpr int kRowLanes = 8;    // channels-last: threads along rows
 constexpr int64_t kMaxSlices = 1024;
 
-__device__ __forceinline__ void welford_merge(float& n, float& mean, float& m2, float nb,
-                                              float mean_b, float m2_b) {
-  const float total = n + nb;
-  if (total == 0.f) return;
-  const float delta = mean_b - mean;
-  const float wb = nb / total;
-  mean += delta * wb;
-  m2 += m2_b + delta * delta * n * wb;
-  n = total;
-}
-
-__device__ __forceinline__ void welford_add(float& n, float& mean, float& m2, float v) {
-  n += 1.f;
-  const float delta = v - mean;
-  mean += delta / n;
-  m2 += delta * (v - mean);
-}
-
 // Reduction of (a, b, c) over the whole block into thread 0: Welford states when WELFORD
 // (a = count, b = mean, c = m2), else sums of a and b (c unused).
 template <bool WELFORD>
 __device__ void block_reduce(float& a, float& b, float& c) {
   __shared__ float shared[3][kThreads / 32];
-  for (int offset = 16; offset > 0; offset /= 2) {
-    const float oa = __shfl_xor_sync(0xffffffffu, a, offset);
-    const float ob = __shfl_xor_sync(0xffffffffu, b, offset);
-    const float oc = __shfl_xor_sync(0xffffffffu, c, offset);
-    if (WELFORD) {
-      welford_merge(a, b, c, oa, ob, oc);
-    } else {
-      a += oa;
-      b += ob;
+  if (WELFORD) {
+    warp_welford(a, b, c);
+  } else {
+    for (int offset = 16; offset > 0; offset /= 2) {
+      a += __shfl_xor_sync(0xffffffffu, a, offset);
+      b += __shfl_xor_sync(0xffffffffu, b, offset);
     }
   }
   const int warp = threadIdx.x / 32;

@@ -269,6 +269,23 @@ def _check_overlap(
             )
 
 
+def _per_tensor(op: str, name: str, value: Tensor, n: int, device: torch.device) -> Tensor:
+    """``value`` checked as a float32 tensor of ``n`` elements on ``device``, flattened."""
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{op}: {name} must be a tensor, got {type(value).__name__}")
+    if value.dtype != torch.float32 or value.numel() != n:
+        raise ValueError(
+            f"{op}: {name} must be a float32 tensor of {n} elements (one per tensor), got "
+            f"dtype {value.dtype} with {value.numel()} elements"
+        )
+    if value.device != device:
+        raise RuntimeError(
+            f"{op}: {name} is on {value.device} but the tensors are on {device}; "
+            "create it on the tensors' device"
+        )
+    return value.reshape(-1)
+
+
 def _fp32(tensors: Sequence[Tensor], like: Sequence[Tensor] | None = None) -> _Tensors:
     """Float32 values of ``tensors``, reshaped to the shapes of ``like`` where those differ.
 

@@ -29,11 +29,18 @@ from amp_fused_ops._reference_common import (
     _check_state_dtype,
     _check_state_lists,
     _fp32,
+    _per_tensor,
     _raise_flag,
     _scalar,
-    _Tensors,
     _write,
 )
+from amp_fused_ops._reference_layerwise import (
+    MOMENT_MODE_DECOUPLED,
+    _clip_divisor,
+    _lamb_update,
+    _trust_ratios,
+)
+from amp_fused_ops._reference_optim import _adam_update
 
 __all__ = [
     "multi_tensor_lamb_stage1_cuda",
@@ -41,28 +48,8 @@ __all__ = [
     "multi_tensor_lamb_mp",
 ]
 
-MOMENT_MODE_L2 = 0  # weight decay added to the gradient (L2 regularisation)
-MOMENT_MODE_DECOUPLED = 1  # decoupled weight decay (AdamW-style)
 
-
-def _per_tensor(op: str, name: str, value: Tensor, n: int, device: torch.device) -> Tensor:
-    """``value`` checked as a float32 tensor of ``n`` elements on ``device``, flattened."""
-    if not isinstance(value, Tensor):
-        raise TypeError(f"{op}: {name} must be a tensor, got {type(value).__name__}")
-    if value.dtype != torch.float32 or value.numel() != n:
-        raise ValueError(
-            f"{op}: {name} must be a float32 tensor of {n} elements (one per tensor), got "
-            f"dtype {value.dtype} with {value.numel()} elements"
-        )
-    if value.device != device:
-        raise RuntimeError(
-            f"{op}: {name} is on {value.device} but the tensors are on {device}; "
-            "create it on the tensors' device"
-        )
-    return value.reshape(-1)
-
-
-def _trust_ratios(
+def _step_sizes(
     param_norms: Tensor, update_norms: Tensor, lr: Tensor | float, use_ratio: bool
 ) -> Tensor:
     """Per-tensor step size: ``lr * ||p|| / ||update||`` where both norms are nonzero and the
@@ -70,8 +57,7 @@ def _trust_ratios(
     lr_t = torch.as_tensor(lr, dtype=torch.float32, device=param_norms.device)
     if not use_ratio:
         return lr_t.expand_as(param_norms)
-    usable = (param_norms != 0) & (update_norms != 0)
-    return torch.where(usable, lr_t * (param_norms / update_norms), lr_t)
+    return lr_t * _trust_ratios(param_norms, update_norms)
 
 
 @torch.no_grad()
@@ -134,21 +120,24 @@ def multi_tensor_lamb_stage1_cuda(
     decay = _per_tensor(op, "per_tensor_decay", per_tensor_decay, len(grads), device)
     bc1 = 1.0 - beta1 ** (step + 1)
     bc2 = 1.0 - beta2 ** (step + 1)
-    norm = _scalar(global_grad_norm, device)
-    max_norm = float(max_global_grad_norm)
-    clip = torch.where(norm > max_norm, norm / max_norm, torch.ones_like(norm))
+    clip = _clip_divisor(_scalar(global_grad_norm, device), float(max_global_grad_norm))
 
     p = _fp32(params)
-    g = torch._foreach_div(_fp32(grads, like=params), clip)
-    m = torch._foreach_mul(_fp32(exp_avgs, like=params), beta1)
-    torch._foreach_add_(m, g, alpha=1.0 - beta1)
-    v = torch._foreach_mul(_fp32(exp_avg_sqs, like=params), beta2)
-    torch._foreach_addcmul_(v, g, g, value=1.0 - beta2)
-    denom = torch._foreach_div(v, bc2)
-    torch._foreach_sqrt_(denom)
-    torch._foreach_add_(denom, epsilon)
-    update = torch._foreach_div(m, bc1)
-    torch._foreach_div_(update, denom)
+    # The decay is per tensor: added below, not by _adam_update.
+    update, m, v = _adam_update(
+        torch._foreach_div(_fp32(grads, like=params), clip),
+        p,
+        _fp32(exp_avgs, like=params),
+        _fp32(exp_avg_sqs, like=params),
+        beta1,
+        beta2,
+        1.0 - beta1,
+        epsilon,
+        bc1,
+        bc2,
+        MOMENT_MODE_DECOUPLED,
+        0.0,
+    )
     torch._foreach_add_(update, torch._foreach_mul(p, list(decay.unbind(0))))
     _write(updates, update)
     _write(exp_avgs, m)
@@ -198,7 +187,7 @@ def multi_tensor_lamb_stage2_cuda(
     n = len(params)
     param_norms = _per_tensor(op, "per_tensor_param_norm", per_tensor_param_norm, n, device)
     update_norms = _per_tensor(op, "per_tensor_update_norm", per_tensor_update_norm, n, device)
-    ratios = _trust_ratios(
+    ratios = _step_sizes(
         param_norms, update_norms, float(lr), bool(use_nvlamb) or weight_decay != 0.0
     )
     step = torch._foreach_mul(_fp32(updates, like=params), list(ratios.unbind(0)))
@@ -294,33 +283,17 @@ def multi_tensor_lamb_mp(
     bc1 = 1.0 - torch.pow(beta1, step_t) if bias_correction == 1 else one
     bc2 = 1.0 - torch.pow(beta2, step_t) if bias_correction == 1 else one
     beta3 = 1.0 - beta1 if grad_averaging == 1 else 1.0
-    norm = _scalar(global_grad_norm, device)
-    max_norm = _scalar(max_grad_norm, device)
-    clip = torch.where(norm > max_norm, norm / max_norm, one)
+    clip = _clip_divisor(_scalar(global_grad_norm, device), _scalar(max_grad_norm, device))
 
-    p = _fp32(params)
     g = torch._foreach_mul(_fp32(grads, like=params), _scalar(inv_scale, device))
     torch._foreach_div_(g, clip)
-    if mode == MOMENT_MODE_L2 and weight_decay != 0.0:
-        torch._foreach_add_(g, p, alpha=weight_decay)
-    m = torch._foreach_mul(_fp32(exp_avgs, like=params), beta1)
-    torch._foreach_add_(m, g, alpha=beta3)
-    v = torch._foreach_mul(_fp32(exp_avg_sqs, like=params), beta2)
-    torch._foreach_addcmul_(v, g, g, value=1.0 - beta2)
-    denom = torch._foreach_div(v, bc2)
-    torch._foreach_sqrt_(denom)
-    torch._foreach_add_(denom, epsilon)
-    update: _Tensors = torch._foreach_div(m, bc1)
-    torch._foreach_div_(update, denom)
-    if mode == MOMENT_MODE_DECOUPLED and weight_decay != 0.0:
-        torch._foreach_add_(update, p, alpha=weight_decay)
-
-    param_norms = torch.stack(torch._foreach_norm(p, 2))
-    update_norms = torch.stack(torch._foreach_norm(update, 2))
+    p, update, m, v, param_norms, update_norms = _lamb_update(
+        g, params, exp_avgs, exp_avg_sqs, beta1, beta2, beta3, epsilon, bc1, bc2, mode, weight_decay
+    )
     nonfinite = ~(torch.isfinite(param_norms).all() & torch.isfinite(update_norms).all())
     skip = (noop_flag.reshape(()) != 0) | (_scalar(found_inf, device) != 0) | nonfinite
     use_ratio = bool(use_nvlamb) or weight_decay != 0.0
-    ratios = _trust_ratios(param_norms, update_norms, _scalar(lr, device), use_ratio)
+    ratios = _step_sizes(param_norms, update_norms, _scalar(lr, device), use_ratio)
     new_p = torch._foreach_sub(p, torch._foreach_mul(update, list(ratios.unbind(0))))
     _write(params, new_p, skip)
     if len(tensor_lists) == 5:

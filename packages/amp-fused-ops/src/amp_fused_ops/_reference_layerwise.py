@@ -21,11 +21,13 @@ from amp_fused_ops._reference_common import (
     _check_overlap,
     _check_state_lists,
     _fp32,
+    _per_tensor,
     _raise_flag,
     _scalar,
     _Tensors,
     _write,
 )
+from amp_fused_ops._reference_optim import _adam_update
 
 __all__ = ["multi_tensor_lamb", "multi_tensor_novograd"]
 
@@ -38,6 +40,58 @@ NORM_TYPE_L2 = 2  # NovoGrad: per-tensor L2 norm
 def _per_tensor_norms(tensors: Sequence[Tensor], ord: float) -> Tensor:
     """Float32 ``(len(tensors),)`` tensor of the ``ord``-norm of each tensor."""
     return torch.stack(torch._foreach_norm(list(tensors), ord))
+
+
+def _clip_divisor(norm: Tensor, max_norm: Tensor | float) -> Tensor:
+    """LAMB's clipping divisor of the gradients: ``norm / max_norm`` when ``norm`` is larger,
+    else 1 (a ``max_norm`` of 0 clips every nonzero norm: ``g / inf = 0``, as Apex)."""
+    return torch.where(norm > max_norm, norm / max_norm, torch.ones_like(norm))
+
+
+def _trust_ratios(param_norms: Tensor, update_norms: Tensor) -> Tensor:
+    """LAMB's per-tensor trust ratio ``||p|| / ||update||`` where both norms are nonzero, else 1.
+
+    The callers apply it only when the ratio applies (``use_nvlamb`` or a nonzero weight decay).
+    """
+    usable = (param_norms != 0) & (update_norms != 0)
+    return torch.where(usable, param_norms / update_norms, torch.ones_like(param_norms))
+
+
+def _lamb_update(
+    g: _Tensors,
+    params: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    beta1: float,
+    beta2: float,
+    beta3: float,
+    epsilon: float,
+    bc1: Tensor | float,
+    bc2: Tensor | float,
+    mode: int,
+    weight_decay: float,
+) -> tuple[_Tensors, _Tensors, _Tensors, _Tensors, Tensor, Tensor]:
+    """LAMB's first pass on the clipped float32 gradients ``g`` (the storage lists are read).
+
+    Returns float32 ``(params, update, exp_avgs, exp_avg_sqs, param_norms, update_norms)``:
+    the update of :func:`_adam_update` and the per-tensor L2 norms of the params and updates.
+    """
+    p = _fp32(params)
+    update, m, v = _adam_update(
+        g,
+        p,
+        _fp32(exp_avgs, like=params),
+        _fp32(exp_avg_sqs, like=params),
+        beta1,
+        beta2,
+        beta3,
+        epsilon,
+        bc1,
+        bc2,
+        mode,
+        weight_decay,
+    )
+    return p, update, m, v, _per_tensor_norms(p, 2), _per_tensor_norms(update, 2)
 
 
 @torch.no_grad()
@@ -120,32 +174,15 @@ def multi_tensor_lamb(
     bc2 = 1.0 - beta2**step if bias_correction == 1 else 1.0
     beta3 = 1.0 - beta1 if grad_averaging == 1 else 1.0
 
-    norm = _scalar(global_grad_norm, device)
-    max_norm = float(max_grad_norm)
-    clip = torch.where(norm > max_norm, norm / max_norm, torch.ones_like(norm))
+    clip = _clip_divisor(_scalar(global_grad_norm, device), float(max_grad_norm))
 
-    p = _fp32(params)
     g = torch._foreach_div(_fp32(grads, like=params), clip)
-    if mode == MOMENT_MODE_L2 and weight_decay != 0.0:
-        torch._foreach_add_(g, p, alpha=weight_decay)
-    m = torch._foreach_mul(_fp32(exp_avgs, like=params), beta1)
-    torch._foreach_add_(m, g, alpha=beta3)
-    v = torch._foreach_mul(_fp32(exp_avg_sqs, like=params), beta2)
-    torch._foreach_addcmul_(v, g, g, value=1.0 - beta2)
-    denom = torch._foreach_div(v, bc2)
-    torch._foreach_sqrt_(denom)
-    torch._foreach_add_(denom, epsilon)
-    update: _Tensors = torch._foreach_div(m, bc1)
-    torch._foreach_div_(update, denom)
-    if mode == MOMENT_MODE_DECOUPLED and weight_decay != 0.0:
-        torch._foreach_add_(update, p, alpha=weight_decay)
-
-    param_norms = _per_tensor_norms(p, 2)
-    update_norms = _per_tensor_norms(update, 2)
+    p, update, m, v, param_norms, update_norms = _lamb_update(
+        g, params, exp_avgs, exp_avg_sqs, beta1, beta2, beta3, epsilon, bc1, bc2, mode, weight_decay
+    )
     finite = torch.isfinite(param_norms).all() & torch.isfinite(update_norms).all()
     if use_nvlamb or weight_decay != 0.0:
-        usable = (param_norms != 0) & (update_norms != 0)
-        ratios = torch.where(usable, param_norms / update_norms, torch.ones_like(param_norms))
+        ratios = _trust_ratios(param_norms, update_norms)
         update = [u * r for u, r in zip(update, ratios.unbind(0), strict=True)]
     _write(params, torch._foreach_add(p, update, alpha=-float(lr)))
     _write(exp_avgs, m)
@@ -237,23 +274,13 @@ def multi_tensor_novograd(
     _check_state_lists(op, tensor_lists, 2, 2, 1)
     _check_overlap(op, tensor_lists, (1, 2))
     grads, params, exp_avgs = tensor_lists
-    if grad_norms.dtype != torch.float32 or grad_norms.numel() != len(grads):
-        raise ValueError(
-            f"{op}: grad_norms must be a float32 tensor of {len(grads)} elements (one per "
-            f"tensor), got dtype {grad_norms.dtype} with {grad_norms.numel()} elements"
-        )
-    if grad_norms.device != device:
-        raise RuntimeError(
-            f"{op}: grad_norms is on {grad_norms.device} but the tensors are on {device}; "
-            "create it on the tensors' device"
-        )
+    old = _per_tensor(op, "grad_norms", grad_norms, len(grads), device)
     bc1 = 1.0 - beta1**step if bias_correction == 1 else 1.0
     bc2 = math.sqrt(1.0 - beta2**step) if bias_correction == 1 else 1.0
     beta3 = 1.0 - beta1 if grad_averaging == 1 else 1.0
 
     p = _fp32(params)
     g = _fp32(grads, like=params)
-    old = grad_norms.reshape(-1)
     if norm_type == NORM_TYPE_L2:
         n = _per_tensor_norms(g, 2)
         blended = torch.sqrt(beta2 * old.square() + (1.0 - beta2) * n.square())

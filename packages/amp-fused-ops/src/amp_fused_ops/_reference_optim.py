@@ -40,6 +40,48 @@ ADAM_MODE_L2 = 0  # weight decay added to the gradient (Adam with L2 regularisat
 ADAM_MODE_ADAMW = 1  # decoupled weight decay (AdamW)
 
 
+def _adam_update(
+    grads: _Tensors,
+    params: _Tensors,
+    exp_avgs: _Tensors,
+    exp_avg_sqs: _Tensors,
+    beta1: float,
+    beta2: float,
+    beta3: float,
+    eps: float,
+    bias_correction1: Tensor | float,
+    bias_correction2: Tensor | float,
+    mode: int,
+    weight_decay: float,
+) -> tuple[_Tensors, _Tensors, _Tensors]:
+    """The moments and the Adam-style update on float32 lists (Adam's and LAMB's first pass).
+
+    Returns new ``(update, exp_avgs, exp_avg_sqs)``::
+
+        g = grads (+ weight_decay * params in mode 0)
+        m = beta1 * m + beta3 * g
+        v = beta2 * v + (1 - beta2) * g * g
+        update = (m / bc1) / (sqrt(v / bc2) + eps) (+ weight_decay * params in mode 1)
+
+    A ``weight_decay`` of 0 adds no term. The inputs are not modified (they may alias the
+    caller's tensors).
+    """
+    if mode == ADAM_MODE_L2 and weight_decay != 0.0:
+        grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    m = torch._foreach_mul(exp_avgs, beta1)
+    torch._foreach_add_(m, grads, alpha=beta3)
+    v = torch._foreach_mul(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(v, grads, grads, value=1.0 - beta2)
+    denom = torch._foreach_div(v, bias_correction2)
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, eps)
+    update = torch._foreach_div(m, bias_correction1)
+    torch._foreach_div_(update, denom)
+    if mode == ADAM_MODE_ADAMW and weight_decay != 0.0:
+        torch._foreach_add_(update, params, alpha=weight_decay)
+    return update, m, v
+
+
 def _adam_math(
     grads: _Tensors,
     params: _Tensors,
@@ -58,20 +100,20 @@ def _adam_math(
 
     The inputs are not modified (they may alias the caller's tensors).
     """
-    if mode == ADAM_MODE_L2 and weight_decay != 0.0:
-        grads = torch._foreach_add(grads, params, alpha=weight_decay)
-    m = torch._foreach_mul(exp_avgs, beta1)
-    torch._foreach_add_(m, grads, alpha=1.0 - beta1)
-    v = torch._foreach_mul(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(v, grads, grads, value=1.0 - beta2)
-    # update = (m / bc1) / (sqrt(v / bc2) + eps) [+ wd * p in AdamW mode]
-    denom = torch._foreach_div(v, bias_correction2)
-    torch._foreach_sqrt_(denom)
-    torch._foreach_add_(denom, eps)
-    update = torch._foreach_div(m, bias_correction1)
-    torch._foreach_div_(update, denom)
-    if mode == ADAM_MODE_ADAMW and weight_decay != 0.0:
-        torch._foreach_add_(update, params, alpha=weight_decay)
+    update, m, v = _adam_update(
+        grads,
+        params,
+        exp_avgs,
+        exp_avg_sqs,
+        beta1,
+        beta2,
+        1.0 - beta1,
+        eps,
+        bias_correction1,
+        bias_correction2,
+        mode,
+        weight_decay,
+    )
     torch._foreach_mul_(update, lr)
     new_params = torch._foreach_sub(params, update)
     return new_params, m, v
