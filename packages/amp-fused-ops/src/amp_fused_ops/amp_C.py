@@ -39,25 +39,8 @@ from amp_fused_ops import _preconditions
 from amp_fused_ops._extension import api as _extension_api
 from amp_fused_ops._library import OPS_NAMESPACE, REGISTRY, apex_convention
 
-__all__ = [
-    "multi_tensor_scale",
-    "multi_tensor_sgd",
-    "multi_tensor_axpby",
-    "multi_tensor_l2norm",
-    "multi_tensor_l2norm_mp",
-    "multi_tensor_l2norm_scale",
-    "multi_tensor_unscale_l2norm",
-    "multi_tensor_lamb_stage1_cuda",
-    "multi_tensor_lamb_stage2_cuda",
-    "multi_tensor_adam",
-    "multi_tensor_adam_capturable",
-    "multi_tensor_adam_capturable_master",
-    "multi_tensor_adagrad",
-    "multi_tensor_novograd",
-    "multi_tensor_lamb",
-    "multi_tensor_lamb_mp",
-    "update_scale_hysteresis",
-]
+# Every op of the registry, in its order (Apex's csrc/amp_C_frontend.cpp).
+__all__ = list(REGISTRY)
 
 # Device types a compiled extension may exist for.
 _EXTENSION_DEVICE_TYPES = ("cpu", "cuda")
