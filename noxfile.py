@@ -721,6 +721,7 @@ EMULATION_TESTS = [
     "packages/amp-fused-ops/tests/test_error_types.py",
     "packages/amp-fused-ops/tests/test_overlap_checks.py",
     "packages/amp-fused-ops/tests/test_adam_semantics.py",
+    "packages/amp-fused-ops/tests/test_step_tensor.py",
 ]
 
 

@@ -12,6 +12,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <initializer_list>
 #include <optional>
 #include <tuple>
@@ -58,6 +59,29 @@ void bump(at::TensorList tensors) {
   for (const at::Tensor& t : tensors) bump(t);
 }
 
+// --- the step count ---------------------------------------------------------------------
+//
+// The ops with Apex's `int step` (adam, lamb, novograd, lamb_stage1) also take an optional
+// `step_tensor`: when given, the count is its value and `step` is not read. The optimizers pass
+// it under torch.compile, where an int that changes every step would be a constant of the graph
+// and recompile it (docs/compile.rst). It is read on the host, so it must be a one-element CPU
+// tensor; a count on the device is what the capturable ops take.
+
+int64_t step_count(const char* op, int64_t step, const std::optional<at::Tensor>& step_tensor) {
+  if (!step_tensor.has_value() || !step_tensor->defined()) return step;
+  const at::Tensor& t = *step_tensor;
+  TORCH_CHECK_VALUE(t.device().is_cpu() && t.numel() == 1, op,
+                    ": step_tensor must be a one-element CPU tensor (the step count is read on "
+                    "the host), got ",
+                    t.numel(), " elements on ", t.device(),
+                    "; keep the count on the CPU, or use the capturable ops for a count on the "
+                    "device");
+  const double value = t.item<double>();
+  TORCH_CHECK_VALUE(value >= 0 && value == std::floor(value) && value < 9.0e15, op,
+                    ": step_tensor must hold a whole number >= 0, got ", value);
+  return static_cast<int64_t>(value);
+}
+
 // --- the wrappers, in the order of the op registry ------------------------------------------
 
 void scale(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList ins,
@@ -95,9 +119,12 @@ std::tuple<at::Tensor, at::Tensor> unscale_l2norm(int64_t chunk_size, const at::
 void adam(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList grads,
           at::TensorList params, at::TensorList exp_avgs, at::TensorList exp_avg_sqs, double lr,
           double beta1, double beta2, double eps, int64_t step, int64_t mode,
-          int64_t bias_correction, double weight_decay) {
+          int64_t bias_correction, double weight_decay,
+          const std::optional<at::Tensor>& step_tensor) {
   backend::multi_tensor_adam(chunk_size, noop_flag, lists({grads, params, exp_avgs, exp_avg_sqs}),
-                             lr, beta1, beta2, eps, step, mode, bias_correction, weight_decay);
+                             lr, beta1, beta2, eps,
+                             step_count("multi_tensor_adam", step, step_tensor), mode,
+                             bias_correction, weight_decay);
   bump(params);
   bump(exp_avgs);
   bump(exp_avg_sqs);
@@ -165,10 +192,11 @@ void lamb(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList grads,
           double beta1, double beta2, double epsilon, int64_t step, int64_t bias_correction,
           double weight_decay, int64_t grad_averaging, int64_t mode,
           const at::Tensor& global_grad_norm, double max_grad_norm,
-          std::optional<bool> use_nvlamb) {
+          std::optional<bool> use_nvlamb, const std::optional<at::Tensor>& step_tensor) {
   backend::multi_tensor_lamb(chunk_size, noop_flag, lists({grads, params, exp_avgs, exp_avg_sqs}),
-                             lr, beta1, beta2, epsilon, step, bias_correction, weight_decay,
-                             grad_averaging, mode, global_grad_norm, max_grad_norm,
+                             lr, beta1, beta2, epsilon,
+                             step_count("multi_tensor_lamb", step, step_tensor), bias_correction,
+                             weight_decay, grad_averaging, mode, global_grad_norm, max_grad_norm,
                              use_nvlamb.value_or(false));
   bump(params);
   bump(exp_avgs);
@@ -180,10 +208,11 @@ void novograd(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList gr
               at::TensorList params, at::TensorList exp_avgs, const at::Tensor& grad_norms,
               double lr, double beta1, double beta2, double epsilon, int64_t step,
               int64_t bias_correction, double weight_decay, int64_t grad_averaging, int64_t mode,
-              int64_t norm_type) {
+              int64_t norm_type, const std::optional<at::Tensor>& step_tensor) {
   backend::multi_tensor_novograd(chunk_size, noop_flag, lists({grads, params, exp_avgs}),
-                                 grad_norms, lr, beta1, beta2, epsilon, step, bias_correction,
-                                 weight_decay, grad_averaging, mode, norm_type);
+                                 grad_norms, lr, beta1, beta2, epsilon,
+                                 step_count("multi_tensor_novograd", step, step_tensor),
+                                 bias_correction, weight_decay, grad_averaging, mode, norm_type);
   bump(params);
   bump(exp_avgs);
   if (!grads.empty()) bump(grad_norms);
@@ -194,11 +223,11 @@ void lamb_stage1(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList
                  at::TensorList params, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                  at::TensorList updates, const at::Tensor& per_tensor_decay, int64_t step,
                  double beta1, double beta2, double epsilon, const at::Tensor& global_grad_norm,
-                 double max_global_grad_norm) {
-  backend::multi_tensor_lamb_stage1(chunk_size, noop_flag,
-                                    lists({grads, params, exp_avgs, exp_avg_sqs, updates}),
-                                    per_tensor_decay, step, beta1, beta2, epsilon,
-                                    global_grad_norm, max_global_grad_norm);
+                 double max_global_grad_norm, const std::optional<at::Tensor>& step_tensor) {
+  backend::multi_tensor_lamb_stage1(
+      chunk_size, noop_flag, lists({grads, params, exp_avgs, exp_avg_sqs, updates}),
+      per_tensor_decay, step_count("multi_tensor_lamb_stage1_cuda", step, step_tensor), beta1,
+      beta2, epsilon, global_grad_norm, max_global_grad_norm);
   bump(exp_avgs);
   bump(exp_avg_sqs);
   bump(updates);

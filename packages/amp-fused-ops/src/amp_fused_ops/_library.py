@@ -160,7 +160,8 @@ _SPECS = (
         "multi_tensor_lamb_stage1_cuda(int chunk_size, Tensor noop_flag, Tensor[] grads, "
         "Tensor[] params, Tensor(a!)[] exp_avgs, Tensor(b!)[] exp_avg_sqs, "
         "Tensor(c!)[] updates, Tensor per_tensor_decay, int step, float beta1, float beta2, "
-        "float epsilon, Tensor global_grad_norm, float max_global_grad_norm) -> ()",
+        "float epsilon, Tensor global_grad_norm, float max_global_grad_norm, "
+        "Tensor? step_tensor=None) -> ()",
         _reference.multi_tensor_lamb_stage1_cuda,
         list_counts=(5,),
     ),
@@ -175,7 +176,7 @@ _SPECS = (
         "multi_tensor_adam(int chunk_size, Tensor noop_flag, Tensor[] grads, "
         "Tensor(a!)[] params, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, float lr, "
         "float beta1, float beta2, float eps, int step, int decay_mode, int bias_correction, "
-        "float weight_decay) -> ()",
+        "float weight_decay, Tensor? step_tensor=None) -> ()",
         _reference.multi_tensor_adam,
         list_counts=(4,),
     ),
@@ -208,7 +209,8 @@ _SPECS = (
         "multi_tensor_novograd(int chunk_size, Tensor(a!) noop_flag, Tensor[] grads, "
         "Tensor(b!)[] params, Tensor(c!)[] exp_avgs, Tensor(d!) grad_norms, float lr, "
         "float beta1, float beta2, float epsilon, int step, int bias_correction, "
-        "float weight_decay, int grad_averaging, int decay_mode, int norm_type) -> ()",
+        "float weight_decay, int grad_averaging, int decay_mode, int norm_type, "
+        "Tensor? step_tensor=None) -> ()",
         _reference.multi_tensor_novograd,
         list_counts=(3,),
     ),
@@ -217,7 +219,7 @@ _SPECS = (
         "Tensor(b!)[] params, Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, float lr, "
         "float beta1, float beta2, float epsilon, int step, int bias_correction, "
         "float weight_decay, int grad_averaging, int decay_mode, Tensor global_grad_norm, "
-        "float max_grad_norm, bool? use_nvlamb=None) -> ()",
+        "float max_grad_norm, bool? use_nvlamb=None, Tensor? step_tensor=None) -> ()",
         _reference.multi_tensor_lamb,
         list_counts=(4,),
     ),

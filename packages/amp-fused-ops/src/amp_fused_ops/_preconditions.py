@@ -36,7 +36,9 @@ class OpPreconditions:
             (Apex's signature), so that positional and keyword calls are checked alike.
         choices: ``(name, allowed values)`` of the integer switches.
         step_at_least_one: The op has an integer ``step`` that must be >= 1 when
-            ``bias_correction`` is 1.
+            ``bias_correction`` is 1 (checked here unless a ``step_tensor`` replaces it: the
+            kernels check that one, as reading it here would trace a host read under
+            ``torch.compile``).
     """
 
     arguments: tuple[str, ...]
@@ -50,7 +52,16 @@ class OpPreconditions:
 
 
 _FLAG = (0, 1)
-_ADAM_ARGS = ("lr", "beta1", "beta2", "eps", "step", "mode", "bias_correction", "weight_decay")
+_ADAM_ARGS = (
+    "lr",
+    "beta1",
+    "beta2",
+    "eps",
+    "step",
+    "mode",
+    "bias_correction",
+    "weight_decay",
+)
 _ADAM_CHOICES = (("mode", _FLAG), ("bias_correction", _FLAG))
 _LAMB_ARGS = (
     "lr",
@@ -99,12 +110,15 @@ PRECONDITIONS: Mapping[str, OpPreconditions] = {
             "epsilon",
             "global_grad_norm",
             "max_global_grad_norm",
+            "step_tensor",
         )
     ),
     "multi_tensor_lamb_stage2_cuda": OpPreconditions(
         ("per_tensor_param_norm", "per_tensor_update_norm", "lr", "weight_decay", "use_nvlamb")
     ),
-    "multi_tensor_adam": OpPreconditions(_ADAM_ARGS, choices=_ADAM_CHOICES, step_at_least_one=True),
+    "multi_tensor_adam": OpPreconditions(
+        (*_ADAM_ARGS, "step_tensor"), choices=_ADAM_CHOICES, step_at_least_one=True
+    ),
     # step is a device tensor here: checking it would synchronize the host.
     "multi_tensor_adam_capturable": OpPreconditions(
         (*_ADAM_ARGS, "inv_scale"), choices=_ADAM_CHOICES
@@ -128,10 +142,11 @@ PRECONDITIONS: Mapping[str, OpPreconditions] = {
             "grad_averaging",
             "mode",
             "norm_type",
+            "step_tensor",
         ),
         choices=(*_LAMB_CHOICES, ("norm_type", (0, 2))),
     ),
-    "multi_tensor_lamb": OpPreconditions(_LAMB_ARGS, choices=_LAMB_CHOICES),
+    "multi_tensor_lamb": OpPreconditions((*_LAMB_ARGS, "step_tensor"), choices=_LAMB_CHOICES),
     "multi_tensor_lamb_mp": OpPreconditions(
         (*_LAMB_ARGS, "found_inf", "inv_scale"), choices=_LAMB_CHOICES
     ),
@@ -165,7 +180,11 @@ def check_arguments(op: str, values: Mapping[str, Any]) -> None:
     for name, allowed in rule.choices:
         if name in values and values[name] not in allowed:
             raise ValueError(f"{op}: {name} must be one of {list(allowed)}, got {values[name]!r}")
-    if rule.step_at_least_one and values.get("bias_correction") == 1:
+    if (
+        rule.step_at_least_one
+        and values.get("bias_correction") == 1
+        and values.get("step_tensor") is None
+    ):
         step = values.get("step")
         if isinstance(step, (int, float)) and step < 1:
             raise ValueError(f"{op}: step must be >= 1 when bias_correction is on, got {step}")

@@ -325,3 +325,28 @@ def _scalar(value: Tensor | float, device: torch.device) -> Tensor:
     if isinstance(value, Tensor):
         return value.reshape(()).to(device=device, dtype=torch.float32)
     return torch.tensor(float(value), dtype=torch.float32, device=device)
+
+
+def resolve_step(op: str, step: int, step_tensor: Tensor | None) -> int:
+    """The step count of an op that takes ``int step`` and ``Tensor? step_tensor``.
+
+    ``step_tensor``, when given, holds the count and ``step`` is not read: the optimizers pass
+    the count as a tensor under ``torch.compile``, so that it is data of the graph rather than
+    a constant that changes every step (``docs/compile.rst``). It is read on the host, so it
+    must be a one-element CPU tensor holding a whole number.
+
+    Raises:
+        ValueError: ``step_tensor`` is not a one-element CPU tensor, or not a whole number >= 0.
+    """
+    if step_tensor is None:
+        return step
+    if step_tensor.device.type != "cpu" or step_tensor.numel() != 1:
+        raise ValueError(
+            f"{op}: step_tensor must be a one-element CPU tensor (the step count is read on "
+            f"the host), got {step_tensor.numel()} elements on {step_tensor.device}; keep the "
+            "count on the CPU, or use the capturable ops for a count on the device"
+        )
+    value = float(step_tensor.item())
+    if not (value >= 0 and value == int(value)):
+        raise ValueError(f"{op}: step_tensor must hold a whole number >= 0, got {value}")
+    return int(value)

@@ -33,6 +33,7 @@ from amp_fused_ops._reference_common import (
     _raise_flag,
     _scalar,
     _write,
+    resolve_step,
 )
 from amp_fused_ops._reference_layerwise import (
     MOMENT_MODE_DECOUPLED,
@@ -72,6 +73,7 @@ def multi_tensor_lamb_stage1_cuda(
     epsilon: float,
     global_grad_norm: Tensor | float,
     max_global_grad_norm: float,
+    step_tensor: Tensor | None = None,
 ) -> None:
     """LAMB stage 1: the moments and the Adam-style update of every tensor, in place.
 
@@ -102,6 +104,8 @@ def multi_tensor_lamb_stage1_cuda(
         global_grad_norm: One-element float32 tensor (Apex) or a number: the L2 norm of all
             gradients together.
         max_global_grad_norm: Clipping threshold of ``global_grad_norm``.
+        step_tensor: The step count as a one-element CPU tensor, read instead of ``step``
+            when given (the optimizers pass it so under ``torch.compile``).
 
     Raises:
         TypeError: ``per_tensor_decay`` is not a tensor.
@@ -109,6 +113,7 @@ def multi_tensor_lamb_stage1_cuda(
         RuntimeError: Tensors on different devices.
     """
     op = "multi_tensor_lamb_stage1_cuda"
+    step = resolve_step(op, step, step_tensor)
     names = [("grads", "params", "exp_avgs", "exp_avg_sqs", "updates")]
     device = _check(op, chunk_size, noop_flag, tensor_lists, names)
     if device is None:

@@ -26,6 +26,7 @@ from amp_fused_ops._reference_common import (
     _scalar,
     _Tensors,
     _write,
+    resolve_step,
 )
 from amp_fused_ops._reference_optim import _adam_update
 
@@ -111,6 +112,7 @@ def multi_tensor_lamb(
     global_grad_norm: Tensor | float,
     max_grad_norm: float,
     use_nvlamb: bool | None = None,
+    step_tensor: Tensor | None = None,
 ) -> None:
     """One LAMB step, in place, for every (grad, param, exp_avg, exp_avg_sq).
 
@@ -153,6 +155,8 @@ def multi_tensor_lamb(
         max_grad_norm: Clipping threshold of ``global_grad_norm``.
         use_nvlamb: Apply the trust ratio to every tensor, also when ``weight_decay`` is 0
             (None means False, as in Apex).
+        step_tensor: The step count as a one-element CPU tensor, read instead of ``step``
+            when given (the optimizers pass it so under ``torch.compile``).
 
     Raises:
         ValueError: Malformed lists, sizes, dtypes, noop flag, bias_correction, grad_averaging
@@ -160,6 +164,7 @@ def multi_tensor_lamb(
         RuntimeError: Tensors on different devices.
     """
     op = "multi_tensor_lamb"
+    step = resolve_step(op, step, step_tensor)
     check_arguments(
         op, {"bias_correction": bias_correction, "grad_averaging": grad_averaging, "mode": mode}
     )
@@ -206,6 +211,7 @@ def multi_tensor_novograd(
     grad_averaging: int,
     mode: int,
     norm_type: int,
+    step_tensor: Tensor | None = None,
 ) -> None:
     """One NovoGrad step, in place, for every (grad, param, exp_avg).
 
@@ -249,6 +255,8 @@ def multi_tensor_novograd(
         grad_averaging: 1 to scale the gradient by ``1 - beta1`` in the first moment, 0 not to.
         mode: 0 weight decay inside the moment (``reg_inside_moment``), 1 decoupled decay.
         norm_type: 2 L2 norm, 0 infinity (max-abs) norm.
+        step_tensor: The step count as a one-element CPU tensor, read instead of ``step``
+            when given (the optimizers pass it so under ``torch.compile``).
 
     Raises:
         TypeError: ``grad_norms`` (or another argument) has the wrong type.
@@ -257,6 +265,7 @@ def multi_tensor_novograd(
         RuntimeError: Tensors (or ``grad_norms``) on different devices.
     """
     op = "multi_tensor_novograd"
+    step = resolve_step(op, step, step_tensor)
     check_arguments(
         op,
         {

@@ -22,6 +22,7 @@ from amp_fused_ops._reference_common import (
     _scalar,
     _Tensors,
     _write,
+    resolve_step,
 )
 
 __all__ = [
@@ -132,6 +133,7 @@ def multi_tensor_adam(
     mode: int,
     bias_correction: int,
     weight_decay: float,
+    step_tensor: Tensor | None = None,
 ) -> None:
     """One Adam / AdamW step, in place, for every (grad, param, exp_avg, exp_avg_sq).
 
@@ -169,6 +171,8 @@ def multi_tensor_adam(
         mode: 0 L2 regularisation (``torch.optim.Adam``), 1 decoupled decay (``AdamW``).
         bias_correction: 1 to apply bias correction, 0 not to.
         weight_decay: Weight decay.
+        step_tensor: The step count as a one-element CPU tensor, read instead of ``step``
+            when given (the optimizers pass it so under ``torch.compile``).
 
     Raises:
         ValueError: Malformed lists, sizes, dtypes, noop flag, mode or bias_correction; a
@@ -177,6 +181,7 @@ def multi_tensor_adam(
         RuntimeError: Tensors on different devices.
     """
     op = "multi_tensor_adam"
+    step = resolve_step(op, step, step_tensor)
     check_arguments(op, {"mode": mode, "bias_correction": bias_correction, "step": step})
     names = [("grads", "params", "exp_avgs", "exp_avg_sqs")]
     dtypes = [_FLOAT_DTYPES, _FLOAT_DTYPES, _FP32_ONLY, _FP32_ONLY]

@@ -31,6 +31,8 @@ __all__ = [
     "FusedOptimizerBase",
     "PlanBucket",
     "StepPlan",
+    "advance_step",
+    "step_arguments",
     "check_betas",
     "check_nonnegative",
     "first_param_device",
@@ -40,6 +42,37 @@ __all__ = [
 ]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def advance_step(holder: dict[str, Any], key: str = "step") -> int | Tensor:
+    """Add one to the step count ``holder[key]`` (a param group or a param's state) and return it.
+
+    In eager mode the count is a Python int, as Apex keeps it. Under ``torch.compile`` an int
+    that changes every step would be a constant of the graph, recompiled each step; there the
+    count becomes a one-element int64 CPU tensor advanced in place, data of one graph that
+    serves every step (``docs/compile.rst``). Once a tensor, it stays one, also in eager mode.
+    A count on another device (a capturable optimizer's) is advanced there.
+    """
+    count = holder.get(key, 0)
+    if isinstance(count, Tensor):
+        count.add_(1)
+        return count
+    if torch.compiler.is_compiling():
+        tensor = torch.tensor(int(count) + 1, dtype=torch.int64)
+        holder[key] = tensor
+        return tensor
+    holder[key] = int(count) + 1
+    return holder[key]
+
+
+def step_arguments(step: int | Tensor) -> tuple[int, Tensor | None]:
+    """``(step, step_tensor)`` for an op with Apex's ``int step`` and the optional
+    ``step_tensor``: a tensor count goes in ``step_tensor`` (on the CPU: the kernels read it on
+    the host), and ``step`` is then 0 and unread."""
+    if isinstance(step, Tensor):
+        return 0, step if step.device.type == "cpu" else step.to("cpu")
+    return step, None
+
 
 Bucket = list[list[Tensor]]
 

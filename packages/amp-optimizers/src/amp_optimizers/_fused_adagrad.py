@@ -13,6 +13,7 @@ from ._adagrad_state_format import from_adagrad_state_dict, to_torch_adagrad_for
 from ._base import (
     AmpCOp,
     FusedOptimizerBase,
+    advance_step,
     check_nonnegative,
     group_by_device_dtype,
     params_with_grads,
@@ -84,8 +85,8 @@ class FusedAdagrad(FusedOptimizerBase):
                 state = self.state[p]
                 if "sum" not in state:
                     state["sum"] = torch.zeros_like(p, dtype=torch.float32)
-                # Counted on the host (torch's Adagrad keeps it; its math here needs none).
-                state["step"] = state.get("step", 0) + 1
+                # Counted for torch's Adagrad format (its math here needs none).
+                advance_step(state)
                 rows.append((p, p.grad, state["sum"]))
             for (device, _), (ps, gs, sums) in group_by_device_dtype(rows).items():
                 multi_tensor_applier(

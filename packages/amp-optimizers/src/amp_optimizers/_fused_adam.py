@@ -27,10 +27,12 @@ from ._base import (
     AmpCOp,
     FusedOptimizerBase,
     StepPlan,
+    advance_step,
     check_betas,
     check_nonnegative,
     group_by_device_dtype,
     params_with_grads,
+    step_arguments,
     unscale_grads_in_place,
 )
 
@@ -288,7 +290,7 @@ class FusedAdam(FusedOptimizerBase):
         return state["exp_avg"], state["exp_avg_sq"]
 
     def _plain_step(self, group: dict[str, Any], plan: StepPlan, grads: list[Tensor]) -> None:
-        group["step"] = int(group.get("step", 0)) + 1
+        step, step_tensor = step_arguments(advance_step(group))
         beta1, beta2 = group["betas"]
         lr = float(group["lr"])
         bias_correction = 1 if group["bias_correction"] else 0
@@ -302,10 +304,11 @@ class FusedAdam(FusedOptimizerBase):
                 beta1,
                 beta2,
                 group["eps"],
-                group["step"],
+                step,
                 self.adam_w_mode,
                 bias_correction,
                 group["weight_decay"],
+                step_tensor,
             )
 
     def _device_step(

@@ -13,9 +13,11 @@ from amp_fused_ops import amp_C, multi_tensor_applier
 from ._base import (
     AmpCOp,
     FusedOptimizerBase,
+    advance_step,
     check_betas,
     check_nonnegative,
     group_by_device_dtype,
+    step_arguments,
 )
 
 __all__ = ["FusedLAMB", "check_lamb_args", "global_grad_norm", "lamb_moments", "launch_lamb"]
@@ -87,7 +89,7 @@ def launch_lamb(
     group: dict[str, Any],
     *,
     lr: float,
-    step: int,
+    step: int | Tensor,
     global_norm: Tensor,
     max_grad_norm: float,
     adam_w_mode: int,
@@ -100,7 +102,8 @@ def launch_lamb(
         tensor_lists: ``[grads, params, exp_avgs, exp_avg_sqs]`` of one ``(device, dtype)``.
         group: The param group (betas, eps, weight decay, bias correction, averaging).
         lr: Learning rate of this step.
-        step: Step number (1 for the first step).
+        step: Step number (1 for the first step); a one-element tensor under
+            ``torch.compile`` (see :func:`advance_step`).
         global_norm: One-element float32 tensor on the launch's device; the op divides the
             gradients by ``global_norm / max_grad_norm`` when that exceeds 1.
         max_grad_norm: Clipping threshold of ``global_norm``.
@@ -108,6 +111,7 @@ def launch_lamb(
         use_nvlamb: Apply the trust ratio also without weight decay.
     """
     beta1, beta2 = group["betas"]
+    step, step_tensor = step_arguments(step)
     multi_tensor_applier(
         amp_C.multi_tensor_lamb,
         noop,
@@ -124,6 +128,7 @@ def launch_lamb(
         global_norm,
         max_grad_norm,
         use_nvlamb,
+        step_tensor,
     )
 
 
@@ -234,7 +239,7 @@ class FusedLAMB(FusedOptimizerBase):
         for group, plan, group_grads in plans:
             if plan is None:
                 continue
-            group["step"] = int(group.get("step", 0)) + 1
+            step = advance_step(group)
             for bucket in plan.buckets:
                 ps, ms, vs = bucket.columns
                 launch_lamb(
@@ -242,7 +247,7 @@ class FusedLAMB(FusedOptimizerBase):
                     [bucket.grads(group_grads), ps, ms, vs],
                     group,
                     lr=group["lr"],
-                    step=group["step"],
+                    step=step,
                     global_norm=norm.to(bucket.device),
                     max_grad_norm=max_grad_norm,
                     adam_w_mode=self.adam_w_mode,

@@ -12,10 +12,12 @@ from amp_fused_ops import amp_C, multi_tensor_applier
 from ._base import (
     AmpCOp,
     FusedOptimizerBase,
+    advance_step,
     check_betas,
     check_nonnegative,
     group_by_device_dtype,
     params_with_grads,
+    step_arguments,
 )
 
 __all__ = ["FusedNovoGrad"]
@@ -125,7 +127,7 @@ class FusedNovoGrad(FusedOptimizerBase):
             params = params_with_grads("FusedNovoGrad", group["params"])
             if not params:
                 continue
-            group["step"] = int(group.get("step", 0)) + 1
+            step, step_tensor = step_arguments(advance_step(group))
             beta1, beta2 = group["betas"]
             rows = []
             for p in params:
@@ -145,12 +147,13 @@ class FusedNovoGrad(FusedOptimizerBase):
                     beta1,
                     beta2,
                     group["eps"],
-                    group["step"],
+                    step,
                     1 if group["bias_correction"] else 0,
                     group["weight_decay"],
                     1 if group["grad_averaging"] else 0,
                     self.moment_mode,
                     group["norm_type"],
+                    step_tensor,
                 )
                 torch._foreach_copy_(norms, list(blended.unbind()))
         return loss
