@@ -19,6 +19,9 @@ from amp_fused_ops._flatten import flatten, unflatten
 
 # Multi-tensor apply (Apex: apex.multi_tensor_apply)
 from amp_fused_ops._multi_tensor_apply import MultiTensorApply, multi_tensor_applier
+
+# Norms of whole tensors, DTensor (FSDP2) shards reduced over their mesh
+from amp_fused_ops._sharding import tensor_norms
 from amp_fused_ops._version import __version__
 
 # Fused LayerNorm / RMSNorm (Apex: apex.normalization)
@@ -42,6 +45,7 @@ __all__ = [
     "multi_tensor_applier",
     # Ops
     "amp_C",
+    "tensor_norms",
     # Normalization
     "FusedLayerNorm",
     "FusedRMSNorm",

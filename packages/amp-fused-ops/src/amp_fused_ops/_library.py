@@ -29,7 +29,6 @@ and its compiled kernels registered under the same name.
 from __future__ import annotations
 
 import dataclasses
-import sys
 import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -40,6 +39,7 @@ from torch import Tensor
 
 from amp_fused_ops import _reference
 from amp_fused_ops._reference_common import find_wrong_device
+from amp_fused_ops._sharding import dtensor_type, shard_groups, sharded_norms, to_local
 
 __all__ = [
     "OPS_NAMESPACE",
@@ -331,27 +331,48 @@ def _number_tensor(op: str, name: str, value: Any, device: torch.device, cpu: bo
 # (sharded) arguments they step each rank's local shards, which is the whole answer.
 _SHARD_LOCAL_OPS = frozenset({"multi_tensor_adam", "multi_tensor_sgd", "multi_tensor_adagrad"})
 
+# Ops that take norms of whole tensors (and raise the noop flag only from those norms): on
+# DTensor arguments their reference runs on the local shards with each norm all-reduced over
+# the ranks that hold the tensor's other shards (amp_fused_ops._sharding). A compiled kernel
+# takes a norm inside one launch and cannot wait for other ranks.
+_SHARD_NORM_OPS = frozenset(
+    {
+        "multi_tensor_l2norm",
+        "multi_tensor_l2norm_mp",
+        "multi_tensor_unscale_l2norm",
+        "multi_tensor_l2norm_scale",
+        "multi_tensor_lamb",
+        "multi_tensor_lamb_mp",
+        "multi_tensor_novograd",
+    }
+)
 
-def _local_shards(name: str, lists: list[Any]) -> list[Any]:
+
+def _local_shards(name: str, lists: list[Any]) -> tuple[list[Any], list[tuple[Any, ...]] | None]:
     """``lists`` with every DTensor replaced by its local shard (FSDP2 parameters and state).
 
-    Only for :data:`_SHARD_LOCAL_OPS`. Every other op reduces over whole tensors (norms,
-    LAMB's trust ratio) or raises the noop flag from the values it reads, and a shard would
-    give a rank-local answer: those raise instead of computing it.
+    Returns:
+        ``(lists, groups)``: ``groups`` is None when no argument is a DTensor, else the process
+        groups each position's norm spans (:func:`amp_fused_ops._sharding.shard_groups`).
+
+    Raises:
+        NotImplementedError: DTensor arguments to an op of neither :data:`_SHARD_LOCAL_OPS`
+            nor :data:`_SHARD_NORM_OPS`: it raises the noop flag from the values it reads, and
+            on one rank's shards that would be that rank's answer only.
+        ValueError: The tensors of one position are not sharded alike.
     """
-    module = sys.modules.get("torch.distributed.tensor")
-    dtensor = getattr(module, "DTensor", None)
+    dtensor = dtensor_type()
     if dtensor is None or not any(
         type(t) is dtensor for part in lists if part is not None for t in part
     ):
-        return lists
-    if name not in _SHARD_LOCAL_OPS:
+        return lists, None
+    if name not in _SHARD_LOCAL_OPS and name not in _SHARD_NORM_OPS:
         raise NotImplementedError(
-            f"{name} got DTensor (sharded) arguments: the op reduces over whole tensors or "
-            "raises the overflow flag from the values it reads, and on one rank's shards it "
-            "would give that rank's answer only. Sharded (FSDP2) parameters work with "
-            "FusedAdam (capturable=False), FusedSGD and FusedAdagrad; use torch.optim for "
-            "the others"
+            f"{name} got DTensor (sharded) arguments: the op raises the overflow flag from the "
+            "values it reads, and on one rank's shards it would give that rank's answer only. "
+            "Sharded (FSDP2) parameters work with FusedAdam (capturable=False), FusedSGD, "
+            "FusedAdagrad, FusedLAMB, FusedNovoGrad and FusedMixedPrecisionLamb; use "
+            "torch.optim for the others"
         )
     local: list[Any] = []
     for index, part in enumerate(lists):
@@ -361,7 +382,8 @@ def _local_shards(name: str, lists: list[Any]) -> list[Any]:
         shards = []
         for position, t in enumerate(part):
             reference = lists[0][position]
-            if type(t) is not type(reference) or (
+            # A plain param (an nn.Parameter) beside its plain gradient is alike.
+            if (type(t) is dtensor) != (type(reference) is dtensor) or (
                 type(t) is dtensor
                 and (t.placements, t.device_mesh) != (reference.placements, reference.device_mesh)
             ):
@@ -372,7 +394,7 @@ def _local_shards(name: str, lists: list[Any]) -> list[Any]:
                 )
             shards.append(t.to_local() if type(t) is dtensor else t)
         local.append(shards)
-    return local
+    return local, [shard_groups(name, t) for t in lists[0]]
 
 
 def apex_convention(
@@ -415,7 +437,9 @@ def apex_convention(
         if given not in counts:
             raise ValueError(f"{name}: expected {layouts}, got {given}")
         lists: list[Any] = [*tensor_lists, *([None] * (most - given))]
-        lists = _local_shards(name, lists)
+        lists, groups = _local_shards(name, lists)
+        if groups is not None and name in _SHARD_NORM_OPS:
+            return _sharded_reference(name, chunk_size, noop_flag, lists, groups, args, kwargs)
         if "mode" in kwargs:
             kwargs["decay_mode"] = kwargs.pop("mode")
         if numbers:
@@ -442,6 +466,24 @@ def apex_convention(
     op.__name__ = op.__qualname__ = name
     op.__doc__ = f"``torch.ops.{overload.namespace}.{name}`` with Apex's ``amp_C`` arguments."
     return op
+
+
+def _sharded_reference(
+    name: str,
+    chunk_size: int,
+    noop_flag: Tensor,
+    lists: list[Any],
+    groups: list[tuple[Any, ...]],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """The reference of ``name`` on local shards, its norms reduced over ``groups``."""
+    args = tuple(to_local(a) for a in args)
+    kwargs = {k: to_local(v) for k, v in kwargs.items()}
+    with sharded_norms(groups):
+        return REGISTRY[name].reference(
+            chunk_size, noop_flag, [part for part in lists if part is not None], *args, **kwargs
+        )
 
 
 def compiled_ops(

@@ -88,6 +88,7 @@ from amp_fused_ops._reference_optim import (
     multi_tensor_sgd,
 )
 from amp_fused_ops._reference_scaler import update_scale_hysteresis
+from amp_fused_ops._sharding import per_tensor_norms
 
 # Every op of Apex's amp_C extension (csrc/amp_C_frontend.cpp), in its order.
 __all__ = [
@@ -208,7 +209,7 @@ def _l2norms(
     values = _fp32(xs)
     if inv_scale is not None:
         values = torch._foreach_mul(values, _scalar(inv_scale, device))
-    norms = torch.stack(torch._foreach_norm(values, 2))  # (n,) float32
+    norms = per_tensor_norms(values, 2)  # (n,) float32, of whole tensors on DTensor shards
     # Sum of squares then sqrt, as the kernels do: an overflowing sum is inf, not rescaled.
     total = norms.square().sum().sqrt().reshape(1)
     _raise_flag(noop_flag, ~torch.isfinite(total[0]))

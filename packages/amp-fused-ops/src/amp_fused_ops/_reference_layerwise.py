@@ -29,6 +29,7 @@ from amp_fused_ops._reference_common import (
     resolve_step,
 )
 from amp_fused_ops._reference_optim import _adam_update
+from amp_fused_ops._sharding import per_tensor_norms
 
 __all__ = ["multi_tensor_lamb", "multi_tensor_novograd"]
 
@@ -39,8 +40,9 @@ NORM_TYPE_L2 = 2  # NovoGrad: per-tensor L2 norm
 
 
 def _per_tensor_norms(tensors: Sequence[Tensor], ord: float) -> Tensor:
-    """Float32 ``(len(tensors),)`` tensor of the ``ord``-norm of each tensor."""
-    return torch.stack(torch._foreach_norm(list(tensors), ord))
+    """Float32 ``(len(tensors),)`` tensor of the ``ord``-norm of each tensor (of each whole
+    tensor when the op runs on DTensor shards: :mod:`amp_fused_ops._sharding`)."""
+    return per_tensor_norms(tensors, ord)
 
 
 def _clip_divisor(norm: Tensor, max_norm: Tensor | float) -> Tensor:

@@ -37,6 +37,7 @@ __all__ = [
     "check_nonnegative",
     "first_param_device",
     "group_by_device_dtype",
+    "local_shards",
     "params_with_grads",
     "unscale_grads_in_place",
 ]
@@ -113,6 +114,11 @@ def unscale_grads_in_place(grads: Sequence[Tensor], grad_scale: Tensor) -> None:
         by_device.setdefault(g.device, []).append(g)
     for device, gs in by_device.items():
         torch._foreach_mul_(gs, inv.to(device))
+
+
+def local_shards(tensors: list[Tensor]) -> list[Tensor]:
+    """``tensors`` with every DTensor (FSDP2 param or state) replaced by its local shard."""
+    return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
 
 
 def check_betas(optimizer: str, betas: Any) -> None:

@@ -26,6 +26,7 @@ from ._base import (
     AmpCOp,
     FusedOptimizerBase,
     group_by_device_dtype,
+    local_shards,
     params_with_grads,
     unscale_grads_in_place,
 )
@@ -257,7 +258,9 @@ class FusedMixedPrecisionLamb(FusedOptimizerBase):
                     use_nvlamb=self.use_nvlamb,
                 )
                 if targets[0] is not ps[0]:  # masters were stepped: round them into the params
-                    torch._foreach_copy_(ps, targets)
+                    # DTensor (FSDP2) params and masters: their local shards (DTensor has
+                    # no sharding rule for _foreach_copy_).
+                    torch._foreach_copy_(local_shards(ps), local_shards(targets))
 
     def _stepped_tensor(self, state: dict[str, Any], p: Tensor) -> Tensor:
         """The tensor the op steps for ``p``: its float32 master, or ``p`` itself."""

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from amp_fused_ops import amp_C, multi_tensor_applier
+from amp_fused_ops import amp_C, multi_tensor_applier, tensor_norms
 
 from ._base import (
     AmpCOp,
@@ -163,6 +164,11 @@ class FusedNovoGrad(FusedOptimizerBase):
         assert p.grad is not None
         if group["init_zero"]:
             return torch.zeros((), dtype=torch.float32, device=p.device)
+        if hasattr(p.grad, "full_tensor"):
+            # A DTensor (FSDP2) gradient: the norm of the whole gradient, reduced over the
+            # mesh; every rank keeps the same plain 0-dim tensor, as for a plain param.
+            ord = math.inf if group["norm_type"] == 0 else 2.0
+            return tensor_norms([p.grad], ord).reshape(())
         g = p.grad.float()
         norm = g.abs().max() if group["norm_type"] == 0 else g.norm(2)
         return norm.reshape(()).clone()

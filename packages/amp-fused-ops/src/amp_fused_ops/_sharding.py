@@ -1,0 +1,170 @@
+"""DTensor (FSDP2) arguments of the ``amp_C`` ops: local shards, and norms that span shards.
+
+FSDP2 hands the optimizer DTensor parameters, gradients and state. Each rank holds one shard of
+every tensor, so
+
+* an element-wise op (Adam, SGD, Adagrad) steps the local shards and is done;
+* an op that reduces over whole tensors (the L2 norms, LAMB's trust ratio ``||p|| / ||u||``,
+  NovoGrad's per-tensor gradient norms) needs each tensor's norm over *all* its shards. Each
+  rank takes the norm of its shards, and the partial results are combined across the ranks that
+  hold the other shards: the sums of squares are all-reduced (``SUM``) for the L2 norm, the
+  maxima (``MAX``) for the infinity norm. Only the mesh dimensions on which the tensor is
+  ``Shard``-ed are reduced over; along a ``Replicate`` dimension every rank already holds the
+  same values, and summing them would count the tensor twice.
+
+:func:`sharded_norms` sets, for the duration of one op, which process groups each tensor
+position reduces over; :func:`per_tensor_norms` (used by every reference op that takes a norm)
+reads it. Plain tensors in the same lists (a parameter FSDP2 does not manage) are reduced over
+nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "dtensor_type",
+    "per_tensor_norms",
+    "shard_groups",
+    "sharded_norms",
+    "tensor_norms",
+    "to_local",
+]
+
+# Per position of the op's first tensor list: the process groups its norm is reduced over.
+_GROUPS: contextvars.ContextVar[Sequence[tuple[Any, ...]] | None] = contextvars.ContextVar(
+    "amp_fused_ops_shard_groups", default=None
+)
+
+
+def dtensor_type() -> type | None:
+    """``torch.distributed.tensor.DTensor`` when that module is imported, else None.
+
+    Nothing can be a DTensor before it is imported, so the check costs no import.
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def to_local(value: Any) -> Any:
+    """``value``'s local tensor when it is a DTensor, else ``value`` itself."""
+    dtensor = dtensor_type()
+    if dtensor is not None and type(value) is dtensor:
+        return value.to_local()
+    return value
+
+
+def shard_groups(op: str, t: Tensor) -> tuple[Any, ...]:
+    """The process groups over which a whole-tensor reduction of ``t`` must be combined.
+
+    One group per mesh dimension on which ``t`` is ``Shard``-ed; none for ``Replicate`` dims or
+    a plain tensor.
+
+    Raises:
+        ValueError: ``t`` has a ``Partial`` placement (its local values are not its shard).
+    """
+    dtensor = dtensor_type()
+    if dtensor is None or type(t) is not dtensor:
+        return ()
+    groups = []
+    for dim, placement in enumerate(t.placements):  # type: ignore[attr-defined]
+        if placement.is_shard():
+            groups.append(t.device_mesh.get_group(dim))  # type: ignore[attr-defined]
+        elif not placement.is_replicate():
+            raise ValueError(
+                f"{op}: a DTensor argument has placement {placement} on mesh dimension {dim}; "
+                "only Shard and Replicate placements can be stepped (call "
+                "redistribute() on the gradients first)"
+            )
+    return tuple(groups)
+
+
+@contextlib.contextmanager
+def sharded_norms(groups: Sequence[tuple[Any, ...]]) -> Iterator[None]:
+    """Make :func:`per_tensor_norms` reduce position ``i`` over ``groups[i]`` inside the block."""
+    token = _GROUPS.set(groups)
+    try:
+        yield
+    finally:
+        _GROUPS.reset(token)
+
+
+def per_tensor_norms(tensors: Sequence[Tensor], ord: float) -> Tensor:
+    """Float32 ``(len(tensors),)`` tensor of the ``ord``-norm (2 or inf) of each tensor.
+
+    Inside :func:`sharded_norms` each norm is that of the whole tensor of which ``tensors[i]`` is
+    one shard: the local partial results are all-reduced over that position's groups.
+    """
+    groups = _GROUPS.get()
+    if groups is None or not any(groups):
+        return torch.stack(torch._foreach_norm(list(tensors), ord)).float()
+    local = _local_norms(tensors, ord)
+    assert len(groups) == len(tensors), (len(groups), len(tensors))
+    import torch.distributed as dist
+
+    l2 = ord != math.inf
+    reduce_op = dist.ReduceOp.SUM if l2 else dist.ReduceOp.MAX
+    positions: dict[tuple[Any, ...], list[int]] = {}
+    for i, g in enumerate(groups):
+        if g:
+            positions.setdefault(g, []).append(i)
+    result = local
+    for group_set, index in positions.items():
+        idx = torch.tensor(index, device=local.device)
+        # L2: the squares add up across shards; inf: the largest shard maximum is the maximum.
+        values = local.index_select(0, idx)
+        if l2:
+            values = values.square()
+        for group in group_set:
+            dist.all_reduce(values, op=reduce_op, group=group)
+        result = result.index_copy(0, idx, values.sqrt() if l2 else values)
+    return result
+
+
+def _local_norms(tensors: Sequence[Tensor], ord: float) -> Tensor:
+    """The norms of local shards, one of which may be empty (FSDP2's last shards of a tensor
+    smaller than the world): an empty shard's norm is 0, the identity of both reductions."""
+    nonempty = [t for t in tensors if t.numel()]
+    norms = iter(torch._foreach_norm(nonempty, ord) if nonempty else ())
+    device = tensors[0].device
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack([next(norms).float() if t.numel() else zero for t in tensors])
+
+
+def tensor_norms(tensors: Sequence[Tensor], ord: float = 2.0) -> Tensor:
+    """The ``ord``-norm (2 or ``math.inf``) of each tensor, of the whole tensor for a DTensor.
+
+    A DTensor's norm is reduced over the mesh dimensions it is sharded on (so every rank gets
+    the same value); a plain tensor's is its own. This is the norm the fused optimizers use
+    for sharded (FSDP2) parameters.
+
+    Args:
+        tensors: Plain tensors or DTensors (with ``Shard`` / ``Replicate`` placements), all on
+            one device.
+        ord: 2 for the L2 norm, ``math.inf`` for the largest absolute value.
+
+    Returns:
+        A plain float32 tensor of ``len(tensors)`` norms on the tensors' device.
+
+    Raises:
+        ValueError: ``ord`` is neither 2 nor inf, or a DTensor has a ``Partial`` placement.
+
+    Example:
+        >>> tensor_norms([torch.ones(4), torch.full((2,), -3.0)], math.inf)
+        tensor([1., 3.])
+    """
+    if ord not in (2, math.inf):
+        raise ValueError(f"tensor_norms: ord must be 2 or math.inf, got {ord!r}")
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float32)
+    groups = [shard_groups("tensor_norms", t) for t in tensors]
+    with sharded_norms(groups):
+        return per_tensor_norms([to_local(t) for t in tensors], ord)
