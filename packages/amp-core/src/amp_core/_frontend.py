@@ -15,6 +15,7 @@ from ._model import ModelAmpState, model_state
 from ._opt_levels import OptLevel, Properties, resolve_properties
 from ._optimizer import OptimizerAmpState, optimizer_state
 from ._scaler import LossScaler
+from ._sharded import refuse_sharded_cast
 from ._state import AmpSession, registry
 
 __all__ = ["initialize"]
@@ -248,6 +249,8 @@ def initialize(
         return result()
 
     _check_inputs(model_list, optimizer_list)
+    if props.master_weights or props.cast_model_type not in (None, torch.float32):
+        refuse_sharded_cast(model_list, props.opt_level.value, props.cast_model_type)
     device_types = _device_types(model_list)
     session = AmpSession(props, verbosity=verbosity)
     registry.replace(session)  # switches off the previous session's O1 casting

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ._scaler_config import DEFAULT_MIN_LOSS_SCALE, ScalerConfig, check_count, check_scale
+from ._sharded import all_reduce_found_inf, local_grads
 
 __all__ = [
     "DEFAULT_MIN_LOSS_SCALE",
@@ -294,12 +295,17 @@ class LossScaler:
         Sparse COO gradients are unscaled and checked through their values.
 
         ``found_inf`` is a 0-dim fp32 tensor; it is only ever raised, never cleared here.
+        DTensor (FSDP2) gradients are unscaled through their local shards, and with ``check``
+        the flag is then all-reduced over their meshes, so every rank makes the same decision
+        (a collective: every rank must call this with its shards of the same gradients).
         """
         unit = not self.dynamic and self._initial_scale == 1.0
         if not check and unit:
             return  # a static scale of one: nothing to undo
+        # DTensor (FSDP2) gradients: their local shards, and the meshes the flag is agreed on.
+        local, meshes = local_grads(grads)
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
-        for g in _dense_parts(grads):
+        for g in _dense_parts(local):
             groups[(g.device, g.dtype)].append(g)
         if not groups:
             return
@@ -324,6 +330,9 @@ class LossScaler:
                     _mark_nonfinite(group, local_inf)
             if local_inf is not found_inf:
                 found_inf.add_(local_inf.to(found_inf.device, non_blocking=True))
+        if check:
+            # An inf in one rank's shard skips the step on every rank.
+            all_reduce_found_inf(found_inf, meshes)
 
     def unscale_with_stash_(
         self,
