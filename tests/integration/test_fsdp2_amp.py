@@ -136,9 +136,8 @@ def _check_mixed_precision_policy() -> None:
             ref_opt = make(list(reference.parameters()))
             for x in _batches():
                 ref_opt.zero_grad()
-                copies = {
-                    k: v.detach().to(dtype).requires_grad_() for k, v in reference.named_parameters()
-                }
+                named = reference.named_parameters()
+                copies = {k: v.detach().to(dtype).requires_grad_() for k, v in named}
                 out = torch.func.functional_call(reference, copies, (x.to(dtype),))
                 out.float().square().mean().backward()
                 for k, p in reference.named_parameters():
