@@ -3,9 +3,11 @@
 FusedAdam, FusedSGD and FusedAdagrad step each rank's local shards through the multi-tensor
 kernels; the parameters after a few steps equal those of the same optimizer on the unsharded
 model (both ranks see the same batches, so FSDP2's averaged gradients are the unsharded ones).
-Capturable FusedAdam, whose kernel raises the overflow flag from the gradients each rank
-reads, refuses DTensors with an error that says which optimizers work (the ones that reduce
-over whole tensors are tested in test_fsdp2_layerwise.py).
+Capturable FusedAdam skips a step whose gradients hold an inf or a nan: the ranks agree on
+that before stepping, so an inf in one rank's shard skips the step on both. An op that raises
+its flag from the values each rank reads (multi_tensor_scale) refuses DTensors with an error
+that names the optimizers that work (those that reduce over whole tensors are tested in
+test_fsdp2_layerwise.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from amp_fused_ops import amp_C, multi_tensor_applier
 from amp_optimizers import FusedAdagrad, FusedAdam, FusedSGD
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -32,9 +35,8 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "FusedAdam_l2": lambda ps: FusedAdam(ps, lr=1e-2, adam_w_mode=False, weight_decay=0.01),
     "FusedSGD": lambda ps: FusedSGD(ps, lr=1e-2, momentum=0.9, weight_decay=0.01),
     "FusedAdagrad": lambda ps: FusedAdagrad(ps, lr=1e-2, weight_decay=0.01),
-}
-REFUSED: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "FusedAdam_capturable": lambda ps: FusedAdam(ps, lr=1e-2, capturable=True),
+    "FusedAdam_master": lambda ps: FusedAdam(ps, lr=1e-2, master_weights=True),
 }
 
 
@@ -80,20 +82,28 @@ def _worker(rank: int, init_file: str) -> None:
             # The state is sharded as the parameters are (what distributed checkpoints save).
             state = [v for s in optimizer.state.values() for v in s.values()]
             assert any(isinstance(v, DTensor) for v in state), name
-        for name, make in REFUSED.items():
-            sharded = _model()
-            fully_shard(sharded)
-            optimizer = make(list(sharded.parameters()))
-            sharded(_batches()[0]).sum().backward()
-            try:
-                optimizer.step()
-            except NotImplementedError as error:
-                assert "DTensor (sharded) arguments" in str(error), (name, error)
-                assert "FusedAdam (capturable=False), FusedSGD, FusedAdagrad, FusedLAMB" in str(
-                    error
-                )
-            else:
-                raise AssertionError(f"{name} stepped DTensor parameters")
+        # Capturable: an inf in rank 1's shard only skips the step on both ranks.
+        sharded = _model()
+        fully_shard(sharded)
+        optimizer = FusedAdam(list(sharded.parameters()), lr=1e-2, capturable=True)
+        before = [p.full_tensor().clone() for p in sharded.parameters()]
+        sharded(_batches()[0]).sum().backward()
+        if dist.get_rank() == 1:
+            next(iter(sharded.parameters())).grad.to_local()[0, 0] = float("inf")
+        optimizer.step()
+        for p, old in zip(sharded.parameters(), before, strict=True):
+            torch.testing.assert_close(p.full_tensor(), old, rtol=0, atol=0)
+        assert int(optimizer.param_groups[0]["step"]) == 0
+        # An op that raises its flag from the values each rank reads refuses DTensors.
+        shards = [p.grad for p in sharded.parameters()]
+        try:
+            multi_tensor_applier(amp_C.multi_tensor_scale, torch.zeros(1, dtype=torch.int32),
+                                 [shards, shards], 1.0)  # fmt: skip
+        except NotImplementedError as error:
+            assert "DTensor (sharded) arguments" in str(error), error
+            assert "FusedAdam, FusedSGD, FusedAdagrad, FusedLAMB" in str(error), error
+        else:
+            raise AssertionError("multi_tensor_scale took DTensor arguments")
     finally:
         dist.destroy_process_group()
 

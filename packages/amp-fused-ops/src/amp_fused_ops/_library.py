@@ -39,7 +39,13 @@ from torch import Tensor
 
 from amp_fused_ops import _reference
 from amp_fused_ops._reference_common import find_wrong_device
-from amp_fused_ops._sharding import dtensor_type, shard_groups, sharded_norms, to_local
+from amp_fused_ops._sharding import (
+    agree_nonfinite,
+    dtensor_type,
+    shard_groups,
+    sharded_norms,
+    to_local,
+)
 
 __all__ = [
     "OPS_NAMESPACE",
@@ -348,6 +354,12 @@ _SHARD_NORM_OPS = frozenset(
 )
 
 
+# Ops that skip the whole step when a gradient read is not finite (and raise the flag): on
+# DTensor arguments the ranks first agree on that decision (amp_fused_ops._sharding), then each
+# steps its local shards.
+_SHARD_FLAG_OPS = frozenset({"multi_tensor_adam_capturable", "multi_tensor_adam_capturable_master"})
+
+
 def _local_shards(name: str, lists: list[Any]) -> tuple[list[Any], list[tuple[Any, ...]] | None]:
     """``lists`` with every DTensor replaced by its local shard (FSDP2 parameters and state).
 
@@ -366,13 +378,12 @@ def _local_shards(name: str, lists: list[Any]) -> tuple[list[Any], list[tuple[An
         type(t) is dtensor for part in lists if part is not None for t in part
     ):
         return lists, None
-    if name not in _SHARD_LOCAL_OPS and name not in _SHARD_NORM_OPS:
+    if name not in _SHARD_LOCAL_OPS | _SHARD_NORM_OPS | _SHARD_FLAG_OPS:
         raise NotImplementedError(
             f"{name} got DTensor (sharded) arguments: the op raises the overflow flag from the "
             "values it reads, and on one rank's shards it would give that rank's answer only. "
-            "Sharded (FSDP2) parameters work with FusedAdam (capturable=False), FusedSGD, "
-            "FusedAdagrad, FusedLAMB, FusedNovoGrad and FusedMixedPrecisionLamb; use "
-            "torch.optim for the others"
+            "Sharded (FSDP2) parameters work with the fused optimizers (FusedAdam, FusedSGD, "
+            "FusedAdagrad, FusedLAMB, FusedNovoGrad, FusedMixedPrecisionLamb); call those"
         )
     local: list[Any] = []
     for index, part in enumerate(lists):
@@ -420,6 +431,8 @@ def apex_convention(
     most = max(counts)
     layouts = f"{' or '.join(map(str, counts))} tensor lists"
     scalars = overload._schema.arguments[2 + most :]
+    names = [argument.name for argument in scalars]
+    inv_scale_at = names.index("inv_scale") if "inv_scale" in names else len(names)
     numbers = tuple(
         (index, argument.name)
         for index, argument in enumerate(scalars)
@@ -440,6 +453,11 @@ def apex_convention(
         lists, groups = _local_shards(name, lists)
         if groups is not None and name in _SHARD_NORM_OPS:
             return _sharded_reference(name, chunk_size, noop_flag, lists, groups, args, kwargs)
+        if groups is not None and name in _SHARD_FLAG_OPS:
+            inv_scale = kwargs.get(
+                "inv_scale", args[inv_scale_at] if inv_scale_at < len(args) else 1.0
+            )
+            agree_nonfinite(noop_flag, lists[0], to_local(inv_scale), groups)
         if "mode" in kwargs:
             kwargs["decay_mode"] = kwargs.pop("mode")
         if numbers:

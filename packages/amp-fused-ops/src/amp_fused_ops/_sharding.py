@@ -168,3 +168,33 @@ def tensor_norms(tensors: Sequence[Tensor], ord: float = 2.0) -> Tensor:
     groups = [shard_groups("tensor_norms", t) for t in tensors]
     with sharded_norms(groups):
         return per_tensor_norms([to_local(t) for t in tensors], ord)
+
+
+def agree_nonfinite(
+    noop_flag: Tensor, grads: Sequence[Tensor], inv_scale: Any, groups: Sequence[tuple[Any, ...]]
+) -> None:
+    """Raise ``noop_flag`` on every rank when any rank's ``grads * inv_scale`` has an inf/nan.
+
+    For the ops that skip the whole step on such a value (capturable Adam): each rank reads only
+    its shards, so without this an inf in one rank's shard would skip the step there only.
+    ``grads`` are local shards; the flag (with its value on entry) is all-reduced (``MAX``) over
+    every group in ``groups``.
+    """
+    import torch.distributed as dist
+
+    device = noop_flag.device
+    bad = noop_flag.reshape(()) != 0
+    present = [g for g in grads if g.numel()]
+    if present:
+        scale = inv_scale if isinstance(inv_scale, Tensor) else torch.tensor(float(inv_scale))
+        unscaled = torch._foreach_mul([g.float() for g in present], scale.to(device).float())
+        norms = torch.stack(torch._foreach_norm(unscaled, math.inf))
+        bad = bad | ~torch.isfinite(norms).all()
+    flag = bad.to(torch.int32).reshape(1)
+    seen: list[Any] = []
+    for group_set in groups:
+        for group in group_set:
+            if not any(group is s for s in seen):
+                seen.append(group)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    noop_flag.copy_(flag.reshape(noop_flag.shape))
