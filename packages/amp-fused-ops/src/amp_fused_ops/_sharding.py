@@ -45,7 +45,7 @@ _GROUPS: contextvars.ContextVar[Sequence[tuple[Any, ...]] | None] = contextvars.
 )
 
 
-def dtensor_type() -> type | None:
+def dtensor_type() -> Any:
     """``torch.distributed.tensor.DTensor`` when that module is imported, else None.
 
     Nothing can be a DTensor before it is imported, so the check costs no import.
