@@ -167,7 +167,8 @@ def tensor_norms(tensors: Sequence[Tensor], ord: float = 2.0) -> Tensor:
         return torch.zeros(0, dtype=torch.float32)
     groups = [shard_groups("tensor_norms", t) for t in tensors]
     with sharded_norms(groups):
-        return per_tensor_norms([to_local(t) for t in tensors], ord)
+        # Float32 math for half tensors too (a half norm would round the result to half).
+        return per_tensor_norms([to_local(t).float() for t in tensors], ord)
 
 
 def agree_nonfinite(
