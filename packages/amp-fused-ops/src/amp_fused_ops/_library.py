@@ -368,9 +368,10 @@ def _local_shards(name: str, lists: list[Any]) -> tuple[list[Any], list[tuple[An
         groups each position's norm spans (:func:`amp_fused_ops._sharding.shard_groups`).
 
     Raises:
-        NotImplementedError: DTensor arguments to an op of neither :data:`_SHARD_LOCAL_OPS`
-            nor :data:`_SHARD_NORM_OPS`: it raises the noop flag from the values it reads, and
-            on one rank's shards that would be that rank's answer only.
+        NotImplementedError: DTensor arguments to an op of none of :data:`_SHARD_LOCAL_OPS`,
+            :data:`_SHARD_NORM_OPS` and :data:`_SHARD_FLAG_OPS`: it raises the noop flag from
+            the values it reads, and on one rank's shards that would be that rank's answer
+            only.
         ValueError: The tensors of one position are not sharded alike.
     """
     dtensor = dtensor_type()
@@ -382,8 +383,9 @@ def _local_shards(name: str, lists: list[Any]) -> tuple[list[Any], list[tuple[An
         raise NotImplementedError(
             f"{name} got DTensor (sharded) arguments: the op raises the overflow flag from the "
             "values it reads, and on one rank's shards it would give that rank's answer only. "
-            "Sharded (FSDP2) parameters work with the fused optimizers (FusedAdam, FusedSGD, "
-            "FusedAdagrad, FusedLAMB, FusedNovoGrad, FusedMixedPrecisionLamb); call those"
+            "Step sharded (FSDP2) parameters with the fused optimizers instead (FusedAdam, "
+            "FusedSGD, FusedAdagrad, FusedLAMB, FusedNovoGrad, FusedMixedPrecisionLamb), "
+            "which take their norms and overflow decisions across the shards"
         )
     local: list[Any] = []
     for index, part in enumerate(lists):

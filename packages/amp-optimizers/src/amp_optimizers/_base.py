@@ -117,7 +117,12 @@ def unscale_grads_in_place(grads: Sequence[Tensor], grad_scale: Tensor) -> None:
 
 
 def local_shards(tensors: list[Tensor]) -> list[Tensor]:
-    """``tensors`` with every DTensor (FSDP2 param or state) replaced by its local shard."""
+    """``tensors`` with every DTensor (FSDP2 param or state) replaced by its local shard.
+
+    Under ``torch.compile`` (which steps plain params here) ``tensors`` as they are.
+    """
+    if torch.compiler.is_compiling():
+        return tensors
     return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
 
 

@@ -164,7 +164,7 @@ class FusedNovoGrad(FusedOptimizerBase):
         assert p.grad is not None
         if group["init_zero"]:
             return torch.zeros((), dtype=torch.float32, device=p.device)
-        if hasattr(p.grad, "full_tensor"):
+        if not torch.compiler.is_compiling() and hasattr(p.grad, "full_tensor"):
             # A DTensor (FSDP2) gradient: the norm of the whole gradient, reduced over the
             # mesh; every rank keeps the same plain 0-dim tensor, as for a plain param.
             ord = math.inf if group["norm_type"] == 0 else 2.0
