@@ -41,6 +41,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "packages" / "amp-fused-ops" / "csrc"
 OUT = ROOT / "benchmarks" / "out" / "ptxas_report.json"
+# TORCH_CUDA_ARCH_LIST of a prebuilt wheel (noxfile.py, PREBUILT_CUDA_ARCHS: 8.0;9.0;10.0+PTX).
+WHEEL_ARCHS = ("80", "90", "100")
 # One file of ptxas's figures per (source, arch, sources' and flags' hash): a rerun compiles
 # only what changed.
 CACHE = ROOT / "benchmarks" / "out" / "ptxas_cache"
@@ -231,10 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     flags = compile_flags(nvcc)
     raw: list[tuple[str, dict[str, object]]] = []
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        # The architectures a wheel is built for first (then the others), each over every
+        # source: a partial run (interrupted, or cut with --arch) covers those first.
+        order = sorted(archs, key=lambda a: (a not in WHEEL_ARCHS, int(a)))
         jobs = {
             pool.submit(compile_one, nvcc, flags, source, arch): source.name
+            for arch in order
             for source in sources
-            for arch in archs
         }
         for job in concurrent.futures.as_completed(jobs):
             raw += [(jobs[job], entry) for entry in job.result()]
