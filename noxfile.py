@@ -677,8 +677,55 @@ def cuda_build(session: nox.Session) -> None:
 
     Runs ``python -m amp_fused_ops build cuda --force`` (the loader's just-in-time build: every
     .cu/.cpp of csrc/cuda into one module) for ``TORCH_CUDA_ARCH_LIST`` (default 9.0), so it
-    needs nvcc and a CUDA build of torch but no GPU, then loads the result.
+    needs nvcc and a CUDA build of torch but no GPU, then loads the result. A kernel that
+    spills registers to local memory fails the build (ptxas ``--warn-on-spills`` as an error,
+    through ``NVCC_APPEND_FLAGS``); ``nox -s cuda_ptxas`` checks every architecture.
     """
+    _check_cuda_toolchain(session)
+    env = {
+        "CUDA_HOME": os.environ.get("CUDA_HOME", "/usr/local/cuda"),
+        "TORCH_CUDA_ARCH_LIST": os.environ.get("TORCH_CUDA_ARCH_LIST", "9.0"),
+        "MAX_JOBS": os.environ.get("MAX_JOBS", str(os.cpu_count() or 1)),
+        # A cache of this session's own: the build below always compiles (--force).
+        "AMP_FUSED_OPS_CACHE": str(Path(session.create_tmp()) / "amp_fused_ops_cache"),
+        "PYTHONPATH": str(ROOT / "packages" / "amp-fused-ops" / "src"),
+        "NVCC_APPEND_FLAGS": " ".join(
+            filter(None, [os.environ.get("NVCC_APPEND_FLAGS"), NO_SPILL_NVCC_FLAGS])
+        ),
+    }
+    session.run("python", "-m", "amp_fused_ops", "info", env=env)
+    session.run("python", "-m", "amp_fused_ops", "build", "cuda", "--force", env=env)
+    session.run("python", "-c", _CUDA_IMPORT_CHECK, env=env)
+
+
+# ptxas: a register spill is a warning, and every warning an error.
+NO_SPILL_NVCC_FLAGS = "-Xptxas --warn-on-spills,--warning-as-error"
+
+
+@nox.session
+def cuda_ptxas(session: nox.Session) -> None:
+    """Registers, shared memory and spills of every CUDA kernel for every architecture.
+
+    Runs ``benchmarks/ptxas_report.py``: each .cu of csrc/cuda compiled device side only
+    (``nvcc -cubin -Xptxas -v``) for every architecture the installed nvcc lists (CUDA 13:
+    sm_75 to sm_121), a table per kernel and architecture, and a failure when an optimizer
+    kernel spills. Needs nvcc and a CUDA build of torch, no GPU; about 12 times the device
+    work of ``cuda_build``, so it is not part of .ci/run (which compiles sm_90, spills failing).
+    ``-- --arch 80 90`` or ``-- --files multi_tensor_adam.cu`` narrows it.
+    """
+    _check_cuda_toolchain(session)
+    env = {
+        "CUDA_HOME": os.environ.get("CUDA_HOME", "/usr/local/cuda"),
+        "PYTHONPATH": str(ROOT / "packages" / "amp-fused-ops" / "src"),
+    }
+    session.run(
+        "python", "benchmarks/ptxas_report.py", "--jobs", str(os.cpu_count() or 1),
+        *session.posargs, env=env,
+    )  # fmt: skip
+
+
+def _check_cuda_toolchain(session: nox.Session) -> None:
+    """Skips the session without CUDA sources or nvcc; installs a CUDA build of torch."""
     relative = CUDA_SOURCE_DIR.relative_to(ROOT).as_posix()
     sources = sorted(CUDA_SOURCE_DIR.glob("*.cu")) if CUDA_SOURCE_DIR.is_dir() else []
     if not sources:
@@ -698,17 +745,6 @@ def cuda_build(session: nox.Session) -> None:
             f"torch {version} in this session is a CPU build (torch.version.cuda is None); "
             "set AMP_CUDA_TORCH to a CUDA build of torch to compile the CUDA sources"
         )
-    env = {
-        "CUDA_HOME": cuda_home,
-        "TORCH_CUDA_ARCH_LIST": os.environ.get("TORCH_CUDA_ARCH_LIST", "9.0"),
-        "MAX_JOBS": os.environ.get("MAX_JOBS", str(os.cpu_count() or 1)),
-        # A cache of this session's own: the build below always compiles (--force).
-        "AMP_FUSED_OPS_CACHE": str(Path(session.create_tmp()) / "amp_fused_ops_cache"),
-        "PYTHONPATH": str(ROOT / "packages" / "amp-fused-ops" / "src"),
-    }
-    session.run("python", "-m", "amp_fused_ops", "info", env=env)
-    session.run("python", "-m", "amp_fused_ops", "build", "cuda", "--force", env=env)
-    session.run("python", "-c", _CUDA_IMPORT_CHECK, env=env)
 
 
 # The gpu-marked kernel tests that also run on the emulated kernels (marker cuda_emulation).

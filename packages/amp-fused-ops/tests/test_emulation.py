@@ -48,6 +48,101 @@ def test_a_shuffle_whose_mask_names_an_exited_lane_raises(selftest):
         selftest.shuffle()
 
 
+# --- shared memory: poisoned per block, reads before writes caught ----------------------------
+
+
+def _counting_build() -> bool:
+    return bool(torch.ops.amp_emu.counting())
+
+
+def test_shared_memory_the_block_wrote_reads_back(selftest):
+    out = selftest.shared_reads(64)
+    assert out.tolist() == [float(t) for t in range(64)] * 2
+
+
+def test_a_read_of_shared_memory_no_thread_wrote_is_caught(selftest):
+    # Threads 48..63 read slots nobody wrote: zeros on the old emulator (the slots were
+    # zero-initialized statics), garbage on a GPU.
+    if not _counting_build():
+        out = selftest.shared_reads(48)
+        assert torch.isnan(out.view(2, 64)[:, 48:]).all()  # the poison, a NaN in every float
+        return
+    message = (
+        r"amp_emu: shared_reads \(launched at selftest\.cu:\d+\) of type void\(float\*, int\), "
+        r"block \(0, 0, 0\): thread \((4[89]|5\d|6[0-3]), 0, 0\) reads 4 byte\(s\) of "
+        r"__shared__ memory .* that no thread of this block has written.*"
+        r"\[schedule seed \d+; AMP_EMULATION_SEED=\d+ repeats"
+    )
+    with pytest.raises(RuntimeError, match=message):
+        selftest.shared_reads(48)
+
+
+def test_shared_memory_left_by_an_earlier_block_is_not_read(selftest):
+    # Block 1 reads what block 0 wrote: the old emulator kept the value (statics outlive a
+    # block); each block's shared memory is now poison until the block writes it.
+    if not _counting_build():
+        out = selftest.shared_from_previous_block()
+        assert out[0].item() == 1.0
+        assert torch.isnan(out[1])
+        return
+    with pytest.raises(RuntimeError, match=r"block \(1, 0, 0\): thread \(0, 0, 0\) reads 4 byte"):
+        selftest.shared_from_previous_block()
+
+
+# --- lane order ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def seed():
+    """Restores the schedule seed a test changes."""
+    saved = torch.ops.amp_emu.schedule_seed()
+    yield
+    torch.ops.amp_emu.set_schedule_seed(saved)
+
+
+def _lane_neighbours_expected(blocks: int) -> list[float]:
+    # Lane i reads lane i - 1's slot, which holds (i - 1) + 1; lane 0 reads nothing.
+    return [float(lane) for lane in range(32)] * blocks
+
+
+def test_lanes_reading_a_neighbours_write_after_syncwarp_are_right(selftest):
+    for shared in (False, True):
+        out = selftest.lane_neighbours(16, True, shared)
+        assert out.tolist() == _lane_neighbours_expected(16)
+
+
+def test_lanes_reading_a_neighbours_global_write_without_syncwarp_give_a_wrong_result(selftest):
+    # Lanes in index order (the old emulator, or lockstep) would all read the write; lanes
+    # run in a shuffled order, so some read the slot before their neighbour has written it.
+    out = selftest.lane_neighbours(16, False, False)
+    assert out.tolist() != _lane_neighbours_expected(16)
+
+
+def test_lanes_reading_a_neighbours_shared_write_without_syncwarp_are_caught(selftest):
+    if not _counting_build():
+        out = selftest.lane_neighbours(16, False, True)
+        assert torch.isnan(out).any()
+        return
+    with pytest.raises(RuntimeError, match=r"lane_neighbours .*reads 4 byte\(s\) of __shared__"):
+        selftest.lane_neighbours(16, False, True)
+
+
+def test_the_schedule_seed_repeats_and_changes_the_lane_order(selftest, seed):
+    outs = {}
+    for value in (1, 2, 1):
+        torch.ops.amp_emu.set_schedule_seed(value)
+        assert torch.ops.amp_emu.schedule_seed() == value
+        out = selftest.lane_neighbours(4, False, False)
+        outs.setdefault(value, []).append(out)
+    torch.testing.assert_close(outs[1][0], outs[1][1], rtol=0, atol=0)
+    assert not torch.equal(outs[1][0], outs[2][0])
+
+
+def test_a_negative_schedule_seed_raises(selftest, seed):
+    with pytest.raises(RuntimeError, match=r"set_schedule_seed\(-1\): the seed is a non-negative"):
+        torch.ops.amp_emu.set_schedule_seed(-1)
+
+
 def test_a_misaligned_vector_access_raises(selftest):
     buffer = torch.arange(65, dtype=torch.float32)
     out = torch.zeros(65)

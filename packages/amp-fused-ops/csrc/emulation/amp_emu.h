@@ -16,13 +16,17 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
-// Keywords. Blocks run one at a time, so a block's __shared__ variables are statics.
+// Keywords. Blocks run one at a time, so a block's __shared__ variables are statics, all in
+// one section of the module: the scheduler fills it with poison before each block, and the
+// counting build checks every read of it against the bytes the block has written
+// (amp_emu_runtime.cpp). Dynamic shared memory (`extern __shared__`) is not emulated: such a
+// declaration does not compile here.
 #define __global__
 #define __device__
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
-#define __shared__ static
+#define __shared__ static __attribute__((section(AMP_EMU_SHARED_SECTION)))
 #define __syncthreads() ::amp_emu::syncthreads(__FILE__, __LINE__)
 
 // Device math under CUDA's names.

@@ -1,6 +1,7 @@
 // The emulator's scheduler, checks, counters and capture (see amp_emu_runtime.h).
 #include "amp_emu_runtime.h"
 
+#include <dlfcn.h>
 #include <link.h>
 #include <pthread.h>
 #include <sys/mman.h>
@@ -8,6 +9,8 @@
 
 #include <torch/library.h>
 
+#include <cerrno>
+#include <cstdlib>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -28,6 +31,11 @@ void __sanitizer_finish_switch_fiber(void* fake_stack_save, const void** bottom_
 
 // Functions that the sanitizers of either build leave alone (the counting hooks' own work).
 #define AMP_EMU_UNCOUNTED __attribute__((no_sanitize_address, no_sanitize_thread))
+
+// The linker's bounds of the section of the __shared__ variables (weak: a module without any
+// has no section, and both are null).
+extern "C" char __start_amp_emu_shared[] __attribute__((weak));
+extern "C" char __stop_amp_emu_shared[] __attribute__((weak));
 
 uint3 threadIdx{0, 0, 0};
 uint3 blockIdx{0, 0, 0};
@@ -107,6 +115,41 @@ Counters g_counters{};
 bool g_counting = false;  // true while a fiber runs (host code is not counted)
 uintptr_t g_stack_lo = 0, g_stack_hi = 0;  // the fibers' stacks
 uintptr_t g_home_lo = 0, g_home_hi = 0;    // the launching thread's stack
+
+// --- schedule seed --------------------------------------------------------------------------
+
+constexpr const char* kSeedEnv = "AMP_EMULATION_SEED";
+bool g_seed_read = false;
+uint64_t g_seed = 0;
+
+std::string seed_note() {
+  return " [schedule seed " + std::to_string(g_seed) + "; " + kSeedEnv + "=" +
+         std::to_string(g_seed) + " repeats this order of warps and lanes]";
+}
+
+// --- shared memory ----------------------------------------------------------------------------
+
+// The section of the __shared__ variables, and one shadow byte per byte of it: 1 once the
+// running block has written the byte (kept by the counting build's hooks only).
+uintptr_t g_shared_lo = 0;
+size_t g_shared_size = 0;
+uint8_t* g_shared_written = nullptr;
+constexpr unsigned char kSharedPoison = 0xff;  // every float and half a NaN, every int -1
+
+// Before each block: the block's shared memory is poison, none of it written. (The section
+// is every kernel's shared variables, a few hundred KiB at most: two memsets per block.)
+AMP_EMU_UNCOUNTED void poison_shared() {
+  if (g_shared_size == 0) return;
+  std::memset(reinterpret_cast<void*>(g_shared_lo), kSharedPoison, g_shared_size);
+  std::memset(g_shared_written, 0, g_shared_size);
+}
+
+void find_shared_section() {
+  if (g_shared_written != nullptr || __start_amp_emu_shared == nullptr) return;
+  g_shared_lo = reinterpret_cast<uintptr_t>(__start_amp_emu_shared);
+  g_shared_size = static_cast<size_t>(__stop_amp_emu_shared - __start_amp_emu_shared);
+  g_shared_written = new uint8_t[g_shared_size + 1]();
+}
 
 // --- capture --------------------------------------------------------------------------------
 
@@ -289,22 +332,33 @@ void run_block(Scheduler& s, int threads, uint64_t block_index) {
     f.context.uc_link = nullptr;
     makecontext(&f.context, fiber_main, 0);
   }
-  // Warps run greedily (each as far as it can go) in an order that varies per block.
+  poison_shared();
+  // Warps run greedily (each as far as it can go) in an order that varies per block; within a
+  // warp, each pass over its runnable lanes takes them in a new order. Both orders come from
+  // the schedule seed and the block's index only, so one seed repeats them.
   std::vector<int> order(warps);
   for (int w = 0; w < warps; ++w) order[w] = w;
-  uint64_t seed = mix(block_index + 0x9e3779b97f4a7c15ull);
+  uint64_t seed = mix(block_index + 0x9e3779b97f4a7c15ull + g_seed * 0x2545f4914f6cdd1dull);
   for (int w = warps - 1; w > 0; --w) {
     seed = mix(seed);
     std::swap(order[w], order[seed % static_cast<uint64_t>(w + 1)]);
   }
+  int lanes[32];
   for (;;) {
     bool progressed = false, all_done = true;
     for (int w : order) {
+      const int first = 32 * w;
+      const int count = std::min(threads, first + 32) - first;
       bool any = true;
       while (any) {
         any = false;
-        for (int t = 32 * w; t < std::min(threads, 32 * w + 32); ++t) {
-          Fiber& f = s.fibers[t];
+        for (int i = 0; i < count; ++i) lanes[i] = i;
+        for (int i = count - 1; i > 0; --i) {
+          seed = mix(seed);
+          std::swap(lanes[i], lanes[seed % static_cast<uint64_t>(i + 1)]);
+        }
+        for (int i = 0; i < count; ++i) {
+          Fiber& f = s.fibers[first + lanes[i]];
           if (!runnable(s, f)) continue;
           switch_to_fiber(s, f);
           any = progressed = true;
@@ -367,6 +421,8 @@ void run(const LaunchConfig& config, const std::function<void()>& body, const ch
   }
   ++g_counters.launches;
   find_module_range();
+  find_shared_section();
+  schedule_seed();
   ensure_stacks(s, threads);
   pthread_attr_t attr;
   if (pthread_getattr_np(pthread_self(), &attr) == 0) {
@@ -399,7 +455,13 @@ void run(const LaunchConfig& config, const std::function<void()>& body, const ch
           drain(s, static_cast<int>(threads));
           std::exception_ptr error = s.error;
           s.error = nullptr;
-          std::rethrow_exception(error);
+          // The emulator's own errors name the schedule seed that produced them.
+          try {
+            std::rethrow_exception(error);
+          } catch (const std::runtime_error& e) {
+            if (std::strncmp(e.what(), "amp_emu", 7) != 0) throw;
+            fail(e.what() + seed_note());
+          }
         }
       }
     }
@@ -412,12 +474,42 @@ void run(const LaunchConfig& config, const std::function<void()>& body, const ch
 
 void launch(const LaunchConfig& config, std::function<void()> body, const char* where) {
   const std::lock_guard<std::mutex> lock(launch_mutex());
-  const std::string name = short_name(where);
+  // "multi_tensor_kernel<Op, Ts...> (launched at multi_tensor_apply.cuh:429) of type void(...)"
+  std::string name = short_name(where);
+  if (config.kernel != nullptr) {
+    name = std::string(config.kernel) + " (launched at " + config.file + ":" +
+           std::to_string(config.line) + ") of type " + name;
+  }
   if (g_capturing) {
     g_recording.push_back({config, std::move(body), name});
     return;
   }
   run(config, body, name.c_str());
+}
+
+uint64_t schedule_seed() {
+  if (!g_seed_read) {
+    g_seed_read = true;
+    const char* text = std::getenv(kSeedEnv);
+    if (text != nullptr && *text != '\0') {
+      char* end = nullptr;
+      errno = 0;
+      const unsigned long long value = std::strtoull(text, &end, 10);
+      if (errno != 0 || *end != '\0' || *text == '-') {
+        fail(std::string("amp_emu: ") + kSeedEnv + "=" + text +
+             " is not an unsigned 64-bit integer; set it to a number such as 0 or 12345, or "
+             "unset it");
+      }
+      g_seed = value;
+    }
+  }
+  return g_seed;
+}
+
+void set_schedule_seed(uint64_t seed) {
+  const std::lock_guard<std::mutex> lock(launch_mutex());
+  g_seed_read = true;
+  g_seed = seed;
 }
 
 void thread_counting(bool on) {
@@ -596,8 +688,47 @@ AMP_EMU_UNCOUNTED inline bool global_access(uintptr_t a) {
   return true;
 }
 
-AMP_EMU_UNCOUNTED void count(uintptr_t a, size_t n, bool store) {
-  if (!g_counting || !global_access(a)) return;
+// A read of shared memory that the running block has not written: the thread, the block, the
+// section offset and the reading instruction (as module+offset, for addr2line).
+[[noreturn]] __attribute__((noinline)) void uninitialised_shared_read(size_t offset, size_t n,
+                                                                      const void* pc) {
+  g_counting = false;  // the message's own memory accesses are not the kernel's
+  const Scheduler& s = scheduler();
+  std::ostringstream out;
+  out << "amp_emu: " << s.kernel << ", " << block_name() << ": thread (" << threadIdx.x << ", "
+      << threadIdx.y << ", " << threadIdx.z << ") reads " << n
+      << " byte(s) of __shared__ memory (offset " << offset << " of the shared section) that "
+      << "no thread of this block has written (uninitialised shared memory holds whatever an "
+      << "earlier block left on the GPU)";
+  Dl_info info;
+  if (pc != nullptr && dladdr(pc, &info) != 0 && info.dli_fname != nullptr) {
+    out << "; the read is at " << info.dli_fname << "+0x" << std::hex
+        << (reinterpret_cast<uintptr_t>(pc) - reinterpret_cast<uintptr_t>(info.dli_fbase))
+        << std::dec << " (addr2line -Cfie <that file> <offset> names the line)";
+  }
+  fail(out.str());
+}
+
+AMP_EMU_UNCOUNTED void shared_access(uintptr_t a, size_t n, bool store, const void* pc) {
+  const size_t offset = a - g_shared_lo;
+  n = std::min(n, g_shared_size - offset);
+  uint8_t* written = g_shared_written + offset;
+  if (store) {
+    for (size_t i = 0; i < n; ++i) written[i] = 1;
+    return;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (written[i] == 0) uninitialised_shared_read(offset + i, n - i, pc);
+  }
+}
+
+AMP_EMU_UNCOUNTED void count(uintptr_t a, size_t n, bool store, const void* pc) {
+  if (!g_counting) return;
+  if (a - g_shared_lo < g_shared_size) {
+    shared_access(a, n, store, pc);
+    return;
+  }
+  if (!global_access(a)) return;
   (store ? g_counters.bytes_written : g_counters.bytes_read) += static_cast<int64_t>(n);
   Fiber* f = scheduler().current;
   if (f == nullptr) return;
@@ -657,18 +788,20 @@ void find_module_range() {
 // routes through __tsan_atomicN_* are done here, sequentially consistent whatever the order
 // asked for. None of these functions is instrumented, or each would call itself.
 #if defined(AMP_EMU_COUNTING)
+// The instruction after the instrumented access's call: where a bad read is reported.
+#define AMP_EMU_CALLER __builtin_return_address(0)
 #define AMP_EMU_HOOK(SIZE)                                                                   \
   extern "C" AMP_EMU_UNCOUNTED void __tsan_read##SIZE(void* a) {                             \
-    amp_emu::count(reinterpret_cast<uintptr_t>(a), SIZE, false);                             \
+    amp_emu::count(reinterpret_cast<uintptr_t>(a), SIZE, false, AMP_EMU_CALLER);             \
   }                                                                                          \
   extern "C" AMP_EMU_UNCOUNTED void __tsan_write##SIZE(void* a) {                            \
-    amp_emu::count(reinterpret_cast<uintptr_t>(a), SIZE, true);                              \
+    amp_emu::count(reinterpret_cast<uintptr_t>(a), SIZE, true, AMP_EMU_CALLER);              \
   }                                                                                          \
   extern "C" AMP_EMU_UNCOUNTED void __tsan_unaligned_read##SIZE(void* a) {                   \
-    amp_emu::count(reinterpret_cast<uintptr_t>(a), SIZE, false);                             \
+    amp_emu::count(reinterpret_cast<uintptr_t>(a), SIZE, false, AMP_EMU_CALLER);             \
   }                                                                                          \
   extern "C" AMP_EMU_UNCOUNTED void __tsan_unaligned_write##SIZE(void* a) {                  \
-    amp_emu::count(reinterpret_cast<uintptr_t>(a), SIZE, true);                              \
+    amp_emu::count(reinterpret_cast<uintptr_t>(a), SIZE, true, AMP_EMU_CALLER);              \
   }
 AMP_EMU_HOOK(1)
 AMP_EMU_HOOK(2)
@@ -676,10 +809,10 @@ AMP_EMU_HOOK(4)
 AMP_EMU_HOOK(8)
 AMP_EMU_HOOK(16)
 extern "C" AMP_EMU_UNCOUNTED void __tsan_read_range(void* a, long n) {
-  amp_emu::count(reinterpret_cast<uintptr_t>(a), static_cast<size_t>(n), false);
+  amp_emu::count(reinterpret_cast<uintptr_t>(a), static_cast<size_t>(n), false, AMP_EMU_CALLER);
 }
 extern "C" AMP_EMU_UNCOUNTED void __tsan_write_range(void* a, long n) {
-  amp_emu::count(reinterpret_cast<uintptr_t>(a), static_cast<size_t>(n), true);
+  amp_emu::count(reinterpret_cast<uintptr_t>(a), static_cast<size_t>(n), true, AMP_EMU_CALLER);
 }
 extern "C" AMP_EMU_UNCOUNTED void __tsan_init() {}
 extern "C" AMP_EMU_UNCOUNTED void __tsan_func_entry(void*) {}
@@ -781,6 +914,14 @@ std::vector<int64_t> counters_op() {
   const amp_emu::Counters c = amp_emu::counters();
   return {c.launches, c.bytes_read, c.bytes_written, c.vector_bytes_read, c.vector_bytes_written};
 }
+int64_t schedule_seed_op() { return static_cast<int64_t>(amp_emu::schedule_seed()); }
+void set_schedule_seed_op(int64_t seed) {
+  if (seed < 0) {
+    amp_emu::fail("amp_emu: set_schedule_seed(" + std::to_string(seed) +
+                  "): the seed is a non-negative integer");
+  }
+  amp_emu::set_schedule_seed(static_cast<uint64_t>(seed));
+}
 bool counting_op() {
 #if defined(AMP_EMU_COUNTING)
   return true;
@@ -798,4 +939,6 @@ TORCH_LIBRARY(amp_emu, m) {
   m.def("capture_end", &amp_emu::capture_end);
   m.def("replay", &amp_emu::replay);
   m.def("reset_graph", &amp_emu::reset_graph);
+  m.def("schedule_seed", &schedule_seed_op);
+  m.def("set_schedule_seed", &set_schedule_seed_op);
 }

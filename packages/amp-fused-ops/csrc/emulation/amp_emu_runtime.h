@@ -4,14 +4,23 @@
 // `kernel % amp_emu::LaunchConfig(grid, block, smem, stream)(args)`) runs every block of the
 // grid, one after another, on the calling thread; the threads of a block are fibers
 // (ucontext) that switch only at __syncthreads and warp-synchronous intrinsics, so
-// `__shared__` variables (plain statics here) belong to the block that runs. Warp shuffles go
-// through a per-warp exchange; warps are scheduled greedily in an order that changes from
-// block to block, so a missing barrier shows up as a wrong result.
+// `__shared__` variables (statics in one section, AMP_EMU_SHARED_SECTION) belong to the block
+// that runs. Warp shuffles go through a per-warp exchange. Warps are scheduled greedily in an
+// order that changes from block to block, and the lanes of a warp in an order that changes
+// each time the warp is resumed, so a missing __syncthreads or __syncwarp shows up as a wrong
+// result. The orders are drawn from the schedule seed (AMP_EMULATION_SEED, 0 by default; a
+// failure names it): one seed gives the same orders on every run.
+//
+// Before each block its shared memory is filled with 0xff bytes (a NaN in every float); the
+// counting build also keeps a shadow byte per byte of shared memory, set by the block's
+// writes, and a read of a byte the block has not written is an error (on the GPU it reads
+// whatever an earlier block left).
 //
 // What a GPU punishes is an error here (a RuntimeError naming the kernel's source line):
 // __syncthreads not reached by every thread of the block, or reached at different places;
 // a shuffle whose mask names an exited or waiting lane, or which reads a lane outside it;
-// block sizes and dynamic shared memory over the H100's limits; grid dimensions over CUDA's.
+// a read of shared memory that the block has not written (counting build); block sizes and
+// dynamic shared memory over the H100's limits; grid dimensions over CUDA's.
 // Misaligned vector loads and stores are caught by the build (-fsanitize=alignment, reported
 // through amp_emu's handler), out-of-bounds accesses by the AddressSanitizer build.
 #pragma once
@@ -24,6 +33,9 @@
 #include <tuple>
 #include <type_traits>
 #include <utility>
+
+// The section of every `__shared__` variable (amp_emu.h).
+#define AMP_EMU_SHARED_SECTION "amp_emu_shared"
 
 struct uint3 {
   unsigned x, y, z;
@@ -97,9 +109,19 @@ struct LaunchConfig {
   Dim grid;
   Dim block;
   size_t shared_bytes;
+  // The launch's kernel expression and source line (string literals), for error messages.
+  const char* kernel = nullptr;
+  const char* file = nullptr;
+  int line = 0;
   template <typename G, typename B>
   LaunchConfig(const G& g, const B& b, size_t smem = 0, cudaStream_t = nullptr)
       : grid(to_dim(g, "grid")), block(to_dim(b, "block")), shared_bytes(smem) {}
+  const LaunchConfig& named(const char* k, const char* f, int l) {
+    kernel = k;
+    file = f;
+    line = l;
+    return *this;
+  }
   template <typename... A>
   PendingLaunch<std::decay_t<A>...> operator()(A&&... a) const {
     return {this, std::tuple<std::decay_t<A>...>(std::forward<A>(a)...)};
@@ -166,6 +188,10 @@ struct Counters {
 };
 Counters counters();
 void reset_counters();
+// The seed of the warp and lane orders: AMP_EMULATION_SEED when the first launch runs (0
+// when unset), or the last set_schedule_seed.
+uint64_t schedule_seed();
+void set_schedule_seed(uint64_t seed);
 // Capture: launches are recorded instead of run; replay runs them again, in order.
 void capture_begin();
 int64_t capture_end();  // returns the graph's id

@@ -55,6 +55,35 @@ __global__ void scale_in_place(float* x, float s, int64_t n) {
 
 __global__ void nothing() {}
 
+// The first `written` threads fill their slot; then every thread reads its own.
+__global__ void shared_reads(float* out, int written) {
+  __shared__ float slots[64];
+  if (static_cast<int>(threadIdx.x) < written) slots[threadIdx.x] = static_cast<float>(threadIdx.x);
+  __syncthreads();
+  out[blockIdx.x * blockDim.x + threadIdx.x] = slots[threadIdx.x];
+}
+
+// Only block 0 writes `value`: every other block reads what block 0 left (on the GPU, whatever
+// the multiprocessor's shared memory held).
+__global__ void shared_from_previous_block(float* out) {
+  __shared__ float value;
+  if (blockIdx.x == 0 && threadIdx.x == 0) value = 1.f;
+  __syncthreads();
+  if (threadIdx.x == 0) out[blockIdx.x] = value;
+}
+
+// Lane i reads the slot that lane i - 1 wrote. Without the __syncwarp between, only lanes that
+// happen to run in index order (or in lockstep) see the write: a race on the GPU.
+__global__ void lane_neighbours(float* scratch, float* out, bool sync, bool shared) {
+  __shared__ float slots[32];
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  float* slot = shared ? slots + lane : scratch + i;
+  *slot = static_cast<float>(lane + 1);
+  if (sync) __syncwarp();
+  out[i] = lane == 0 ? 0.f : *(slot - 1);
+}
+
 at::Tensor warp_sums_op(int64_t blocks, int64_t threads, bool barrier) {
   at::Tensor out = at::zeros({blocks});
   warp_sums<<<blocks, threads>>>(out.data_ptr<float>(), barrier);
@@ -81,6 +110,25 @@ void scale_in_place_op(const at::Tensor& x, double s) {
   scale_in_place<<<(n + 127) / 128, 128>>>(x.data_ptr<float>(), static_cast<float>(s), n);
 }
 
+at::Tensor shared_reads_op(int64_t written) {
+  at::Tensor out = at::zeros({2 * 64});
+  shared_reads<<<2, 64>>>(out.data_ptr<float>(), static_cast<int>(written));
+  return out;
+}
+
+at::Tensor shared_from_previous_block_op() {
+  at::Tensor out = at::zeros({2});
+  shared_from_previous_block<<<2, 32>>>(out.data_ptr<float>());
+  return out;
+}
+
+at::Tensor lane_neighbours_op(int64_t blocks, bool sync, bool shared) {
+  at::Tensor scratch = at::zeros({blocks * 32});
+  at::Tensor out = at::zeros({blocks * 32});
+  lane_neighbours<<<blocks, 32>>>(scratch.data_ptr<float>(), out.data_ptr<float>(), sync, shared);
+  return out;
+}
+
 void launch_op(int64_t grid_x, int64_t grid_y, int64_t block_x, int64_t block_z,
                int64_t shared_bytes) {
   nothing<<<dim3(grid_x, grid_y), dim3(block_x, 1, block_z), shared_bytes>>>();
@@ -95,4 +143,7 @@ TORCH_LIBRARY(amp_emu_selftest, m) {
   m.def("vector_copy", &vector_copy_op);
   m.def("scale_in_place", &scale_in_place_op);
   m.def("launch", &launch_op);
+  m.def("shared_reads", &shared_reads_op);
+  m.def("shared_from_previous_block", &shared_from_previous_block_op);
+  m.def("lane_neighbours", &lane_neighbours_op);
 }

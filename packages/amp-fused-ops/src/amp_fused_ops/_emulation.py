@@ -121,8 +121,37 @@ def build_directory(build: str) -> Path:
     return base / "emulation" / build
 
 
-def _rewrite(text: str) -> str:
-    return _LAUNCH.sub(lambda m: f" % ::amp_emu::LaunchConfig({m.group(1)})", text)
+def _kernel_before(text: str, end: int) -> str:
+    """The kernel expression that ends at ``end`` (``name`` or ``name<args>``), one line."""
+    i = end
+    while i > 0 and text[i - 1].isspace():
+        i -= 1
+    stop = i
+    if i > 0 and text[i - 1] == ">":  # template arguments, nested brackets included
+        depth = 0
+        while i > 0:
+            i -= 1
+            depth += {">": 1, "<": -1}.get(text[i], 0)
+            if depth == 0:
+                break
+    while i > 0 and (text[i - 1].isalnum() or text[i - 1] in "_:"):
+        i -= 1
+    return " ".join(text[i:stop].split()).replace("\\", "\\\\").replace('"', '\\"')
+
+
+def _rewrite(text: str, file: str) -> str:
+    """Each ``kernel<<<config>>>(args)`` of ``text`` as a call of the emulator's launch.
+
+    The launch gets the kernel's name and source line (``file``: the source's name) for its
+    error messages; the line count stays the same.
+    """
+
+    def launch(m: re.Match[str]) -> str:
+        name = _kernel_before(text, m.start())
+        line = text.count("\n", 0, m.start()) + 1
+        return f' % ::amp_emu::LaunchConfig({m.group(1)}).named("{name}", "{file}", {line})'
+
+    return _LAUNCH.sub(launch, text)
 
 
 def _write_if_changed(path: Path, text: str) -> None:
@@ -143,12 +172,12 @@ def _prepare_sources(build: str) -> list[str]:
             continue
         # .cu files become .cu.cpp so that they are compiled by the C++ compiler.
         target = out / (path.name + ".cpp" if path.suffix == ".cu" else path.name)
-        _write_if_changed(target, _rewrite(path.read_text()))
+        _write_if_changed(target, _rewrite(path.read_text(), path.name))
         if path.suffix in (".cu", ".cpp"):
             sources.append(str(target))
     # Kernels that make the mistakes the checks must catch (tests/test_emulation.py).
     selftest = out / "amp_emu_selftest.cu.cpp"
-    _write_if_changed(selftest, _rewrite((emulation / "selftest.cu").read_text()))
+    _write_if_changed(selftest, _rewrite((emulation / "selftest.cu").read_text(), "selftest.cu"))
     sources += [str(selftest), str(emulation / "amp_emu_runtime.cpp")]
     return sources
 

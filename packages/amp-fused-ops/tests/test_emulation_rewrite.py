@@ -1,0 +1,35 @@
+"""The emulator build's rewrite of ``kernel<<<config>>>(args)`` launches (no compile needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from amp_fused_ops import _emulation
+
+
+@pytest.mark.parametrize(
+    ("source", "name", "line"),
+    [
+        ("  plain_kernel<<<1, 32>>>(x);", "plain_kernel", 1),
+        ("  k<float, 4><<<blocks, 256, 0, stream>>>(x);", "k<float, 4>", 1),
+        # The line is the one of the launch configuration.
+        (
+            "  ns::k<Op<Ts...>, P<T, 4>>\n      <<<blocks, 128>>>(x);",
+            "ns::k<Op<Ts...>, P<T, 4>>",
+            2,
+        ),
+    ],
+)
+def test_a_launch_is_named_after_its_kernel_expression(source, name, line):
+    out = _emulation._rewrite(source, "file.cu")
+    assert f'.named("{name}", "file.cu", {line})' in out
+    assert "<<<" not in out
+
+
+def test_the_rewrite_keeps_the_line_of_every_launch():
+    source = "a;\nk<<<grid,\n    block>>>(x);\nb;\nother<<<1, 1>>>();\n"
+    out = _emulation._rewrite(source, "f.cu")
+    assert out.count("\n") == source.count("\n")
+    assert '.named("k", "f.cu", 2)' in out
+    assert '.named("other", "f.cu", 5)' in out
+    assert out.splitlines()[4].startswith("other % ::amp_emu::LaunchConfig(1, 1)")
