@@ -127,9 +127,16 @@ def test_amp_C_has_every_apex_op_in_apex_argument_order() -> None:
         # Same positions; a few of our names are spelled out ("wd": "weight_decay", "eps").
         for ours, theirs in zip(params, apex_args, strict=False):
             assert ours[0] == theirs[0], (name, ours, theirs)
-        # Ours may only add trailing optional arguments (step_tensor), which Apex's calls omit.
+        # Ours may only add trailing optional arguments (step_tensor; bfloat16 stochastic
+        # rounding's sr_seed and sr_step), which Apex's calls omit.
         extra = params[len(apex_args) :]
-        assert extra in ([], ["step_tensor"]), (name, extra)
+        allowed = (
+            [],
+            ["step_tensor"],
+            ["sr_seed", "sr_step"],
+            ["step_tensor", "sr_seed", "sr_step"],
+        )
+        assert extra in allowed, (name, extra)
         assert all(signature[p].default is None for p in extra), name
     assert amp_fused_ops.amp_C is amp_C
 

@@ -334,5 +334,20 @@ inline void check_overlap(const char* op, const TensorLists& lists,
   }
 }
 
+// Stochastic rounding (sr_seed given) rounds to bfloat16: every tensor of list `params` must be
+// bfloat16, and the op must have no list of model copies (`depth` lists only).
+inline void check_stochastic_round(const char* op, const TensorLists& lists, size_t params,
+                                   size_t depth) {
+  TORCH_CHECK_VALUE(lists.size() == depth, op,
+                    ": stochastic rounding (sr_seed) rounds the params themselves; pass ", depth,
+                    " tensor lists (no model copies), got ", lists.size());
+  for (size_t i = 0; i < lists[params].size(); ++i) {
+    TORCH_CHECK_VALUE(lists[params][i].scalar_type() == at::kBFloat16, op,
+                      ": stochastic rounding (sr_seed) needs bfloat16 params, got ",
+                      lists[params][i].scalar_type(), " for ", tensor_name(params, i),
+                      "; pass sr_seed=None for other dtypes");
+  }
+}
+
 }  // namespace checks
 }  // namespace amp_fused_ops

@@ -28,10 +28,13 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_unscale_l2norm(
 
 // One Adam / AdamW step in place on [grads, params, exp_avgs, exp_avg_sqs]. As Apex's kernel,
 // the noop flag is neither read nor written: inf/nan gradients propagate into the results.
+// With sr_seed, the (bfloat16) params are rounded stochastically (stochastic_round.h), keyed by
+// sr_seed and sr_step.
 void multi_tensor_adam(int64_t chunk_size, const at::Tensor& noop_flag,
                        const TensorListsArg& tensor_lists, double lr,
                        double beta1, double beta2, double eps, int64_t step, int64_t mode,
-                       int64_t bias_correction, double weight_decay);
+                       int64_t bias_correction, double weight_decay,
+                       std::optional<int64_t> sr_seed = std::nullopt, int64_t sr_step = 0);
 
 // Adam step on float32 masters of [grads, params, exp_avgs, exp_avg_sqs, masters], writing the
 // (float16 / bfloat16 / float32) params in the same pass; lr, step and inv_scale are one-element
@@ -69,11 +72,13 @@ void multi_tensor_lamb_stage2(int64_t chunk_size, const at::Tensor& noop_flag,
                               double weight_decay, bool use_nvlamb);
 
 // SGD step on [grads, params, momentum_bufs(, model_copies)]; writes nothing when noop_flag
-// is set on entry.
+// is set on entry. With sr_seed, the (bfloat16) params are rounded stochastically, as
+// multi_tensor_adam's.
 void multi_tensor_sgd(int64_t chunk_size, const at::Tensor& noop_flag,
                       const TensorListsArg& tensor_lists,
                       double weight_decay, double momentum, double dampening, double lr,
-                      bool nesterov, bool first_run, bool wd_after_momentum, double scale);
+                      bool nesterov, bool first_run, bool wd_after_momentum, double scale,
+                      std::optional<int64_t> sr_seed = std::nullopt, int64_t sr_step = 0);
 
 // Adagrad step (mode 0 L2, 1 decoupled decay) on [grads, params, state_sums].
 void multi_tensor_adagrad(int64_t chunk_size, const at::Tensor& noop_flag,

@@ -120,11 +120,13 @@ void adam(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList grads,
           at::TensorList params, at::TensorList exp_avgs, at::TensorList exp_avg_sqs, double lr,
           double beta1, double beta2, double eps, int64_t step, int64_t mode,
           int64_t bias_correction, double weight_decay,
-          const std::optional<at::Tensor>& step_tensor) {
+          const std::optional<at::Tensor>& step_tensor, std::optional<int64_t> sr_seed,
+          std::optional<int64_t> sr_step) {
+  // The stochastic rounding's step defaults to the op's own step count.
+  const int64_t count = step_count("multi_tensor_adam", step, step_tensor);
   backend::multi_tensor_adam(chunk_size, noop_flag, lists({grads, params, exp_avgs, exp_avg_sqs}),
-                             lr, beta1, beta2, eps,
-                             step_count("multi_tensor_adam", step, step_tensor), mode,
-                             bias_correction, weight_decay);
+                             lr, beta1, beta2, eps, count, mode, bias_correction, weight_decay,
+                             sr_seed, sr_step.value_or(count));
   bump(params);
   bump(exp_avgs);
   bump(exp_avg_sqs);
@@ -166,12 +168,13 @@ void sgd(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList grads,
          at::TensorList params, at::TensorList momentum_bufs,
          const OptionalTensorList& model_copies, double weight_decay, double momentum,
          double dampening, double lr, bool nesterov, bool first_run, bool wd_after_momentum,
-         double scale) {
+         double scale, std::optional<int64_t> sr_seed, std::optional<int64_t> sr_step) {
   TensorLists tensor_lists = model_copies.has_value()
                                  ? lists({grads, params, momentum_bufs, *model_copies})
                                  : lists({grads, params, momentum_bufs});
   backend::multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, weight_decay, momentum,
-                            dampening, lr, nesterov, first_run, wd_after_momentum, scale);
+                            dampening, lr, nesterov, first_run, wd_after_momentum, scale,
+                            sr_seed, sr_step.value_or(0));
   bump(params);
   // The momentum buffers are written only with momentum (as the reference).
   if (momentum != 0.0) bump(momentum_bufs);

@@ -8,6 +8,7 @@
 // compiler vectorizes at -O3 (see multi_tensor_elementwise.cpp).
 #include <atomic>
 #include <cmath>
+#include <optional>
 #include <type_traits>
 
 #include "../common/adam_math.h"
@@ -89,9 +90,11 @@ void check_mode_and_bias_correction(const char* op, int64_t mode, int64_t bias_c
 void multi_tensor_adam(int64_t chunk_size, const at::Tensor& noop_flag,
                        const std::vector<std::vector<at::Tensor>>& tensor_lists, double lr,
                        double beta1, double beta2, double eps, int64_t step, int64_t mode,
-                       int64_t bias_correction, double weight_decay) {
+                       int64_t bias_correction, double weight_decay,
+                       std::optional<int64_t> sr_seed, int64_t sr_step) {
   constexpr const char* op = "multi_tensor_adam";
   check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 4);
+  if (sr_seed.has_value()) checks::check_stochastic_round(op, tensor_lists, 1, 4);
   check_mode_and_bias_correction(op, mode, bias_correction);
   TORCH_CHECK_VALUE(step >= 1 || bias_correction == 0, op,
                     ": step must be >= 1 when bias_correction is on, got ", step);
@@ -112,6 +115,29 @@ void multi_tensor_adam(int64_t chunk_size, const at::Tensor& noop_flag,
   const auto& exp_avgs = tensor_lists[2];
   const auto& exp_avg_sqs = tensor_lists[3];
   const auto chunks = make_chunks(grads, chunk_size);
+  if (sr_seed.has_value()) {
+    // bfloat16 params rounded stochastically: the float32 step on tiles, each tile rounded
+    // with its elements' own random bits before the (then exact) store.
+    const math::StochasticRoundKey key = math::stochastic_round_key(*sr_seed, sr_step);
+    for_each_chunk(chunks, chunk_size, [&](int64_t, const Chunk& c) {
+      float grad_buffer[kTile];
+      float param_buffer[kTile];
+      for_each_tile(c, [&](int64_t offset, int64_t len) {
+        const float* g = tile_in(grads[c.tensor], offset, len, grad_buffer);
+        float* p = tile_in(params[c.tensor], offset, len, param_buffer);
+        float* m = data_as<float>(exp_avgs[c.tensor]) + offset;
+        float* v = data_as<float>(exp_avg_sqs[c.tensor]) + offset;
+        if (mode == 1) {
+          AdamFunctor<float, float, AdamMode::kDecoupled>::run(g, p, m, v, len, s);
+        } else {
+          AdamFunctor<float, float, AdamMode::kL2>::run(g, p, m, v, len, s);
+        }
+        stochastic_round_tile(key, c.tensor, offset, len, p);
+        tile_out(params[c.tensor], offset, len, p);
+      });
+    });
+    return;
+  }
   for_each_chunk(chunks, chunk_size, [&](int64_t, const Chunk& c) {
     const at::Tensor& grad = grads[c.tensor];
     const at::Tensor& param = params[c.tensor];

@@ -26,6 +26,7 @@
 
 #include "../common/checks.h"
 #include "../common/norm_math.h"
+#include "../common/stochastic_round.h"
 
 namespace amp_fused_ops {
 namespace cpu {
@@ -243,6 +244,18 @@ inline void tile_out(const at::Tensor& t, int64_t offset, int64_t n, const float
       return;
     default:
       TORCH_CHECK_VALUE(false, "unsupported dtype ", t.scalar_type());
+  }
+}
+
+// Rounds the float32 tile of elements [offset, offset + n) of tensor `tensor` stochastically to
+// bfloat16 values in place (csrc/common/stochastic_round.h); tile_out then stores them exactly.
+inline void stochastic_round_tile(const math::StochasticRoundKey& key, int64_t tensor,
+                                  int64_t offset, int64_t n, float* values) {
+  const math::StochasticRoundKey k = key;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits =
+        math::stochastic_round_bits(k, static_cast<uint32_t>(tensor), offset + i);
+    values[i] = math::stochastic_round_bf16(values[i], bits);
   }
 }
 

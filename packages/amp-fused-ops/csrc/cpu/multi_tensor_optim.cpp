@@ -3,6 +3,7 @@
 //
 // Every list may be float32, float16 or bfloat16 on its own: the functors run on float32 tiles
 // (tile_in / tile_out of multi_tensor_apply.h) and results are rounded once, on store.
+#include <optional>
 #include <type_traits>
 
 #include "../common/optim_math.h"
@@ -73,12 +74,16 @@ struct AdagradFunctor {
 void multi_tensor_sgd(int64_t chunk_size, const at::Tensor& noop_flag,
                       const std::vector<std::vector<at::Tensor>>& tensor_lists,
                       double weight_decay, double momentum, double dampening, double lr,
-                      bool nesterov, bool first_run, bool wd_after_momentum, double scale) {
+                      bool nesterov, bool first_run, bool wd_after_momentum, double scale,
+                      std::optional<int64_t> sr_seed, int64_t sr_step) {
   constexpr const char* op = "multi_tensor_sgd";
   const size_t depth = tensor_lists.size();
   // [grads, params, momentum_bufs] or [grads, params, momentum_bufs, model_copies].
   checks::check_list_count(op, tensor_lists, {3, 4});
   check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, depth);
+  if (sr_seed.has_value()) checks::check_stochastic_round(op, tensor_lists, 1, 3);
+  const bool round = sr_seed.has_value();
+  const math::StochasticRoundKey key = math::stochastic_round_key(sr_seed.value_or(0), sr_step);
   check_state_dtype(op, tensor_lists, 2, 1);
   if (depth == 4) {
     check_overlap(op, tensor_lists, {1, 2, 3});
@@ -106,6 +111,7 @@ void multi_tensor_sgd(int64_t chunk_size, const at::Tensor& noop_flag,
         float* b = use_momentum ? tile_in(bufs[c.tensor], offset, n, b_tile, !first_run)
                                 : nullptr;
         Functor::run(g, p, b, n, args);
+        if (round) stochastic_round_tile(key, c.tensor, offset, n, p);
         tile_out(params[c.tensor], offset, n, p);
         if (use_momentum) tile_out(bufs[c.tensor], offset, n, b);
         if (depth == 4) tile_out(tensor_lists[3][c.tensor], offset, n, p);

@@ -10,6 +10,7 @@
 // grad * inv_scale is inf or nan; the second does nothing when the flag is set (by the caller
 // or by the first), so a skipped step writes nothing at all.
 #include "../common/adam_math.h"
+#include "../common/stochastic_round.h"
 #include "multi_tensor_apply.cuh"
 #include "../common/multi_tensor_ops.h"
 
@@ -42,6 +43,7 @@ struct AdamOp {
   static constexpr unsigned kLoads = kMasters ? 0b11101 : 0b1111;  // params of kMaster: written
   static constexpr int kReduce = 0;
   static constexpr bool kReduceMax = false;
+  static constexpr bool kIndexed = V == AdamVariant::kHost;  // for stochastic rounding
   AdamScalars s;  // kDevice: lr, bc1, bc2 filled in prepare()
   bool decoupled;
   bool bias_correction;
@@ -49,9 +51,13 @@ struct AdamOp {
   const float* step_ptr;
   const float* inv_scale_ptr;
   float inv_scale;
+  bool stochastic_round;  // kHost only: round the (bfloat16) params stochastically
+  math::StochasticRoundKey key;
+  uint32_t tensor;  // set in prepare(): the block's tensor, for the random bits
 
   // kDevice: skips every chunk when the noop flag is set.
-  __device__ bool prepare(int, const int* noop) {
+  __device__ bool prepare(int tensor_index, const int* noop) {
+    tensor = static_cast<uint32_t>(tensor_index);
     if constexpr (kDevice) {
       if (*noop != 0) {
         return false;
@@ -68,7 +74,7 @@ struct AdamOp {
     return V != AdamVariant::kCapturable || list != 0 || inv_scale != 1.0f;
   }
   template <int Depth>
-  __device__ void operator()(float (&x)[Depth], float (&)[2], bool&) const {
+  __device__ void operator()(float (&x)[Depth], float (&)[2], bool&, int64_t offset = 0) const {
     float g = x[0];
     if constexpr (kDevice) {
       g = g * inv_scale;
@@ -81,6 +87,9 @@ struct AdamOp {
       x[1] = x[4];
     } else {
       math::adam_math(decoupled, s, g, x[1], x[2], x[3]);
+      if (stochastic_round) {
+        x[1] = math::stochastic_round_bf16(x[1], math::stochastic_round_bits(key, tensor, offset));
+      }
     }
   }
 };
@@ -189,13 +198,16 @@ void adam_capturable(const char* op, int64_t chunk_size, const at::Tensor& noop_
 void multi_tensor_adam(int64_t chunk_size, const at::Tensor& noop_flag,
                        const TensorListsArg& tensor_lists, double lr, double beta1, double beta2,
                        double eps, int64_t step, int64_t mode, int64_t bias_correction,
-                       double weight_decay) {
+                       double weight_decay, std::optional<int64_t> sr_seed, int64_t sr_step) {
   constexpr const char* op = "multi_tensor_adam";
   check_adam_choices(op, mode, bias_correction);
   TORCH_CHECK_VALUE(step >= 1 || bias_correction == 0, op,
                     ": step must be >= 1 when bias_correction is on, got ", step);
   if (check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 4) == 0) {
     return;
+  }
+  if (sr_seed.has_value()) {
+    checks::check_stochastic_round(op, tensor_lists, 1, 4);
   }
   check_fp32_lists(op, tensor_lists, {2, 3});  // as Apex's AdamFunctor reads them
   check_overlap(op, tensor_lists, {1, 2, 3});
@@ -204,6 +216,8 @@ void multi_tensor_adam(int64_t chunk_size, const at::Tensor& noop_flag,
   adam.s.lr = static_cast<float>(lr);
   adam.s.bc1 = static_cast<float>(bias_correction_of(beta1, step, bias_correction == 1));
   adam.s.bc2 = static_cast<float>(bias_correction_of(beta2, step, bias_correction == 1));
+  adam.stochastic_round = sr_seed.has_value();
+  adam.key = math::stochastic_round_key(sr_seed.value_or(0), sr_step);
   launch_adam(op, chunk_size, noop_flag, tensor_lists, adam);
 }
 

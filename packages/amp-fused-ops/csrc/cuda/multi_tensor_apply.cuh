@@ -241,6 +241,25 @@ __device__ __forceinline__ bool aligned(const void* p) {
 //   __device__ void operator()(float (&x)[Depth], float (&acc)[2], bool& nonfinite) const;
 // `nonfinite` set by any thread raises the noop flag at the end of the block.
 
+// An op that declares `static constexpr bool kIndexed = true` is called as
+// op(x, acc, nonfinite, offset), with `offset` the element's index inside its tensor (its
+// tensor's index in the call is prepare()'s first argument): per-element random bits.
+template <typename Op, typename = void>
+struct IsIndexed : std::false_type {};
+template <typename Op>
+struct IsIndexed<Op, std::void_t<decltype(Op::kIndexed)>>
+    : std::integral_constant<bool, Op::kIndexed> {};
+
+template <typename Op, int Depth>
+__device__ __forceinline__ void call_op(const Op& op, float (&x)[Depth], float (&acc)[2],
+                                        bool& nonfinite, int64_t offset) {
+  if constexpr (IsIndexed<Op>::value) {
+    op(x, acc, nonfinite, offset);
+  } else {
+    op(x, acc, nonfinite);
+  }
+}
+
 // An op may also declare `__device__ bool stores(int list) const` to skip, at run time, a list
 // its kStores names (SGD without momentum leaves its buffers alone).
 template <typename Op, typename = void>
@@ -323,11 +342,12 @@ __device__ __forceinline__ void store_scalar(const Op& op, const float (&x)[Dept
   }
 }
 
-// The elements [0, n) of one chunk (p: the chunk's start in every list) through `op`.
+// The elements [0, n) of one chunk (p: the chunk's start in every list, `begin` its offset in
+// its tensor) through `op`.
 template <typename Op, typename... Ts, size_t... I>
 __device__ __forceinline__ void run_chunk(void* const (&p)[sizeof...(Ts)], int64_t n,
-                                          const Op& op, float (&acc)[2], bool& nonfinite,
-                                          std::index_sequence<I...>) {
+                                          int64_t begin, const Op& op, float (&acc)[2],
+                                          bool& nonfinite, std::index_sequence<I...>) {
   constexpr int Depth = sizeof...(Ts);
   constexpr int N = vector_width<Ts...>();
   const bool all_aligned = (aligned<Ts, N>(p[I]) && ...);
@@ -340,7 +360,7 @@ __device__ __forceinline__ void run_chunk(void* const (&p)[sizeof...(Ts)], int64
       (load_vector<I, N, Ts, Op>(x, p, i), ...);
 #pragma unroll
       for (int j = 0; j < N; ++j) {
-        op(x[j], acc, nonfinite);
+        call_op(op, x[j], acc, nonfinite, begin + i + j);
       }
       (store_vector<I, N, Ts, Op>(op, x, p, i), ...);
     }
@@ -348,7 +368,7 @@ __device__ __forceinline__ void run_chunk(void* const (&p)[sizeof...(Ts)], int64
   for (int64_t i = vector_end + threadIdx.x; i < n; i += blockDim.x) {
     float x[Depth];
     (load_scalar<I, Ts, Op>(x, p, i), ...);
-    op(x, acc, nonfinite);
+    call_op(op, x, acc, nonfinite, begin + i);
     (store_scalar<I, Ts, Op>(op, x, p, i), ...);
   }
 }
@@ -384,7 +404,7 @@ __global__ void __launch_bounds__(kBlockSize)
   if (op.prepare(meta.start_tensor + local, noop)) {
     void* p[Depth];
     chunk_pointers<Ts...>(p, meta, local, begin, Index{});
-    run_chunk<Op, Ts...>(p, n, op, acc, nonfinite, Index{});
+    run_chunk<Op, Ts...>(p, n, begin, op, acc, nonfinite, Index{});
     if (nonfinite) {
       *noop = 1;  // benign race: every writer writes 1
     }

@@ -7,6 +7,7 @@
 // pass reads its tensor's value in prepare(). Nothing synchronizes the host.
 #include "../common/norm_math.h"
 #include "../common/optim_math.h"
+#include "../common/stochastic_round.h"
 #include "multi_tensor_apply.cuh"
 #include "lamb_apply.cuh"
 #include "../common/multi_tensor_ops.h"
@@ -21,6 +22,7 @@ struct SgdOp {
   static constexpr unsigned kLoads = 0b0111;  // model_copies (list 3) are only written
   static constexpr int kReduce = 0;
   static constexpr bool kReduceMax = false;
+  static constexpr bool kIndexed = true;  // for stochastic rounding
   float weight_decay;
   float momentum;
   float dampening;
@@ -29,15 +31,24 @@ struct SgdOp {
   bool nesterov;
   bool first_run;
   bool wd_after_momentum;
+  bool stochastic_round;  // round the (bfloat16) params stochastically
+  math::StochasticRoundKey key;
+  uint32_t tensor;  // set in prepare(): the block's tensor, for the random bits
 
-  __device__ bool prepare(int, const int* noop) { return *noop == 0; }
+  __device__ bool prepare(int tensor_index, const int* noop) {
+    tensor = static_cast<uint32_t>(tensor_index);
+    return *noop == 0;
+  }
   // Without momentum the buffers are neither read for the math nor written.
   __device__ bool stores(int list) const { return list != 2 || momentum != 0.0f; }
   template <int Depth>
-  __device__ void operator()(float (&x)[Depth], float (&)[2], bool&) const {
+  __device__ void operator()(float (&x)[Depth], float (&)[2], bool&, int64_t offset) const {
     const math::SgdScalars s{weight_decay, momentum, dampening, lr, scale};
     math::sgd_math(s, momentum != 0.0f, nesterov, first_run, wd_after_momentum, x[0], x[1],
                    x[2]);
+    if (stochastic_round) {
+      x[1] = math::stochastic_round_bf16(x[1], math::stochastic_round_bits(key, tensor, offset));
+    }
     if constexpr (Depth == 4) {
       x[3] = x[1];
     }
@@ -187,13 +198,17 @@ void dispatch_grad_param_state(const char* op, const TensorListsArg& lists, size
 void multi_tensor_sgd(int64_t chunk_size, const at::Tensor& noop_flag,
                       const TensorListsArg& tensor_lists, double weight_decay, double momentum,
                       double dampening, double lr, bool nesterov, bool first_run,
-                      bool wd_after_momentum, double scale) {
+                      bool wd_after_momentum, double scale, std::optional<int64_t> sr_seed,
+                      int64_t sr_step) {
   constexpr const char* op = "multi_tensor_sgd";
   const size_t depth = tensor_lists.size();
   // [grads, params, momentum_bufs] or [grads, params, momentum_bufs, model_copies].
   checks::check_list_count(op, tensor_lists, {3, 4});
   if (check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, depth) == 0) {
     return;
+  }
+  if (sr_seed.has_value()) {
+    checks::check_stochastic_round(op, tensor_lists, 1, 3);
   }
   check_state_dtype(op, tensor_lists, 2, 1);
   if (depth == 4) {
@@ -210,6 +225,8 @@ void multi_tensor_sgd(int64_t chunk_size, const at::Tensor& noop_flag,
   sgd.nesterov = nesterov;
   sgd.first_run = first_run;
   sgd.wd_after_momentum = wd_after_momentum;
+  sgd.stochastic_round = sr_seed.has_value();
+  sgd.key = math::stochastic_round_key(sr_seed.value_or(0), sr_step);
   dispatch_grad_param_state(op, tensor_lists, 2, [&](auto type_list) {
     using L = decltype(type_list);
     using G = TypeAt<0, L>;

@@ -124,7 +124,7 @@ _SPECS = (
         "multi_tensor_sgd(int chunk_size, Tensor noop_flag, Tensor[] grads, Tensor(a!)[] params, "
         "Tensor(b!)[] momentum_bufs, Tensor(c!)[]? model_copies, float weight_decay, "
         "float momentum, float dampening, float lr, bool nesterov, bool first_run, "
-        "bool wd_after_momentum, float scale) -> ()",
+        "bool wd_after_momentum, float scale, int? sr_seed=None, int? sr_step=None) -> ()",
         _reference.multi_tensor_sgd,
         list_counts=(3, 4),
     ),
@@ -182,7 +182,8 @@ _SPECS = (
         "multi_tensor_adam(int chunk_size, Tensor noop_flag, Tensor[] grads, "
         "Tensor(a!)[] params, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, float lr, "
         "float beta1, float beta2, float eps, int step, int decay_mode, int bias_correction, "
-        "float weight_decay, Tensor? step_tensor=None) -> ()",
+        "float weight_decay, Tensor? step_tensor=None, int? sr_seed=None, int? sr_step=None) "
+        "-> ()",
         _reference.multi_tensor_adam,
         list_counts=(4,),
     ),

@@ -92,6 +92,8 @@ PRECONDITIONS: Mapping[str, OpPreconditions] = {
             "first_run",
             "wd_after_momentum",
             "scale",
+            "sr_seed",
+            "sr_step",
         )
     ),
     "multi_tensor_axpby": OpPreconditions(
@@ -117,7 +119,9 @@ PRECONDITIONS: Mapping[str, OpPreconditions] = {
         ("per_tensor_param_norm", "per_tensor_update_norm", "lr", "weight_decay", "use_nvlamb")
     ),
     "multi_tensor_adam": OpPreconditions(
-        (*_ADAM_ARGS, "step_tensor"), choices=_ADAM_CHOICES, step_at_least_one=True
+        (*_ADAM_ARGS, "step_tensor", "sr_seed", "sr_step"),
+        choices=_ADAM_CHOICES,
+        step_at_least_one=True,
     ),
     # step is a device tensor here: checking it would synchronize the host.
     "multi_tensor_adam_capturable": OpPreconditions(

@@ -5,6 +5,8 @@ Re-exported by :mod:`amp_fused_ops._reference`, which documents the conventions 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -24,6 +26,7 @@ from amp_fused_ops._reference_common import (
     _write,
     resolve_step,
 )
+from amp_fused_ops._stochastic_round import stochastic_round_bf16
 
 __all__ = [
     "multi_tensor_adam",
@@ -36,6 +39,34 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------
 # Optimizers
 # ---------------------------------------------------------------------------------------------
+
+
+def _check_stochastic_round(op: str, tensor_lists: TensorLists, lists: int) -> None:
+    """The preconditions of ``sr_seed``: bfloat16 params, no list of model copies."""
+    if len(tensor_lists) != lists:
+        raise ValueError(
+            f"{op}: stochastic rounding (sr_seed) rounds the params themselves; pass {lists} "
+            f"tensor lists (no model copies), got {len(tensor_lists)}"
+        )
+    for i, p in enumerate(tensor_lists[1]):
+        if p.dtype != torch.bfloat16:
+            raise ValueError(
+                f"{op}: stochastic rounding (sr_seed) needs bfloat16 params, got {p.dtype} for "
+                f"tensor_lists[1][{i}]; pass sr_seed=None for other dtypes"
+            )
+
+
+def _round_params(
+    params: Sequence[Tensor], new_p: _Tensors, sr_seed: int | None, sr_step: int
+) -> _Tensors:
+    """``new_p`` rounded stochastically for ``params`` when ``sr_seed`` is given, else as is."""
+    if sr_seed is None:
+        return new_p
+    return [
+        stochastic_round_bf16(v, p, sr_seed, sr_step, i)
+        for i, (p, v) in enumerate(zip(params, new_p, strict=True))
+    ]
+
 
 ADAM_MODE_L2 = 0  # weight decay added to the gradient (Adam with L2 regularisation)
 ADAM_MODE_ADAMW = 1  # decoupled weight decay (AdamW)
@@ -134,6 +165,8 @@ def multi_tensor_adam(
     bias_correction: int,
     weight_decay: float,
     step_tensor: Tensor | None = None,
+    sr_seed: int | None = None,
+    sr_step: int | None = None,
 ) -> None:
     """One Adam / AdamW step, in place, for every (grad, param, exp_avg, exp_avg_sq).
 
@@ -173,11 +206,16 @@ def multi_tensor_adam(
         weight_decay: Weight decay.
         step_tensor: The step count as a one-element CPU tensor, read instead of ``step``
             when given (the optimizers pass it so under ``torch.compile``).
+        sr_seed: When given, the new params (bfloat16) are rounded stochastically instead of to
+            nearest, with random bits keyed by ``(sr_seed, sr_step)``, the tensor's index in
+            the lists and the element's offset in the tensor (:mod:`._stochastic_round`).
+        sr_step: The step the random bits are keyed by (low 32 bits); by default ``step``.
 
     Raises:
         ValueError: Malformed lists, sizes, dtypes, noop flag, mode or bias_correction; a
             step below 1 with bias correction; a written tensor that shares
-            memory with another tensor of the call.
+            memory with another tensor of the call; ``sr_seed`` with params that are not
+            bfloat16.
         RuntimeError: Tensors on different devices.
     """
     op = "multi_tensor_adam"
@@ -187,6 +225,8 @@ def multi_tensor_adam(
     dtypes = [_FLOAT_DTYPES, _FLOAT_DTYPES, _FP32_ONLY, _FP32_ONLY]
     if _check(op, chunk_size, noop_flag, tensor_lists, names, dtypes) is None:
         return
+    if sr_seed is not None:
+        _check_stochastic_round(op, tensor_lists, 4)
     _check_overlap(op, tensor_lists, (1, 2, 3))
     grads, params, exp_avgs, exp_avg_sqs = tensor_lists
     bc1 = 1.0 - beta1**step if bias_correction == 1 else 1.0
@@ -205,7 +245,7 @@ def multi_tensor_adam(
         mode,
         weight_decay,
     )
-    _write(params, new_p)
+    _write(params, _round_params(params, new_p, sr_seed, step if sr_step is None else sr_step))
     _write(exp_avgs, new_m)
     _write(exp_avg_sqs, new_v)
 
@@ -419,6 +459,8 @@ def multi_tensor_sgd(
     first_run: bool,
     wd_after_momentum: bool,
     scale: float,
+    sr_seed: int | None = None,
+    sr_step: int | None = None,
 ) -> None:
     """One SGD step (Apex ``FusedSGD``), in place, optionally writing a low-precision copy.
 
@@ -448,10 +490,14 @@ def multi_tensor_sgd(
         first_run: Initialise the momentum buffers with the gradient (first step).
         wd_after_momentum: Apply weight decay after the momentum update instead of before.
         scale: Multiplier of the gradients (the inverse loss scale).
+        sr_seed: When given, the new params (bfloat16, three lists) are rounded
+            stochastically, as :func:`multi_tensor_adam`'s.
+        sr_step: The step the random bits are keyed by (None: 0).
 
     Raises:
         ValueError: Malformed lists, mismatched sizes, bad dtype (a momentum buffer neither
-            float32 nor its param's dtype included) or noop flag.
+            float32 nor its param's dtype included) or noop flag; ``sr_seed`` with params that
+            are not bfloat16 or with model copies.
         RuntimeError: Tensors on different devices.
     """
     op = "multi_tensor_sgd"
@@ -463,6 +509,8 @@ def multi_tensor_sgd(
     if device is None:
         return
     _check_state_dtype(op, tensor_lists, 2, 1)
+    if sr_seed is not None:
+        _check_stochastic_round(op, tensor_lists, 3)
     _check_overlap(op, tensor_lists, (1, 2, 3) if len(tensor_lists) == 4 else (1, 2))
     grads, params, bufs = tensor_lists[0], tensor_lists[1], tensor_lists[2]
     skip = noop_flag.reshape(()) != 0
@@ -481,7 +529,7 @@ def multi_tensor_sgd(
     if weight_decay != 0.0 and wd_after_momentum:
         g = torch._foreach_add(g, p, alpha=weight_decay)
     new_p = torch._foreach_add(p, g, alpha=-lr)
-    _write(params, new_p, skip)
+    _write(params, _round_params(params, new_p, sr_seed, sr_step or 0), skip)
     if len(tensor_lists) == 4:
         _write(tensor_lists[3], new_p, skip)
 
