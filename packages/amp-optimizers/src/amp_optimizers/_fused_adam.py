@@ -35,6 +35,17 @@ from ._base import (
     step_arguments,
     unscale_grads_in_place,
 )
+from ._stochastic_round import (
+    FLAG as _SR_FLAG,
+)
+from ._stochastic_round import (
+    SEED as _SR_SEED,
+)
+from ._stochastic_round import (
+    check_stochastic_round_group,
+    launch_seed,
+    stochastic_round_options,
+)
 
 __all__ = ["FusedAdam"]
 
@@ -63,10 +74,21 @@ class FusedAdam(FusedOptimizerBase):
         master_weights: Keep a float32 master copy of every half param (in the optimizer state,
             ``"master_param"``); each step reads the half gradient, steps the master and writes
             the half param in one pass.
+        bf16_stochastic_round: Pure bfloat16 training without master weights: round each
+            updated bfloat16 param stochastically (unbiased: an update smaller than half the
+            bfloat16 spacing still moves the param on average) instead of to nearest (where
+            it is lost). A param-group option; the group's params must be bfloat16, and
+            ``master_weights`` and ``capturable`` must be off. See the docs' "bfloat16
+            training" page.
+        stochastic_round_seed: Seed of the rounding's random bits (default: drawn from torch's
+            default generator, so ``torch.manual_seed`` fixes it). Saved in ``state_dict()``
+            (param groups): a resumed run continues bit for bit.
 
     Raises:
         RuntimeError: ``amsgrad=True``.
-        ValueError: A negative ``lr``, ``eps`` or ``weight_decay``, or betas outside [0, 1).
+        ValueError: A negative ``lr``, ``eps`` or ``weight_decay``, or betas outside [0, 1);
+            ``bf16_stochastic_round=True`` with params that are not bfloat16, with
+            ``master_weights=True`` (or amp O2) or with ``capturable=True``.
 
     Works with ``torch.amp.GradScaler``. With ``capturable=True`` or ``master_weights=True``
     the optimizer declares ``_step_supports_amp_scaling`` (as Apex's capturable FusedAdam):
@@ -108,6 +130,9 @@ class FusedAdam(FusedOptimizerBase):
         set_grad_none: bool = True,
         capturable: bool = False,
         master_weights: bool = False,
+        *,
+        bf16_stochastic_round: bool = False,
+        stochastic_round_seed: int | None = None,
     ) -> None:
         if amsgrad:
             raise RuntimeError(
@@ -124,6 +149,7 @@ class FusedAdam(FusedOptimizerBase):
             betas=betas,
             eps=eps,
             weight_decay=weight_decay,
+            **stochastic_round_options(bf16_stochastic_round, stochastic_round_seed),
         )
         super().__init__(params, defaults)
         self.adam_w_mode = 1 if adam_w_mode else 0
@@ -131,6 +157,8 @@ class FusedAdam(FusedOptimizerBase):
         self.capturable = capturable
         self.master_weights = master_weights
         self._amp_master = False  # amp O2 switched the master-weight path on
+        for group in self.param_groups:
+            self._check_stochastic_round(group)
         if capturable:
             for group in self.param_groups:
                 self._after_load_group(group)
@@ -216,8 +244,18 @@ class FusedAdam(FusedOptimizerBase):
             param_group: The params and the hyperparameters that differ from the defaults.
         """
         super().add_param_group(param_group)
-        if getattr(self, "capturable", False):  # unset while the constructor adds its groups
+        if hasattr(self, "_amp_master"):  # unset while the constructor adds its groups
+            self._check_stochastic_round(self.param_groups[-1])
+        if getattr(self, "capturable", False):
             self._after_load_group(self.param_groups[-1])
+
+    def _check_stochastic_round(self, group: dict[str, Any], *, masters: bool = False) -> None:
+        check_stochastic_round_group(
+            "FusedAdam",
+            group,
+            masters=masters or self._uses_masters(),
+            capturable=self.capturable,
+        )
 
     def _uses_masters(self) -> bool:
         return self.master_weights or self._amp_master
@@ -263,9 +301,9 @@ class FusedAdam(FusedOptimizerBase):
         if not use_device_path:
             # Every group's layout (and its checks) before any group steps.
             plans = [(g, *self.step_plan("FusedAdam", g, self._moments)) for g in self.param_groups]
-            for group, plan, grads in plans:
+            for index, (group, plan, grads) in enumerate(plans):
                 if plan is not None:
-                    self._plain_step(group, plan, grads)
+                    self._plain_step(group, plan, grads, index)
             return loss
         work = [(g, params_with_grads("FusedAdam", g["params"])) for g in self.param_groups]
         work = [(group, params) for group, params in work if params]
@@ -289,13 +327,21 @@ class FusedAdam(FusedOptimizerBase):
         state = self._state(p)
         return state["exp_avg"], state["exp_avg_sq"]
 
-    def _plain_step(self, group: dict[str, Any], plan: StepPlan, grads: list[Tensor]) -> None:
+    def _plain_step(
+        self, group: dict[str, Any], plan: StepPlan, grads: list[Tensor], group_index: int
+    ) -> None:
         step, step_tensor = step_arguments(advance_step(group))
         beta1, beta2 = group["betas"]
         lr = float(group["lr"])
         bias_correction = 1 if group["bias_correction"] else 0
-        for bucket in plan.buckets:
+        for bucket_index, bucket in enumerate(plan.buckets):
             ps, ms, vs = bucket.columns
+            # Stochastic rounding: a seed per launch; the op keys the bits by its own step
+            # count (step or step_tensor, so a compiled step does not recompile).
+            rounding: tuple[int, ...] = ()
+            if group.get(_SR_FLAG, False):
+                launch = (group_index << 16) + bucket_index
+                rounding = (launch_seed(group[_SR_SEED], launch),)
             multi_tensor_applier(
                 amp_C.multi_tensor_adam,
                 self.noop_flag(bucket.device),
@@ -309,6 +355,7 @@ class FusedAdam(FusedOptimizerBase):
                 bias_correction,
                 group["weight_decay"],
                 step_tensor,
+                *rounding,
             )
 
     def _device_step(
@@ -402,6 +449,8 @@ class FusedAdam(FusedOptimizerBase):
         Returns:
             ``(model_param, master)`` for every half param.
         """
+        for group in self.param_groups:
+            self._check_stochastic_round(group, masters=True)
         self._amp_master = True
         self.invalidate_step_plans()
         pairs = []

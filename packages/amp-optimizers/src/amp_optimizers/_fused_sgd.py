@@ -17,6 +17,17 @@ from ._base import (
     check_nonnegative,
     group_by_device_dtype,
 )
+from ._stochastic_round import (
+    FLAG as _SR_FLAG,
+)
+from ._stochastic_round import (
+    SEED as _SR_SEED,
+)
+from ._stochastic_round import (
+    check_stochastic_round_group,
+    launch_seed,
+    stochastic_round_options,
+)
 
 __all__ = ["FusedSGD"]
 
@@ -40,10 +51,17 @@ class FusedSGD(FusedOptimizerBase):
             two ways of feeding amp's fp32 master gradients; here amp O2 always gives this
             optimizer float32 master params with float32 gradients, so it changes nothing.
         set_grad_none: ``zero_grad`` sets gradients to ``None`` instead of zeroing them.
+        bf16_stochastic_round: Pure bfloat16 training without master weights: round each
+            updated bfloat16 param stochastically (unbiased) instead of to nearest. A
+            param-group option; the group's params must be bfloat16. The group counts its
+            steps in ``"stochastic_round_step"``, which keys the random bits.
+        stochastic_round_seed: Seed of the rounding's random bits (default: drawn from torch's
+            default generator). Saved in ``state_dict()``: a resumed run continues bit for bit.
 
     Raises:
-        ValueError: A missing or negative ``lr``, negative ``momentum`` or ``weight_decay``, or
-            Nesterov without momentum or with dampening.
+        ValueError: A missing or negative ``lr``, negative ``momentum`` or ``weight_decay``,
+            Nesterov without momentum or with dampening, or ``bf16_stochastic_round=True``
+            with params that are not bfloat16 (or with amp O2's float32 master params).
 
     Example:
         >>> model = torch.nn.Linear(4, 4)
@@ -66,6 +84,9 @@ class FusedSGD(FusedOptimizerBase):
         wd_after_momentum: bool = False,
         materialize_master_grads: bool = True,
         set_grad_none: bool = False,
+        *,
+        bf16_stochastic_round: bool = False,
+        stochastic_round_seed: int | None = None,
     ) -> None:
         if lr is required:
             raise ValueError("FusedSGD: lr is required, e.g. FusedSGD(params, lr=0.1)")
@@ -83,6 +104,7 @@ class FusedSGD(FusedOptimizerBase):
             dampening=dampening,
             weight_decay=weight_decay,
             nesterov=nesterov,
+            **stochastic_round_options(bf16_stochastic_round, stochastic_round_seed),
         )
         super().__init__(params, defaults)
         self.wd_after_momentum = wd_after_momentum
@@ -93,6 +115,15 @@ class FusedSGD(FusedOptimizerBase):
         self.scale_set_by_backward = False
         self.set_grad_none = set_grad_none
         self._fresh_buffers: set[int] = set()  # ids of params given a buffer in this step
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group (checked for ``bf16_stochastic_round``).
+
+        Args:
+            param_group: The params and the hyperparameters that differ from the defaults.
+        """
+        super().add_param_group(param_group)
+        check_stochastic_round_group("FusedSGD", self.param_groups[-1], masters=False)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -135,9 +166,12 @@ class FusedSGD(FusedOptimizerBase):
         plans = [
             (g, *self.step_plan("FusedSGD", g, self._momentum_buffer)) for g in self.param_groups
         ]
-        for group, plan, grads in plans:
+        for group_index, (group, plan, grads) in enumerate(plans):
             if plan is None:
                 continue
+            rounding = group.get(_SR_FLAG, False)
+            if rounding:
+                group["stochastic_round_step"] = int(group.get("stochastic_round_step", 0)) + 1
             # The op's first_run flag holds for a whole launch: params whose momentum buffer is
             # new (the first step, or a param whose first gradient comes later) are launched
             # apart from those that continue their buffer.
@@ -146,7 +180,11 @@ class FusedSGD(FusedOptimizerBase):
             else:
                 launches = self._split_first_run(plan.params, grads)
                 self.invalidate_step_plans()  # the next step continues every buffer
-            for first_run, device, (gs, ps, bufs) in launches:
+            for launch_index, (first_run, device, (gs, ps, bufs)) in enumerate(launches):
+                sr_args: tuple[int, ...] = ()
+                if rounding:
+                    seed = launch_seed(group[_SR_SEED], (group_index << 16) + launch_index)
+                    sr_args = (seed, group["stochastic_round_step"])
                 multi_tensor_applier(
                     amp_C.multi_tensor_sgd,
                     self.noop_flag(device),
@@ -159,5 +197,6 @@ class FusedSGD(FusedOptimizerBase):
                     first_run,
                     self.wd_after_momentum,
                     1.0,
+                    *sr_args,
                 )
         return loss
