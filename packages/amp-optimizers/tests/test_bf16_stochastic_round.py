@@ -112,12 +112,18 @@ def test_small_updates_survive_on_average(name: str) -> None:
 
 
 def test_mixed_groups_round_only_where_asked() -> None:
-    bf = torch.nn.Parameter(torch.ones(8, dtype=BF16))
-    fp = torch.nn.Parameter(torch.ones(8))
-    opt = FusedSGD([{"params": [bf], "bf16_stochastic_round": True}, {"params": [fp]}], lr=0.1)
-    bf.grad, fp.grad = torch.ones(8, dtype=BF16), torch.ones(8)
+    n = 1 << 12
+    bf = torch.nn.Parameter(torch.full((n,), 1.5, dtype=BF16))
+    fp = torch.nn.Parameter(torch.full((n,), 1.5))
+    lr = 2.0**-9  # a quarter of the bfloat16 spacing at 1.5
+    opt = FusedSGD([{"params": [bf], "bf16_stochastic_round": True}, {"params": [fp]}], lr=lr)
+    bf.grad, fp.grad = torch.ones(n, dtype=BF16), torch.ones(n)
     opt.step()
-    torch.testing.assert_close(fp, torch.full((8,), 0.9))
+    torch.testing.assert_close(fp, torch.full((n,), 1.5 - lr), rtol=0, atol=0)
+    # About a quarter of the bfloat16 params moved one spacing down (nearest would move none).
+    moved = (bf.detach() < 1.5).float().mean().item()
+    assert 0.2 < moved < 0.3
+    assert opt.param_groups[1]["bf16_stochastic_round"] is False
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
