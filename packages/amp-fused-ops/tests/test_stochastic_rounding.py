@@ -248,8 +248,9 @@ def test_non_bfloat16_params_are_refused(ext: Any, path: str) -> None:
         impl.multi_tensor_sgd(333, _flag(), [grads, params, [torch.zeros(4)]], 0.0, 0.0, 0.0,
                               0.1, False, False, False, 1.0, SEED, STEP)  # fmt: skip
     with pytest.raises(ValueError, match=r"needs bfloat16 params, got (torch\.)?[Ff]loat"):
-        impl.multi_tensor_adam(333, _flag(), [grads, params, [torch.zeros(4)], [torch.zeros(4)]],
-                               1e-3, 0.9, 0.999, 1e-8, 1, 1, 1, 0.0, SEED, STEP)  # fmt: skip
+        lists = [grads, params, [torch.zeros(4)], [torch.zeros(4)]]
+        impl.multi_tensor_adam(333, _flag(), lists, 1e-3, 0.9, 0.999, 1e-8, 1, 1, 1, 0.0,
+                               sr_seed=SEED, sr_step=STEP)  # fmt: skip
 
 
 @pytest.mark.parametrize("path", ["cpu", "reference"])
