@@ -39,7 +39,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
 
-from amp_fused_ops import _library, amp_C
+from amp_fused_ops import _kernel_op_fakes, _library, amp_C
 
 __all__ = [
     "BUILDS",
@@ -191,6 +191,7 @@ def load(build: str = "counting", *, verbose: bool = False) -> ModuleType:
     )
     # The "CUDA" kernels run on the CPU: Python numbers become float32 tensors, as for CUDA.
     module = _library.compiled_ops(OPS_NAMESPACE, "CPU", path, cpu_scalars=False)
+    _kernel_op_fakes.register_fakes(_kernel_op_fakes.EMULATED_NAMESPACE)
     if verbose:
         logger.info("emulated extension (%s) ready in %.1f s", build, time.perf_counter() - start)
     return module
@@ -385,6 +386,9 @@ def _storages(tree: Any) -> set[int]:
 
 def _replay_kind(func: Any, name: str, args: Any = (), out: Any = None) -> str:
     """How :meth:`Graph.replay` treats an op seen during a capture (see there)."""
+    if func.namespace == _library.OPS_NAMESPACE:
+        # A registry op with a compiled CPU kernel (opaque to the mode): replay runs it again.
+        return "out-of-place"
     if func.namespace not in ("aten", "prims") or name.startswith(_NO_KERNEL_PREFIXES):
         # Other libraries' ops (the emulated norm ops): their launches were recorded as they
         # ran; the ATen ops inside them are not seen, so they run at capture only.
@@ -397,6 +401,16 @@ def _replay_kind(func: Any, name: str, args: Any = (), out: Any = None) -> str:
         # launchers of the multi-tensor ops run below autograd, where such ops come undecomposed.
         return "held" if _storages(out) & _storages(args) else "out-of-place"
     return "out-of-place"
+
+
+def _runs_reference(func: Any) -> bool:
+    """Whether ``func`` is an op of the registry (``torch.ops.amp_fused_ops``) that runs its
+    pure-PyTorch reference on the CPU (no compiled CPU kernel is registered for it)."""
+    import torch
+
+    if func.namespace != _library.OPS_NAMESPACE:
+        return False
+    return not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CPU")
 
 
 def _cpu_keys(torch: Any) -> Any:
@@ -420,9 +434,11 @@ def _capture_mode_class() -> type:
                     f"a host synchronization ({func}, e.g. .item()) during a capture: a CUDA "
                     "graph cannot capture it; keep the value on the device"
                 )
-            if func.namespace == OPS_NAMESPACE:
+            if func.namespace == OPS_NAMESPACE or _runs_reference(func):
                 # An emulated multi-tensor op: run its kernel with this mode active, so that the
-                # ATen ops of its launcher are recorded between its launches.
+                # ATen ops of its launcher are recorded between its launches. A registry op with
+                # no compiled kernel runs its reference, whose ATen ops are recorded the same
+                # way (and a host sync among them raises, as it would on a GPU).
                 import torch
 
                 with self:
