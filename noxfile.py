@@ -722,6 +722,8 @@ EMULATION_TESTS = [
     "packages/amp-fused-ops/tests/test_overlap_checks.py",
     "packages/amp-fused-ops/tests/test_adam_semantics.py",
     "packages/amp-fused-ops/tests/test_step_tensor.py",
+    "packages/amp-fused-ops/tests/test_op_registry.py",
+    "packages/amp-optimizers/tests/test_captured_steps.py",
 ]
 
 
