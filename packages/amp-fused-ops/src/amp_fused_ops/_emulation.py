@@ -310,9 +310,12 @@ class Graph:
         self._capturing = True
         self._mode = _capture_mode(self)
         self._mode.__enter__()
+        self._host_reads = _host_read_mode()
+        self._host_reads.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._host_reads.__exit__(*exc)
         self._mode.__exit__(*exc)
         self._mode = None
         self._close_launches()
@@ -344,20 +347,27 @@ class Graph:
             raise RuntimeError("replay() inside the capture; replay after the `with` block")
         if not self._segments:
             raise RuntimeError("nothing captured: replay() before any capture or after reset()")
-        for segment in self._segments:
-            kind = segment[0]
-            if kind == "launches":
-                torch.ops.amp_emu.replay(segment[1])
-            elif kind == "in-place":  # writes its inputs again
-                _, func, args, kwargs, _ = segment
-                func(*args, **kwargs)
-            elif kind == "out-of-place":  # new values into the tensors it returned at capture
-                _, func, args, kwargs, out = segment
-                new = func(*args, **kwargs)
-                for old, value in zip(tree_flatten(out)[0], tree_flatten(new)[0], strict=True):
-                    if isinstance(old, torch.Tensor):
-                        old.copy_(value)
-            # "held": views, allocations and other ops that no kernel replays; kept alive only
+        # The ops were recorded below autograd; a replay writes leaf params in place as a
+        # CUDA graph's kernels do, with no autograd.
+        with torch.no_grad():
+            for segment in self._segments:
+                self._replay_segment(segment, torch, tree_flatten)
+
+    @staticmethod
+    def _replay_segment(segment: tuple[Any, ...], torch: Any, tree_flatten: Any) -> None:
+        kind = segment[0]
+        if kind == "launches":
+            torch.ops.amp_emu.replay(segment[1])
+        elif kind == "in-place":  # writes its inputs again
+            _, func, args, kwargs, _ = segment
+            func(*args, **kwargs)
+        elif kind == "out-of-place":  # new values into the tensors it returned at capture
+            _, func, args, kwargs, out = segment
+            new = func(*args, **kwargs)
+            for old, value in zip(tree_flatten(out)[0], tree_flatten(new)[0], strict=True):
+                if isinstance(old, torch.Tensor):
+                    old.copy_(value)
+        # "held": views, allocations and other ops that no kernel replays; kept alive only
 
     def reset(self) -> None:
         """Drops the capture and every tensor it held."""
@@ -450,6 +460,29 @@ def _capture_mode_class() -> type:
             return out
 
     return CaptureMode
+
+
+# Tensor methods that copy to the host without an ATen op the dispatch mode would see.
+_HOST_READ_METHODS = ("tolist", "numpy")
+
+
+def _host_read_mode() -> Any:
+    """A function mode that raises on :data:`_HOST_READ_METHODS` (a host sync on a GPU)."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    host_reads = {getattr(torch.Tensor, name) for name in _HOST_READ_METHODS}
+
+    class HostReadMode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func in host_reads:
+                raise RuntimeError(
+                    f"a host synchronization (Tensor.{func.__name__}()) during a capture: a "
+                    "CUDA graph cannot capture it; keep the value on the device"
+                )
+            return func(*args, **(kwargs or {}))
+
+    return HostReadMode()
 
 
 def _capture_mode(graph: Graph) -> Any:
