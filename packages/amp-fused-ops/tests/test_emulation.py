@@ -323,7 +323,19 @@ def test_a_graph_replays_the_aten_ops_of_its_capture():
     torch.testing.assert_close(run([1, 2]), run(None), rtol=0, atol=0)
 
 
-def test_a_host_sync_inside_a_capture_raises():
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda t: t.item(),
+        lambda t: bool(t),
+        lambda t: float(t),
+        lambda t: t.tolist(),  # no ATen op: caught by the capture's function mode
+        lambda t: t.numpy(),
+    ],
+    ids=["item", "bool", "float", "tolist", "numpy"],
+)
+def test_a_host_sync_inside_a_capture_raises(read):
+    extension()  # the emulator's capture ops
     graph = _emulation.Graph()
     with pytest.raises(RuntimeError, match="host synchronization"), graph:
-        torch.ones(1).add(1).item()
+        read(torch.ones(1).add(1))

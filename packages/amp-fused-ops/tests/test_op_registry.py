@@ -15,7 +15,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from amp_fused_ops import amp_C, extensions
+from _kernel_target import DEVICE as KERNEL_DEVICE
+from _kernel_target import norm_ops
+from amp_fused_ops import _kernel_op_fakes, amp_C, extensions
 from amp_fused_ops._library import REGISTRY
 
 
@@ -174,3 +176,69 @@ def test_opcheck_norm_ops(rms: bool, memory_efficient: bool, device: str) -> Non
                      None if bias is None else bias.detach(), rms, memory_efficient,
                      torch.float32)  # fmt: skip
     torch.library.opcheck(torch.ops.amp_fused_ops.norm_backward.default, backward_args)
+
+
+# --- the CUDA extension's own norm and SyncBN ops (fake kernels: amp_fused_ops._kernel_op_fakes)
+
+
+def _kernel_op_samples(device: str) -> dict[str, list[tuple[Any, ...]]]:
+    """Sample arguments of every op of ``_kernel_op_fakes.FAKES`` (several per op)."""
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
+        return torch.randn(shape, generator=gen).to(device, dtype)
+
+    def positive(*shape: int) -> Tensor:
+        return (torch.rand(shape, generator=gen) + 0.5).to(device)
+
+    samples: dict[str, list[tuple[Any, ...]]] = {name: [] for name in _kernel_op_fakes.FAKES}
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for shape, channel_last in (((4, 3, 5), False), ((2, 3, 2, 3), False), ((6, 3), True)):
+            channels = shape[-1] if channel_last else shape[1]
+            x, dy, z = (
+                randn(*shape, dtype=dtype),
+                randn(*shape, dtype=dtype),
+                randn(*shape, dtype=dtype),
+            )
+            mean, invstd, weight, bias = (randn(channels), positive(channels),
+                                          positive(channels), randn(channels))  # fmt: skip
+            count = x.numel() // channels
+            samples["syncbn_welford_mean_var"].append((x, channel_last))
+            samples["syncbn_forward"].append((x, mean, invstd, weight, bias, z, True, channel_last))
+            samples["syncbn_forward"].append(
+                (x, mean, invstd, None, None, None, False, channel_last)
+            )
+            samples["syncbn_reduce"].append((dy, x, mean, channel_last))
+            sums = (randn(channels), randn(channels))
+            samples["syncbn_backward"].append(
+                (dy, x, mean, invstd, weight, *sums, count, channel_last)
+            )
+        for rms, mixed in ((False, False), (True, False), (False, True)):
+            x = randn(4, 8, dtype=dtype)
+            param_dtype = torch.float32 if mixed else dtype
+            gamma = positive(8).to(param_dtype)
+            beta = None if rms else randn(8, dtype=param_dtype)
+            samples["layer_norm_fwd"].append((x, gamma, beta, 1e-5, rms, mixed))
+            y, mean, invvar = norm_ops().layer_norm_fwd(x, gamma, beta, 1e-5, rms, mixed)
+            dy = randn(4, 8, dtype=y.dtype)
+            for memory_efficient in (False, True):
+                saved = y if memory_efficient else x
+                samples["layer_norm_bwd"].append(
+                    (dy, saved, mean, invvar, gamma, beta, rms, memory_efficient, dtype)
+                )
+    samples["syncbn_welford_parallel"] = [
+        (randn(2, 3), positive(2, 3), torch.tensor([4.0, 7.0], device=device), 1e-5),
+        (randn(1, 5), positive(1, 5), torch.tensor([3.0], device=device), 1e-3),
+    ]
+    return samples
+
+
+@pytest.mark.gpu
+@pytest.mark.cuda_emulation
+@pytest.mark.parametrize("name", sorted(_kernel_op_fakes.FAKES))
+def test_opcheck_kernel_ops(name: str) -> None:
+    """The norm and SyncBN ops the CUDA extension defines itself: fake kernels, schemas."""
+    ops = norm_ops()  # the CUDA extension's ops, or the emulated build's on the CPU
+    assert hasattr(ops, name), f"{name} is not an op of the CUDA extension"
+    for args in _kernel_op_samples(KERNEL_DEVICE)[name]:
+        torch.library.opcheck(getattr(ops, name).default, args)

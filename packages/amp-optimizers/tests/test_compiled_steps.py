@@ -1,9 +1,8 @@
 """The fused optimizers under torch.compile: one graph, no graph break, the eager result.
 
 Every ``amp_C`` op is a dispatcher op with a fake kernel (amp_fused_ops' op registry), so
-Dynamo traces a step straight into the op calls. ``FusedMixedPrecisionLamb`` is not here: its
-step reads the skip decision, ``lr`` and ``step`` to the host once (its docstring), which is a
-graph break by design.
+Dynamo traces a step straight into the op calls. ``FusedMixedPrecisionLamb`` keeps its skip
+decision, ``lr`` and ``step`` on the device, so its step is one graph as well.
 """
 
 from __future__ import annotations
@@ -16,7 +15,14 @@ import torch
 from torch import Tensor
 from torch._dynamo.utils import counters
 
-from amp_optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
+from amp_optimizers import (
+    FusedAdagrad,
+    FusedAdam,
+    FusedLAMB,
+    FusedMixedPrecisionLamb,
+    FusedNovoGrad,
+    FusedSGD,
+)
 
 CASES: dict[str, tuple[Callable[[list[Tensor]], torch.optim.Optimizer], torch.dtype]] = {
     "adam": (lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.1), torch.float32),
@@ -44,6 +50,14 @@ CASES: dict[str, tuple[Callable[[list[Tensor]], torch.optim.Optimizer], torch.dt
     "lamb": (lambda ps: FusedLAMB(ps, lr=1e-2, weight_decay=0.01), torch.float32),
     "novograd": (lambda ps: FusedNovoGrad(ps, lr=1e-2, weight_decay=0.01), torch.float32),
     "adagrad": (lambda ps: FusedAdagrad(ps, lr=1e-2, weight_decay=0.1), torch.float32),
+    "mixed_precision_lamb": (
+        lambda ps: FusedMixedPrecisionLamb(ps, lr=1e-2, max_grad_norm=0.5),
+        torch.float32,
+    ),
+    "mixed_precision_lamb_bf16_masters": (
+        lambda ps: FusedMixedPrecisionLamb(ps, lr=1e-2, reduced_precision_dtype=torch.bfloat16),
+        torch.bfloat16,
+    ),
 }
 SLOW_COMPILES = {name for name in CASES if name not in ("adam", "adam_capturable")}
 # NovoGrad's first-step gradient norms are computed with ATen ops around the kernel, which the
@@ -112,3 +126,7 @@ def test_compiled_steps_equal_eager_steps(case: str) -> None:
                 torch.testing.assert_close(other, value, **tolerance, msg=key)
             else:
                 assert value == other, key
+    for group, other in zip(eager.param_groups, compiled.param_groups, strict=True):
+        for key, value in group.items():
+            if isinstance(value, Tensor):  # a device lr or step count
+                torch.testing.assert_close(other[key], value, rtol=0, atol=0, msg=key)

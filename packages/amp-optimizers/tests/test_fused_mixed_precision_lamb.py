@@ -64,8 +64,14 @@ def test_fp32_params_step_like_fused_lamb(kwargs: dict) -> None:
             p.grad, q.grad = g.clone(), g.clone()
         ref.step()
         opt.step()
+    # The op of this optimizer (Apex's multi_tensor_lamb_mp) takes the step count as a device
+    # tensor and computes the bias corrections in float32, as Apex's kernel does: 1 - 0.999**1
+    # is then 1.3e-5 relative off the value FusedLAMB's op uses. Where no trust ratio
+    # normalises the update, that is the update's relative error.
+    no_ratio = kwargs.get("weight_decay") == 0.0 and not kwargs.get("use_nvlamb")
+    rtol = 2e-5 if no_ratio else 0.0
     for p, q in zip(expected, actual, strict=True):
-        torch.testing.assert_close(q, p, rtol=0, atol=1e-6)
+        torch.testing.assert_close(q, p, rtol=rtol, atol=1e-6)
         torch.testing.assert_close(
             opt.state[q]["exp_avg"], ref.state[p]["exp_avg"], rtol=0, atol=1e-6
         )

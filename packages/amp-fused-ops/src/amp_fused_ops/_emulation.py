@@ -39,7 +39,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
 
-from amp_fused_ops import _library, amp_C
+from amp_fused_ops import _kernel_op_fakes, _library, amp_C
 
 __all__ = [
     "BUILDS",
@@ -220,6 +220,7 @@ def load(build: str = "counting", *, verbose: bool = False) -> ModuleType:
     )
     # The "CUDA" kernels run on the CPU: Python numbers become float32 tensors, as for CUDA.
     module = _library.compiled_ops(OPS_NAMESPACE, "CPU", path, cpu_scalars=False)
+    _kernel_op_fakes.register_fakes(_kernel_op_fakes.EMULATED_NAMESPACE)
     if verbose:
         logger.info("emulated extension (%s) ready in %.1f s", build, time.perf_counter() - start)
     return module
@@ -338,9 +339,12 @@ class Graph:
         self._capturing = True
         self._mode = _capture_mode(self)
         self._mode.__enter__()
+        self._host_reads = _host_read_mode()
+        self._host_reads.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._host_reads.__exit__(*exc)
         self._mode.__exit__(*exc)
         self._mode = None
         self._close_launches()
@@ -372,20 +376,27 @@ class Graph:
             raise RuntimeError("replay() inside the capture; replay after the `with` block")
         if not self._segments:
             raise RuntimeError("nothing captured: replay() before any capture or after reset()")
-        for segment in self._segments:
-            kind = segment[0]
-            if kind == "launches":
-                torch.ops.amp_emu.replay(segment[1])
-            elif kind == "in-place":  # writes its inputs again
-                _, func, args, kwargs, _ = segment
-                func(*args, **kwargs)
-            elif kind == "out-of-place":  # new values into the tensors it returned at capture
-                _, func, args, kwargs, out = segment
-                new = func(*args, **kwargs)
-                for old, value in zip(tree_flatten(out)[0], tree_flatten(new)[0], strict=True):
-                    if isinstance(old, torch.Tensor):
-                        old.copy_(value)
-            # "held": views, allocations and other ops that no kernel replays; kept alive only
+        # The ops were recorded below autograd; a replay writes leaf params in place as a
+        # CUDA graph's kernels do, with no autograd.
+        with torch.no_grad():
+            for segment in self._segments:
+                self._replay_segment(segment, torch, tree_flatten)
+
+    @staticmethod
+    def _replay_segment(segment: tuple[Any, ...], torch: Any, tree_flatten: Any) -> None:
+        kind = segment[0]
+        if kind == "launches":
+            torch.ops.amp_emu.replay(segment[1])
+        elif kind == "in-place":  # writes its inputs again
+            _, func, args, kwargs, _ = segment
+            func(*args, **kwargs)
+        elif kind == "out-of-place":  # new values into the tensors it returned at capture
+            _, func, args, kwargs, out = segment
+            new = func(*args, **kwargs)
+            for old, value in zip(tree_flatten(out)[0], tree_flatten(new)[0], strict=True):
+                if isinstance(old, torch.Tensor):
+                    old.copy_(value)
+        # "held": views, allocations and other ops that no kernel replays; kept alive only
 
     def reset(self) -> None:
         """Drops the capture and every tensor it held."""
@@ -414,6 +425,9 @@ def _storages(tree: Any) -> set[int]:
 
 def _replay_kind(func: Any, name: str, args: Any = (), out: Any = None) -> str:
     """How :meth:`Graph.replay` treats an op seen during a capture (see there)."""
+    if func.namespace == _library.OPS_NAMESPACE:
+        # A registry op with a compiled CPU kernel (opaque to the mode): replay runs it again.
+        return "out-of-place"
     if func.namespace not in ("aten", "prims") or name.startswith(_NO_KERNEL_PREFIXES):
         # Other libraries' ops (the emulated norm ops): their launches were recorded as they
         # ran; the ATen ops inside them are not seen, so they run at capture only.
@@ -426,6 +440,16 @@ def _replay_kind(func: Any, name: str, args: Any = (), out: Any = None) -> str:
         # launchers of the multi-tensor ops run below autograd, where such ops come undecomposed.
         return "held" if _storages(out) & _storages(args) else "out-of-place"
     return "out-of-place"
+
+
+def _runs_reference(func: Any) -> bool:
+    """Whether ``func`` is an op of the registry (``torch.ops.amp_fused_ops``) that runs its
+    pure-PyTorch reference on the CPU (no compiled CPU kernel is registered for it)."""
+    import torch
+
+    if func.namespace != _library.OPS_NAMESPACE:
+        return False
+    return not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CPU")
 
 
 def _cpu_keys(torch: Any) -> Any:
@@ -449,9 +473,11 @@ def _capture_mode_class() -> type:
                     f"a host synchronization ({func}, e.g. .item()) during a capture: a CUDA "
                     "graph cannot capture it; keep the value on the device"
                 )
-            if func.namespace == OPS_NAMESPACE:
+            if func.namespace == OPS_NAMESPACE or _runs_reference(func):
                 # An emulated multi-tensor op: run its kernel with this mode active, so that the
-                # ATen ops of its launcher are recorded between its launches.
+                # ATen ops of its launcher are recorded between its launches. A registry op with
+                # no compiled kernel runs its reference, whose ATen ops are recorded the same
+                # way (and a host sync among them raises, as it would on a GPU).
                 import torch
 
                 with self:
@@ -463,6 +489,29 @@ def _capture_mode_class() -> type:
             return out
 
     return CaptureMode
+
+
+# Tensor methods that copy to the host without an ATen op the dispatch mode would see.
+_HOST_READ_METHODS = ("tolist", "numpy")
+
+
+def _host_read_mode() -> Any:
+    """A function mode that raises on :data:`_HOST_READ_METHODS` (a host sync on a GPU)."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    host_reads = {getattr(torch.Tensor, name) for name in _HOST_READ_METHODS}
+
+    class HostReadMode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func in host_reads:
+                raise RuntimeError(
+                    f"a host synchronization (Tensor.{func.__name__}()) during a capture: a "
+                    "CUDA graph cannot capture it; keep the value on the device"
+                )
+            return func(*args, **(kwargs or {}))
+
+    return HostReadMode()
 
 
 def _capture_mode(graph: Graph) -> Any:

@@ -267,10 +267,9 @@ class FusedAdam(FusedOptimizerBase):
         if not isinstance(group["lr"], Tensor):
             group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32)
         group["lr"] = group["lr"].to(device=device, dtype=torch.float32)
-        if "step" in group and not isinstance(group["step"], Tensor):
-            group["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
-        if "step" in group:
-            group["step"] = group["step"].to(device=device, dtype=torch.float32)
+        # The step count exists from the start: a step captured in a CUDA graph advances this
+        # tensor in place, and must not create it (a new tensor would not be replayed).
+        group["step"] = _device_scalar(group.get("step", 0), device).clone()
 
     # -- step -----------------------------------------------------------------------------
 
@@ -383,7 +382,10 @@ class FusedAdam(FusedOptimizerBase):
         """
         device = params[0].device
         beta1, beta2 = group["betas"]
-        step_t = _device_scalar(group.get("step", 0), device)
+        step_t = group.get("step", 0)
+        if not _is_device_scalar(step_t, device):
+            # The group's own count from here on, advanced in place (see the end).
+            step_t = group["step"] = _device_scalar(step_t, device).clone()
         lr_t = _device_scalar(group["lr"], device)
         if inv_scale is None:
             inv_scale = torch.ones((), dtype=torch.float32, device=device)
@@ -431,8 +433,9 @@ class FusedAdam(FusedOptimizerBase):
                 inv_scale.to(device),
             )
         # The step count advances only when the step was taken, decided on the device (a
-        # device tensor from here on: reading it back would sync the host).
-        group["step"] = step_t + (noop.reshape(()) == 0).to(torch.float32)
+        # device tensor from here on: reading it back would sync the host). In place: a CUDA
+        # graph that captured this step advances the same tensor on every replay.
+        step_t.add_((noop.reshape(()) == 0).to(torch.float32))
         return noop
 
     # -- amp O2: the fused master-weight protocol of amp_core ------------------------------
@@ -526,10 +529,24 @@ class FusedAdam(FusedOptimizerBase):
 
 
 def _device_scalar(value: float | Tensor, device: torch.device) -> Tensor:
-    """A 0-dim float32 tensor on ``device`` (no host sync for a tensor already there)."""
+    """A 0-dim float32 tensor on ``device`` (no host sync for a tensor already there).
+
+    A number is written by a fill on the device (``torch.full``), not copied from the host
+    (``torch.tensor(..., device=...)``), which a CUDA graph capture cannot hold.
+    """
     if isinstance(value, Tensor):
         return value.to(device=device, dtype=torch.float32).reshape(())
-    return torch.tensor(float(value), dtype=torch.float32, device=device)
+    return torch.full((), float(value), dtype=torch.float32, device=device)
+
+
+def _is_device_scalar(value: Any, device: torch.device) -> bool:
+    """Whether ``value`` is a 0-dim float32 tensor on ``device`` (a capturable step count)."""
+    return (
+        isinstance(value, Tensor)
+        and value.device == device
+        and value.dtype == torch.float32
+        and value.dim() == 0
+    )
 
 
 def _raise_on_nonfinite(noop: Tensor, grads: list[Tensor]) -> None:

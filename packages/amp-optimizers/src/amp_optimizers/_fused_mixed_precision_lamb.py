@@ -1,36 +1,42 @@
 """``FusedMixedPrecisionLamb``: LAMB over half params with float32 master weights (Apex's).
 
-The LAMB math is :class:`~amp_optimizers.FusedLAMB`'s (``amp_C.multi_tensor_lamb`` through
-:func:`launch_lamb`); what this optimizer adds is the mixed-precision plumbing:
+The LAMB math is :class:`~amp_optimizers.FusedLAMB`'s; the op is Apex's own for this
+optimizer, ``amp_C.multi_tensor_lamb_mp``, which takes every per-step number as a device
+tensor. What this optimizer adds is the mixed-precision plumbing:
 
 * params whose dtype is ``reduced_precision_dtype`` get a float32 master copy in their state
-  (``"master_param"``, made on their first step); the op steps the master, and the half param
-  is written from it;
+  (``"master_param"``, made on their first step); the op steps the master and writes the half
+  param from it in the same call;
 * ``lr`` and ``step`` are tensors on the params' device in every param group (Apex's layout);
 * under ``torch.amp.GradScaler`` the scaler's ``grad_scale`` and ``found_inf`` are read on
-  the device, the unscaling is folded into the op's gradient divisor (see
-  :func:`_grad_divisor_norm`), and the step is skipped when ``found_inf`` is set or the
-  gradient norm is not finite; after the step the gradients are unscaled in place, as the
-  scaler leaves them for a plain optimizer.
+  the device: the op multiplies the gradients by the inverse scale and clips against
+  ``max_grad_norm * scale`` (the norm is of the scaled gradients), and the step is skipped
+  when ``found_inf`` is set or the gradient norm is not finite; after the step the gradients
+  are unscaled in place, as the scaler leaves them for a plain optimizer.
+
+Nothing in a step reads a value back to the host: the skip decision is the op's ``found_inf``
+and the step count advances by 0 or 1 on the device, so a step traces into one
+``torch.compile`` graph and can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from amp_fused_ops import amp_C, multi_tensor_applier
+
 from ._base import (
     AmpCOp,
     FusedOptimizerBase,
     group_by_device_dtype,
-    local_shards,
     params_with_grads,
     unscale_grads_in_place,
 )
-from ._fused_lamb import check_lamb_args, global_grad_norm, lamb_moments, launch_lamb
+from ._fused_lamb import check_lamb_args, global_grad_norm, lamb_moments
 
 __all__ = ["FusedMixedPrecisionLamb"]
 
@@ -84,9 +90,9 @@ class FusedMixedPrecisionLamb(FusedOptimizerBase):
     bfloat16 ones); a bfloat16 model trains without a scaler, and a step whose gradient norm
     is not finite is then skipped all the same.
 
-    .. note:: A step reads the skip decision, ``lr`` and ``step`` back to the host in one
-        transfer (the one host sync of a step, as ``GradScaler`` with a plain optimizer):
-        ``amp_C.multi_tensor_lamb`` takes them as numbers.
+    A step makes no host sync (the skip decision, ``lr`` and ``step`` stay on the device), so
+    it traces into one ``torch.compile`` graph and can be captured in a CUDA graph; a GradScaler
+    skip leaves everything, ``step`` included, as it was.
 
     Example:
         >>> model = torch.nn.Linear(4, 4).bfloat16()
@@ -216,51 +222,47 @@ class FusedMixedPrecisionLamb(FusedOptimizerBase):
             scale = grad_scale.to(device=device, dtype=torch.float32).reshape(1)
         else:
             scale = torch.ones(1, dtype=torch.float32, device=device)
-        max_grad_norm = float(self.defaults["max_grad_norm"])
+        inv_scale = scale.double().reciprocal().float()
+        # The norm is of the scaled gradients: so is the threshold the op compares it with.
+        max_grad_norm = scale * float(self.defaults["max_grad_norm"])
+        skip_f = skip.to(torch.float32)
+        taken = (~skip).to(torch.int32)
 
-        # The one host sync of the step: the skip decision, the scale, every lr and step.
-        groups = self.param_groups
-        host = _host_values([skip, scale, *(g["lr"] for g in groups), *(g["step"] for g in groups)])
-        if host[0]:
-            return
-        scale_value = host[1]
-        lrs = host[2 : 2 + len(groups)]
-        steps = [int(v) for v in host[2 + len(groups) :]]
-
-        if scale_value < 1.0:
-            # The op never divides the gradients by less than 1: unscale float32 copies.
-            divisor_norm = norm / scale
-        else:
-            divisor_norm = _grad_divisor_norm(norm, scale, max_grad_norm)
-        for group, params, lr, step in zip(groups, per_group, lrs, steps, strict=True):
+        # Everything stays on the device: the skip decision reaches the op as its found_inf,
+        # and each group's step count advances by 0 or 1 in place.
+        for group, params in zip(self.param_groups, per_group, strict=True):
             if not params:
                 continue
-            group["step"] += 1  # in place: the group keeps its device tensor
+            group["step"].add_(taken.to(group["step"].device))
+            beta1, beta2 = group["betas"]
             rows = []
             for p in params:
                 state = self.state[p]
                 exp_avg, exp_avg_sq = lamb_moments(state, p)
-                grad = p.grad
-                assert grad is not None
-                if scale_value < 1.0:
-                    grad = grad.float() / scale_value
-                rows.append((p, grad, self._stepped_tensor(state, p), exp_avg, exp_avg_sq))
+                rows.append((p, p.grad, self._stepped_tensor(state, p), exp_avg, exp_avg_sq))
             for (dev, _), (ps, gs, targets, ms, vs) in group_by_device_dtype(rows).items():
-                launch_lamb(
+                lists = [gs, targets, ms, vs]
+                if targets[0] is not ps[0]:  # masters are stepped and rounded into the params
+                    lists.append(ps)
+                multi_tensor_applier(
+                    amp_C.multi_tensor_lamb_mp,
                     self.noop_flag(dev),
-                    [gs, targets, ms, vs],
-                    group,
-                    lr=lr,
-                    step=step + 1,
-                    global_norm=divisor_norm.to(dev),
-                    max_grad_norm=max_grad_norm,
-                    adam_w_mode=self.adam_w_mode,
-                    use_nvlamb=self.use_nvlamb,
+                    lists,
+                    group["lr"].to(dev),
+                    beta1,
+                    beta2,
+                    group["eps"],
+                    group["step"].to(dev),
+                    1 if group["bias_correction"] else 0,
+                    group["weight_decay"],
+                    1 if group["grad_averaging"] else 0,
+                    self.adam_w_mode,
+                    norm.to(dev),
+                    max_grad_norm.to(dev),
+                    self.use_nvlamb,
+                    skip_f.to(dev),
+                    inv_scale.to(dev),
                 )
-                if targets[0] is not ps[0]:  # masters were stepped: round them into the params
-                    # DTensor (FSDP2) params and masters: their local shards (DTensor has
-                    # no sharding rule for _foreach_copy_).
-                    torch._foreach_copy_(local_shards(ps), local_shards(targets))
 
     def _stepped_tensor(self, state: dict[str, Any], p: Tensor) -> Tensor:
         """The tensor the op steps for ``p``: its float32 master, or ``p`` itself."""
@@ -279,44 +281,3 @@ def _lr_tensor(lr: float | Tensor) -> Tensor:
     if isinstance(lr, Tensor):
         return lr.detach().to(torch.float32, copy=True).reshape(())
     return torch.tensor(float(lr), dtype=torch.float32)
-
-
-def _grad_divisor_norm(norm: Tensor, scale: Tensor, max_grad_norm: float) -> Tensor:
-    """The ``global_norm`` that makes ``multi_tensor_lamb`` unscale and clip in one division.
-
-    The op divides the gradients by ``max(global_norm / max_grad_norm, 1)``. The gradients are
-    scaled by ``scale`` and their norm ``norm`` is scaled too, so the divisor wanted is
-    ``scale * max(norm / scale / max_grad_norm, 1) = max(norm / max_grad_norm, scale)``, which
-    is what ``global_norm = max(norm, scale * max_grad_norm)`` gives for every ``scale >= 1``
-    (for ``max_grad_norm = 0`` it keeps Apex's rule: any nonzero norm zeroes the gradients).
-
-    Args:
-        norm: (1,) float32, the L2 norm of the scaled gradients.
-        scale: (1,) float32, the loss scale (1 without a scaler).
-        max_grad_norm: The clipping threshold of the unscaled norm.
-
-    Returns:
-        (1,) float32 on ``norm``'s device; no host sync.
-    """
-    return torch.maximum(norm, scale * max_grad_norm)
-
-
-def _host_values(values: Sequence[Tensor | float]) -> list[float]:
-    """``values`` (one-element tensors or numbers) as Python floats, one transfer per device.
-
-    .. note:: A host sync when a tensor lives on an accelerator.
-    """
-    out: list[float] = [0.0] * len(values)
-    by_device: dict[torch.device, list[int]] = {}
-    for i, value in enumerate(values):
-        if isinstance(value, Tensor):
-            by_device.setdefault(value.device, []).append(i)
-        else:
-            out[i] = float(value)
-    for indices in by_device.values():
-        stacked = torch.cat(
-            [values[i].detach().reshape(1).to(torch.float64) for i in indices]  # type: ignore[union-attr]
-        )
-        for i, v in zip(indices, stacked.tolist(), strict=True):
-            out[i] = v
-    return out

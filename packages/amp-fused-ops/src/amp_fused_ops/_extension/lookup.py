@@ -9,7 +9,7 @@ from types import ModuleType
 
 import torch
 
-from amp_fused_ops import _library
+from amp_fused_ops import _kernel_op_fakes, _library
 
 from . import build, cache, lock, progress, record, toolkit
 from .record import DamagedBuildError
@@ -73,7 +73,12 @@ def import_or_explain(path: Path) -> ModuleType:
 
 
 def ops_module(kind: str, path: Path) -> ModuleType:
-    """The module of the ops extension ``kind`` (loaded from ``path``) registered."""
+    """The module of the ops extension ``kind`` (loaded from ``path``) registered.
+
+    The CUDA extension's own norm and SyncBN ops get their fake kernels here.
+    """
+    if kind == "cuda":
+        _kernel_op_fakes.register_fakes(_kernel_op_fakes.CUDA_NAMESPACE)
     return _library.compiled_ops(_library.OPS_NAMESPACE, DISPATCH_KEYS[kind], path)
 
 
