@@ -20,7 +20,8 @@ from torch import Tensor
 
 import amp_fused_ops
 from _cpu_extension_helpers import load_from, session_cache
-from amp_fused_ops import _reference, amp_C
+from amp_fused_ops import amp_C
+from amp_fused_ops.reference import _ops as _reference
 
 # Apex's amp_C ops (csrc/amp_C_frontend.cpp at its last release with amp) and their
 # arguments, in order (Apex's C++ parameter names).

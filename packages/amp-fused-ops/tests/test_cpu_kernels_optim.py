@@ -1,6 +1,6 @@
 """The C++ CPU kernels of the optimizer ops and the unscaled norm against the reference.
 
-The pure-PyTorch reference (``amp_fused_ops._reference``) is the oracle: both run on copies of
+The pure-PyTorch reference (``amp_fused_ops.reference._ops``) is the oracle: both run on copies of
 the same inputs and must agree within the rounding of each output's dtype. To cover every
 dtype combination without one test per combination, the lists of a test hold, at each position,
 their own combination of list dtypes, their own size (cycling through ``SIZES``) and, at some
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from _cpu_extension_helpers import load_from, session_cache
-from amp_fused_ops import _reference
+from amp_fused_ops.reference import _ops as _reference
 
 SIZES = (1, 7, 555, 33333, 2048 * 32 + 1, 2 * 2048 * 32)
 CHUNKS = (333, 2048 * 32)

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from _cpu_extension_helpers import load_from, session_cache
-from amp_fused_ops import _reference
+from amp_fused_ops.reference import _ops as _reference
 
 BIG = 98_317  # elements: two chunks of 65536, 296 chunks of 333
 TINY = (1, 3, 17, 128, 555, 4097)

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from _kernel_target import DEVICE, EMULATED, SMALL_SIZES, Graph, extension
-from amp_fused_ops import _reference
+from amp_fused_ops.reference import _ops as _reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.cuda_emulation]
 

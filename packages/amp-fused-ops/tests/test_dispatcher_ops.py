@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from _cpu_extension_helpers import child_env, load_from, session_cache
-from amp_fused_ops import _reference
+from amp_fused_ops.reference import _ops as _reference
 
 NAMESPACE = "amp_fused_ops"
 

@@ -22,9 +22,9 @@ from _norm_helpers import (
     NormSpec,
     check_zero_weight_gradients,
 )
-from amp_fused_ops import _syncbn
 from amp_fused_ops.normalization import _ops as _norm_ops
 from amp_fused_ops.normalization import _reference as _norm_reference
+from amp_fused_ops.syncbn import _kernels as _syncbn
 
 pytestmark = [
     pytest.mark.gpu,

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from _cpu_extension_helpers import load_from, session_cache
 from _kernel_target import EMULATED, extension
-from amp_fused_ops import _reference
+from amp_fused_ops.reference import _ops as _reference
 
 
 def _flag() -> Tensor:
@@ -375,7 +375,7 @@ def test_amp_C_gives_the_reference_message_on_the_kernel_path(
 def test_the_table_names_the_arguments_of_every_op() -> None:
     import inspect
 
-    from amp_fused_ops import _preconditions
+    from amp_fused_ops.ops import _preconditions
 
     for op in _reference.__all__:
         if op == "update_scale_hysteresis":

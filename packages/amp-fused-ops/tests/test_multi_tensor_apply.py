@@ -13,8 +13,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_fused_ops
-from amp_fused_ops import MultiTensorApply, _reference, amp_C, multi_tensor_applier
-from amp_fused_ops._extension import api as extension_api
+from amp_fused_ops import MultiTensorApply, amp_C, multi_tensor_applier
+from amp_fused_ops.extensions import _api as extension_api
+from amp_fused_ops.reference import _ops as _reference
 
 OPS = list(_reference.__all__)
 

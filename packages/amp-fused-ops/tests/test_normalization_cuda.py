@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from _norm_helpers import NORM_IDS, NORMS, NormSpec, max_err, random_params, run_with_grads
-from amp_fused_ops import FusedLayerNorm, FusedRMSNorm, _loader
+from amp_fused_ops import FusedLayerNorm, FusedRMSNorm
+from amp_fused_ops.extensions import _loader
 from amp_fused_ops.normalization import _ops as _norm_ops
 from amp_fused_ops.normalization import _reference as _norm_reference
 

@@ -1,6 +1,6 @@
 """Every op of the registry as a PyTorch op: schema, fake kernel, meta tensors, opcheck.
 
-The op registry (:data:`amp_fused_ops._library.REGISTRY`) is the one list of ``amp_C`` ops;
+The op registry (:data:`amp_fused_ops.ops._registry.REGISTRY`) is the one list of ``amp_C`` ops;
 these tests take their op list from it, so an op added there without sample inputs here fails
 ``test_every_registered_op_has_samples``, and one without a working fake kernel fails the
 opcheck and meta tests.
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from amp_fused_ops import amp_C, extensions
-from amp_fused_ops._library import REGISTRY
+from amp_fused_ops.ops._registry import REGISTRY
 
 
 def _flag() -> Tensor:

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from _cpu_extension_helpers import load_from, session_cache
 from _kernel_target import EMULATED, extension
-from amp_fused_ops import _reference
+from amp_fused_ops.reference import _ops as _reference
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _F = torch.float32

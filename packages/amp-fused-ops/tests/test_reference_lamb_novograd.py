@@ -14,7 +14,10 @@ import pytest
 import torch
 from torch import Tensor
 
-from amp_fused_ops import _reference, _reference_layerwise, _reference_optim, amp_C, reference
+from amp_fused_ops import amp_C, reference
+from amp_fused_ops.reference import _layerwise as _reference_layerwise
+from amp_fused_ops.reference import _ops as _reference
+from amp_fused_ops.reference import _optim as _reference_optim
 
 # The last tensor of params is all zeros: its trust ratio falls back to 1 (LAMB).
 SIZES = [1, 7, 555, 4096, 33]

@@ -9,11 +9,16 @@ from types import ModuleType
 
 import torch
 
-from amp_fused_ops import _library
+from amp_fused_ops.ops import _registry as _library
 
-from . import build, cache, lock, progress, record, toolkit
-from .record import DamagedBuildError
-from .settings import (
+from . import _build as build
+from . import _cache as cache
+from . import _lock as lock
+from . import _progress as progress
+from . import _record as record
+from . import _toolkit as toolkit
+from ._record import DamagedBuildError
+from ._settings import (
     DISABLE_ENV,
     DISPATCH_KEYS,
     FAILED,

@@ -19,8 +19,12 @@ from typing import Any
 
 import torch
 
-from . import cache, flags, progress, record, toolkit
-from .settings import (
+from . import _cache as cache
+from . import _flags as flags
+from . import _progress as progress
+from . import _record as record
+from . import _toolkit as toolkit
+from ._settings import (
     ARCH_ENV,
     FAILED,
     KEEP_ON_CLEAN,
@@ -176,6 +180,6 @@ def _as_module(kind: str, loaded: Any) -> ModuleType:
     """
     if isinstance(loaded, ModuleType):
         return loaded
-    from . import lookup
+    from . import _lookup as lookup
 
     return lookup.ops_module(kind, Path(str(loaded)))

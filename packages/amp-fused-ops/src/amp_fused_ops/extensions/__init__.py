@@ -17,7 +17,7 @@ the extensions unavailable on purpose; :func:`clear_cache` makes the next
 
 from __future__ import annotations
 
-from amp_fused_ops._loader import (
+from ._loader import (
     DISABLE_ENV,
     KINDS,
     ExtensionStatus,

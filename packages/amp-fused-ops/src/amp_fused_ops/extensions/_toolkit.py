@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from . import cache
-from .settings import ARCH_ENV, PACKAGE_DIR
+from . import _cache as cache
+from ._settings import ARCH_ENV, PACKAGE_DIR
 
 
 def cuda_home() -> Path | None:
