@@ -198,7 +198,8 @@ def test_damaged_module_falls_back_when_it_cannot_be_rebuilt(
     # No ninja in the child (the compiler is part of the cache key, ninja is not).
     report = first_op(
         cache,
-        "from amp_fused_ops.extensions import _toolkit as toolkit; toolkit.ninja_path = lambda: None",
+        "from amp_fused_ops.extensions import _toolkit as toolkit\n"
+        "toolkit.ninja_path = lambda: None",
     )
     assert not report["compiled"]  # the reference path ran, and nothing crashed
     (line,) = warnings_of(report)
@@ -595,12 +596,13 @@ def test_assigning_through_the_facade_reaches_the_module_that_uses_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from amp_fused_ops.extensions import _build as build_module
+    from amp_fused_ops.extensions import _lookup as lookup
     from amp_fused_ops.extensions import _toolkit as toolkit
 
     monkeypatch.setattr(ext_toolkit, "ninja_path", lambda: None)
     monkeypatch.setattr(ext_build, "compile_extension", None)
     assert toolkit.ninja_path() is None and build_module.compile_extension is None
-    assert "ninja is not installed" in str(toolkit.missing_tools_reason("cpu"))
+    assert "ninja is not installed" in str(lookup.missing_tools_reason("cpu"))
     monkeypatch.undo()
     assert build_module.compile_extension is not None
 

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from amp_fused_ops.ops import _registry as _library
+
 from . import _cache as cache
 from . import _flags as flags
 from . import _progress as progress
@@ -26,6 +28,7 @@ from . import _record as record
 from . import _toolkit as toolkit
 from ._settings import (
     ARCH_ENV,
+    DISPATCH_KEYS,
     FAILED,
     KEEP_ON_CLEAN,
     LOCK_INFO,
@@ -180,6 +183,9 @@ def _as_module(kind: str, loaded: Any) -> ModuleType:
     """
     if isinstance(loaded, ModuleType):
         return loaded
-    from . import _lookup as lookup
+    return ops_module(kind, Path(str(loaded)))
 
-    return lookup.ops_module(kind, Path(str(loaded)))
+
+def ops_module(kind: str, path: Path) -> ModuleType:
+    """The module of the ops extension ``kind`` (loaded from ``path``) registered."""
+    return _library.compiled_ops(_library.OPS_NAMESPACE, DISPATCH_KEYS[kind], path)

@@ -48,6 +48,7 @@ from ._cache import cache_root, source_dir
 from ._flags import extra_cflags as _extra_cflags  # noqa: F401
 from ._lookup import PREBUILT_DIR as _PREBUILT_DIR  # noqa: F401
 from ._lookup import import_compiled as _import_compiled  # noqa: F401
+from ._lookup import missing_tools_reason as _missing_tools_reason  # noqa: F401
 from ._record import python_tag as _python_tag  # noqa: F401
 from ._settings import (
     ARCH_ENV,
@@ -69,7 +70,6 @@ from ._toolkit import (
     nvcc_path,
     nvcc_version,
 )
-from ._toolkit import missing_tools_reason as _missing_tools_reason  # noqa: F401
 
 __all__ = [
     # Loading
