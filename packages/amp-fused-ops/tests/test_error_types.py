@@ -18,11 +18,8 @@ from torch import Tensor
 
 from _cpu_extension_helpers import load_from, session_cache
 from _kernel_target import EMULATED, extension
+from _op_cases import noop_flag as _flag
 from amp_fused_ops.reference import _ops as _reference
-
-
-def _flag() -> Tensor:
-    return torch.zeros(1, dtype=torch.int32)
 
 
 def _l(n: int = 8, dtype: torch.dtype = torch.float32) -> list[Tensor]:

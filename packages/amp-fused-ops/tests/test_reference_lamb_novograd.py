@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from _op_cases import noop_flag as _flag
 from amp_fused_ops import amp_C, reference
 from amp_fused_ops.reference import _layerwise as _reference_layerwise
 from amp_fused_ops.reference import _ops as _reference
@@ -31,10 +32,6 @@ STEPS = 3
 def _reference_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """Run amp_C's ops on CPU tensors through the reference, whatever extensions are loaded."""
     monkeypatch.setitem(amp_C._routes, "cpu", reference)
-
-
-def _flag(value: int = 0) -> Tensor:
-    return torch.full((1,), value, dtype=torch.int32)
 
 
 def _randn(dtype: torch.dtype, seed: int, scale: float = 1.0) -> list[Tensor]:
