@@ -103,7 +103,8 @@ def compile_flags(nvcc: str) -> list[str]:
             "CUDA build of torch (nox -s cuda_ptxas installs one)"
         )
     sys.path.insert(0, str(ROOT / "packages" / "amp-fused-ops" / "src"))
-    from amp_fused_ops._extension import flags, toolkit
+    from amp_fused_ops.extensions import _flags as flags
+    from amp_fused_ops.extensions import _toolkit as toolkit
 
     home = Path(nvcc).resolve().parents[1]
     includes = [

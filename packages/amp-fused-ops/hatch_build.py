@@ -4,7 +4,7 @@ Every regular wheel gets ``csrc/`` as ``amp_fused_ops/csrc`` (the loader compile
 time; editable installs find it next to ``src/``). The compile step is a no-op unless
 ``AMP_FUSED_OPS_BUILD_EXT=1`` (so ``nox -s build`` and plain ``pip install`` make a
 pure-Python wheel that compiles just in time on first use). With the variable set,
-the wheel target compiles ``csrc/cpu`` through the loader (``amp_fused_ops/_extension``: the
+the wheel target compiles ``csrc/cpu`` through the loader (``amp_fused_ops/extensions``: the
 same ``torch.utils.cpp_extension`` build as just in time), ships the module in
 ``amp_fused_ops/_prebuilt/`` with a JSON note of the torch and Python it was built for and of
 the module's size and SHA-256 (checked before it is loaded), and marks the wheel
@@ -64,15 +64,15 @@ def requested_kinds(value: str) -> tuple[str, ...]:
 
 
 def _load_loader(root: Path) -> ModuleType:
-    """Import ``src/amp_fused_ops/_extension`` by path (without the package's __init__).
+    """Import ``src/amp_fused_ops/extensions`` by path (without the package's __init__).
 
     Its modules import each other relatively, so the folder loads as a package of its own.
-    Loading a compiled module imports ``amp_fused_ops._library`` (the op registry):
+    Loading a compiled module imports ``amp_fused_ops.ops._registry`` (the op registry):
     ``src/`` goes first on ``sys.path`` so that this tree's package is the one imported, even
     where none (or another version) is installed in the build environment.
     """
     sys.path.insert(0, str(root / "src"))
-    folder = root / "src" / "amp_fused_ops" / "_extension"
+    folder = root / "src" / "amp_fused_ops" / "extensions"
     name = "_amp_fused_ops_extension_for_build"
     spec = importlib.util.spec_from_file_location(
         name, folder / "__init__.py", submodule_search_locations=[str(folder)]
@@ -82,7 +82,7 @@ def _load_loader(root: Path) -> ModuleType:
     package = importlib.util.module_from_spec(spec)
     sys.modules[name] = package  # the relative imports look the package up by name
     spec.loader.exec_module(package)
-    importlib.import_module(f"{name}.api")  # imports the other modules, which it uses
+    importlib.import_module(f"{name}._api")  # imports the other modules, which it uses
     return package
 
 
@@ -117,7 +117,7 @@ class CustomBuildHook(BuildHookInterface):
         # The notes shipped with the modules are written here; finalize() removes the folder.
         self._build_dir = Path(tempfile.mkdtemp(prefix="amp_fused_ops_ext_"))
         # A shipped wheel must run on any CPU of its architecture: no host-specific flags.
-        os.environ[loader.settings.PORTABLE_ENV] = "1"
+        os.environ[loader._settings.PORTABLE_ENV] = "1"
         torch_versions = {self._build_kind(loader, kind, build_data) for kind in kinds}
         build_data["pure_python"] = False
         build_data["infer_tag"] = True
@@ -135,24 +135,24 @@ class CustomBuildHook(BuildHookInterface):
         Returns:
             The torch version the module was built for.
         """
-        build_dir = loader.cache.build_directory(kind)
+        build_dir = loader._cache.build_directory(kind)
         try:
-            module_path = loader.api.build_extension(kind, force=False, build_dir=build_dir)
-        except loader.settings.ExtensionUnavailableError as error:
-            if not (build_dir / loader.settings.FAILED).exists():
+            module_path = loader._api.build_extension(kind, force=False, build_dir=build_dir)
+        except loader._settings.ExtensionUnavailableError as error:
+            if not (build_dir / loader._settings.FAILED).exists():
                 raise RuntimeError(
                     f"{BUILD_ENV}: cannot build the {kind} extension: {error}"
                 ) from error
             try:  # an earlier failure is remembered by the cache; a wheel build tries again
-                module_path = loader.api.build_extension(kind, force=True, build_dir=build_dir)
-            except loader.settings.ExtensionUnavailableError as again:
+                module_path = loader._api.build_extension(kind, force=True, build_dir=build_dir)
+            except loader._settings.ExtensionUnavailableError as again:
                 raise RuntimeError(
                     f"{BUILD_ENV}: cannot build the {kind} extension: {again}"
                 ) from again
-        name = loader.settings.MODULE_NAMES[kind]
+        name = loader._settings.MODULE_NAMES[kind]
         note = self._build_dir / f"{name}.json"
         # The build record (torch, Python, arch, size, SHA-256) is the note of the wheel.
-        record = json.loads((build_dir / loader.settings.MARKER).read_text())
+        record = json.loads((build_dir / loader._settings.MARKER).read_text())
         keys = ("file", "torch", "python", "arch", "size", "sha256")
         note.write_text(json.dumps({key: record[key] for key in keys if key in record}))
         prebuilt = "amp_fused_ops/_prebuilt"

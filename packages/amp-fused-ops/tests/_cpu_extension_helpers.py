@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from amp_fused_ops import _loader
-from amp_fused_ops._extension import build as ext_build
+from amp_fused_ops.extensions import _build as ext_build
+from amp_fused_ops.extensions import _loader
 
 # Run in each child: report whether the extension loaded and whether this process compiled.
 _CHILD = """
 import json, logging
-from amp_fused_ops import _loader
+from amp_fused_ops.extensions import _loader
 
 class Recorder(logging.Handler):
     def __init__(self):
@@ -58,7 +58,7 @@ _builds: dict[Path, SessionBuild] = {}
 def child_env(cache: Path, **extra: str) -> dict[str, str]:
     """Environment for a child Python that imports this checkout's amp_fused_ops."""
     env = dict(os.environ)
-    src = str(Path(_loader.__file__).resolve().parents[1])
+    src = str(Path(_loader.__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
     env[_loader.CACHE_ENV] = str(cache)
     env.pop(_loader.DISABLE_ENV, None)

@@ -1,6 +1,6 @@
 """Where the ``gpu`` kernel tests run: a CUDA device, or the emulated kernels on the CPU.
 
-With ``AMP_FUSED_OPS_EMULATION`` set to a build of :mod:`amp_fused_ops._emulation`
+With ``AMP_FUSED_OPS_EMULATION`` set to a build of :mod:`amp_fused_ops.emulation._kernels`
 (``counting`` or ``asan``), the CUDA sources compiled for the CPU take CPU tensors and the
 tests use smaller sizes (up to 33333 elements); otherwise the tests need CUDA and its compiled
 extension.
@@ -35,10 +35,10 @@ SMALL_SIZES = EMULATED and SIZE_SET == "small"
 def extension() -> Any:
     """The CUDA extension's module (emulated or real); fails the test when it is missing."""
     if EMULATED:
-        from amp_fused_ops import _emulation
+        from amp_fused_ops.emulation import _kernels as _emulation
 
         return _emulation.load(EMULATION)
-    from amp_fused_ops import _loader
+    from amp_fused_ops.extensions import _loader
 
     module = _loader.get_extension("cuda")
     if module is None:
@@ -57,7 +57,7 @@ class Graph:
 
     def __init__(self) -> None:
         if EMULATED:
-            from amp_fused_ops import _emulation
+            from amp_fused_ops.emulation import _kernels as _emulation
 
             self._graph: Any = _emulation.Graph()
         else:

@@ -22,7 +22,7 @@ import torch
 
 from _cpu_extension_helpers import load_from, session_cache
 from _kernel_target import EMULATED, extension
-from amp_fused_ops import _reference
+from amp_fused_ops.reference import _ops as _reference
 
 # Under the emulation session the CPU kernel is left to `nox -s tests` (no second CPU build).
 PATHS = ["reference", "cuda (emulated)"] if EMULATED else ["reference", "cpu"]

@@ -20,7 +20,10 @@ from torch import Tensor
 
 import amp_fused_ops
 from _cpu_extension_helpers import load_from, session_cache
-from amp_fused_ops import _reference, amp_C
+from _op_cases import TWO_ROUNDINGS as TOL
+from _op_cases import noop_flag as flag
+from amp_fused_ops import amp_C
+from amp_fused_ops.reference import _ops as _reference
 
 # Apex's amp_C ops (csrc/amp_C_frontend.cpp at its last release with amp) and their
 # arguments, in order (Apex's C++ parameter names).
@@ -70,11 +73,6 @@ APEX_OPS: dict[str, list[str]] = {
 
 SIZES = (1, 7, 555, 4099)
 PATHS = ("reference", "compiled")
-TOL = {
-    torch.float32: {"rtol": 1e-5, "atol": 1e-6},
-    torch.float16: {"rtol": 2 * 2.0**-10, "atol": 1e-5},
-    torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-5},
-}
 INF, NAN = float("inf"), float("nan")
 
 
@@ -91,10 +89,6 @@ def op_of(path: str, name: str, request: pytest.FixtureRequest) -> Callable[...,
     if not hasattr(ext, name):
         pytest.skip(f"{name} has no compiled CPU kernel (amp_C runs the reference)")
     return getattr(ext, name)  # type: ignore[no-any-return]
-
-
-def flag(value: int = 0) -> Tensor:
-    return torch.full((1,), value, dtype=torch.int32)
 
 
 def randn(

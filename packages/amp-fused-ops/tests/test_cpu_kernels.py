@@ -15,25 +15,19 @@ import torch
 from torch import Tensor
 
 from _cpu_extension_helpers import load_from, session_cache
+from _op_cases import ONE_ROUNDING
+from _op_cases import noop_flag as flag
 
 SIZES = (1, 7, 555, 33333, 2048 * 32 + 1)
 CHUNK_SIZES = (333, 2048 * 32)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Tolerances of a result stored in each dtype (fp32: math in fp32 on both sides).
-TOL = {
-    torch.float32: {"rtol": 1e-5, "atol": 1e-6},
-    torch.float16: {"rtol": 1e-3, "atol": 1e-5},
-    torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-5},
-}
+TOL = ONE_ROUNDING
 
 
 @pytest.fixture(scope="module")
 def ext(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return load_from(session_cache(tmp_path_factory).cache)
-
-
-def flag(value: int = 0) -> Tensor:
-    return torch.full((1,), value, dtype=torch.int32)
 
 
 def randn_list(dtype: torch.dtype, seed: int, sizes: tuple[int, ...] = SIZES) -> list[Tensor]:

@@ -1,6 +1,6 @@
 """The C++ CPU kernels of the optimizer ops and the unscaled norm against the reference.
 
-The pure-PyTorch reference (``amp_fused_ops._reference``) is the oracle: both run on copies of
+The pure-PyTorch reference (``amp_fused_ops.reference._ops``) is the oracle: both run on copies of
 the same inputs and must agree within the rounding of each output's dtype. To cover every
 dtype combination without one test per combination, the lists of a test hold, at each position,
 their own combination of list dtypes, their own size (cycling through ``SIZES``) and, at some
@@ -21,7 +21,9 @@ import torch
 from torch import Tensor
 
 from _cpu_extension_helpers import load_from, session_cache
-from amp_fused_ops import _reference
+from _op_cases import TWO_ROUNDINGS
+from _op_cases import noop_flag as flag
+from amp_fused_ops.reference import _ops as _reference
 
 SIZES = (1, 7, 555, 33333, 2048 * 32 + 1, 2 * 2048 * 32)
 CHUNKS = (333, 2048 * 32)
@@ -30,11 +32,7 @@ FP32 = (torch.float32,)
 CHANNELS_LAST_SHAPE = (2, 6, 5, 7)  # 420 elements, channels-last strides differ from rows
 # Two independent float32 computations (different order of operations and reductions);
 # low-precision results may differ by a rounding tie (two ulps).
-TOL = {
-    torch.float32: {"rtol": 1e-5, "atol": 1e-6},
-    torch.float16: {"rtol": 2 * 2.0**-10, "atol": 1e-5},
-    torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-5},
-}
+TOL = TWO_ROUNDINGS
 
 Lists = list[list[Tensor]]
 
@@ -42,10 +40,6 @@ Lists = list[list[Tensor]]
 @pytest.fixture(scope="module")
 def ext(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return load_from(session_cache(tmp_path_factory).cache)
-
-
-def flag(value: int = 0) -> Tensor:
-    return torch.full((1,), value, dtype=torch.int32)
 
 
 def make_lists(

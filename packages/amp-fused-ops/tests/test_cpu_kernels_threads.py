@@ -22,7 +22,9 @@ import torch
 from torch import Tensor
 
 from _cpu_extension_helpers import load_from, session_cache
-from amp_fused_ops import _reference
+from _op_cases import TWO_ROUNDINGS as TOL
+from _op_cases import noop_flag as flag
+from amp_fused_ops.reference import _ops as _reference
 
 BIG = 98_317  # elements: two chunks of 65536, 296 chunks of 333
 TINY = (1, 3, 17, 128, 555, 4097)
@@ -32,11 +34,6 @@ CHUNKS = (333, 2048 * 32)
 THREADS = (2, 4)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP32 = torch.float32
-TOL = {
-    torch.float32: {"rtol": 1e-5, "atol": 1e-6},
-    torch.float16: {"rtol": 2 * 2.0**-10, "atol": 1e-5},
-    torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-5},
-}
 
 Lists = list[list[Tensor]]
 # impl (the extension or the reference), chunk size -> every tensor the op wrote or returned.
@@ -57,10 +54,6 @@ def num_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def flag() -> Tensor:
-    return torch.zeros(1, dtype=torch.int32)
 
 
 def tensors(seed: int, dtype: torch.dtype, init: Callable[[Tensor], Tensor] | None = None

@@ -17,7 +17,9 @@ import torch
 from torch import Tensor
 
 from _kernel_target import DEVICE, EMULATED, SMALL_SIZES, Graph, extension
-from amp_fused_ops import _reference
+from _op_cases import TWO_ROUNDINGS as TOL
+from _op_cases import noop_flag
+from amp_fused_ops.reference import _ops as _reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.cuda_emulation]
 
@@ -31,11 +33,6 @@ else:
 CHUNKS = (333,) if SMALL_SIZES else (333, 2048 * 32)
 # Where inf/nan goes: past the first chunk of 333 of the last tensor.
 INJECT_AT = (2, 444) if SMALL_SIZES else (3, 1234)
-TOL = {
-    torch.float32: {"rtol": 1e-5, "atol": 1e-6},
-    torch.float16: {"rtol": 2 * 2.0**-10, "atol": 1e-5},
-    torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-5},
-}
 INF, NAN = float("inf"), float("nan")
 
 
@@ -45,7 +42,7 @@ def ext() -> Any:
 
 
 def _flag(value: int = 0) -> Tensor:
-    return torch.full((1,), value, dtype=torch.int32, device=DEVICE)
+    return noop_flag(value, DEVICE)
 
 
 def _tensors(

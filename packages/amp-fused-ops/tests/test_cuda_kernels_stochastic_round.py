@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from _kernel_target import DEVICE, EMULATED, SMALL_SIZES, extension
-from amp_fused_ops import _reference
-from amp_fused_ops._stochastic_round import stochastic_round_bf16
+from amp_fused_ops.reference import _ops as _reference
+from amp_fused_ops.reference._stochastic_round import stochastic_round_bf16
 
 pytestmark = [pytest.mark.gpu, pytest.mark.cuda_emulation]
 

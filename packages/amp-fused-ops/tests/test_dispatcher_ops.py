@@ -17,35 +17,10 @@ import pytest
 import torch
 
 from _cpu_extension_helpers import child_env, load_from, session_cache
-from amp_fused_ops import _reference
+from _op_cases import OP_CASES
+from amp_fused_ops.reference import _ops as _reference
 
 NAMESPACE = "amp_fused_ops"
-
-# op -> the arguments it writes in place (the lists the reference writes, and the noop flag
-# where the op may set it), as the schema must mark them.
-WRITTEN: dict[str, set[str]] = {
-    "multi_tensor_scale": {"noop_flag", "outs"},
-    "multi_tensor_axpby": {"noop_flag", "outs"},
-    "multi_tensor_l2norm": {"noop_flag"},
-    "multi_tensor_l2norm_mp": {"noop_flag"},
-    "multi_tensor_unscale_l2norm": {"noop_flag"},
-    "multi_tensor_adam": {"params", "exp_avgs", "exp_avg_sqs"},
-    "multi_tensor_adam_capturable": {"noop_flag", "grads", "params", "exp_avgs", "exp_avg_sqs"},
-    "multi_tensor_adam_capturable_master": {
-        "noop_flag",
-        "params",
-        "exp_avgs",
-        "exp_avg_sqs",
-        "masters",
-    },
-    "multi_tensor_sgd": {"params", "momentum_bufs", "model_copies"},
-    "multi_tensor_adagrad": {"params", "state_sums"},
-    "multi_tensor_lamb": {"noop_flag", "params", "exp_avgs", "exp_avg_sqs"},
-    "multi_tensor_novograd": {"noop_flag", "params", "exp_avgs", "grad_norms"},
-    "multi_tensor_lamb_stage1_cuda": {"exp_avgs", "exp_avg_sqs", "updates"},
-    "multi_tensor_lamb_stage2_cuda": {"params"},
-    "update_scale_hysteresis": {"current_scale", "growth_tracker", "hysteresis_tracker"},
-}
 
 
 @pytest.fixture(scope="module")
@@ -53,24 +28,26 @@ def ext(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return load_from(session_cache(tmp_path_factory).cache)
 
 
-@pytest.mark.parametrize("name", sorted(WRITTEN))
+@pytest.mark.parametrize("name", sorted(OP_CASES))
 def test_the_schema_marks_what_the_op_writes(ext: Any, name: str) -> None:
+    """The arguments the op writes in place (the lists the reference writes, and the noop
+    flag where the op may set it), as ``_op_cases.py`` declares them, are the schema's."""
     schema = getattr(getattr(torch.ops, NAMESPACE), name).default._schema
     written = {
         a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write
     }
-    assert written == WRITTEN[name]
+    assert written == OP_CASES[name].writes
     if name != "update_scale_hysteresis":
         assert [a.name for a in schema.arguments[:2]] == ["chunk_size", "noop_flag"]
 
 
 def test_cpu_kernels_are_registered_for_the_cpu_dispatch_key(ext: Any) -> None:
     has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
-    for name in WRITTEN:
+    for name, case in OP_CASES.items():
         on_cpu = has_kernel(f"{NAMESPACE}::{name}", "CPU")
-        # The loss-scale update has a CUDA kernel only: the module has no such attribute and
-        # amp_C takes the reference for CPU tensors.
-        assert on_cpu == (name != "update_scale_hysteresis"), name
+        # An op with a CUDA kernel only (the loss-scale update ...): the module has no such
+        # attribute and amp_C takes the reference for CPU tensors.
+        assert on_cpu == case.cpu_kernel, name
         assert hasattr(ext, name) == on_cpu, name
 
 

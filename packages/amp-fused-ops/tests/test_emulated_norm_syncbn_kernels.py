@@ -18,13 +18,14 @@ from _kernel_target import EMULATED, norm_ops
 from _norm_helpers import (
     NORM_IDS,
     NORMS,
+    STATS_TOL,
     ZERO_WEIGHT_CASES,
     NormSpec,
     check_zero_weight_gradients,
 )
-from amp_fused_ops import _syncbn
 from amp_fused_ops.normalization import _ops as _norm_ops
 from amp_fused_ops.normalization import _reference as _norm_reference
+from amp_fused_ops.syncbn import _kernels as _syncbn
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,7 +39,6 @@ TOL = {
     torch.float16: {"rtol": 2 * 2.0**-10, "atol": 1e-3},
     torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-2},
 }
-STATS_TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
 @pytest.fixture(scope="module")

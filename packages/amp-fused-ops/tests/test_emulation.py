@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from _kernel_target import EMULATED, extension
-from amp_fused_ops import _emulation
+from amp_fused_ops.emulation import _kernels as _emulation
 
 pytestmark = [
     pytest.mark.gpu,

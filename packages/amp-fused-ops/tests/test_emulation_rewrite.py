@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from amp_fused_ops import _emulation
+from amp_fused_ops.emulation import _kernels as _emulation
 
 
 @pytest.mark.parametrize(

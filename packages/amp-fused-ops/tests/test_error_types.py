@@ -18,11 +18,8 @@ from torch import Tensor
 
 from _cpu_extension_helpers import load_from, session_cache
 from _kernel_target import EMULATED, extension
-from amp_fused_ops import _reference
-
-
-def _flag() -> Tensor:
-    return torch.zeros(1, dtype=torch.int32)
+from _op_cases import noop_flag as _flag
+from amp_fused_ops.reference import _ops as _reference
 
 
 def _l(n: int = 8, dtype: torch.dtype = torch.float32) -> list[Tensor]:
@@ -375,7 +372,7 @@ def test_amp_C_gives_the_reference_message_on_the_kernel_path(
 def test_the_table_names_the_arguments_of_every_op() -> None:
     import inspect
 
-    from amp_fused_ops import _preconditions
+    from amp_fused_ops.ops import _preconditions
 
     for op in _reference.__all__:
         if op == "update_scale_hysteresis":

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from _cpu_extension_helpers import SessionBuild, child_env, session_cache
-from amp_fused_ops import _loader
-from amp_fused_ops._extension import build as ext_build
-from amp_fused_ops._extension import lookup as ext_lookup
-from amp_fused_ops._extension import toolkit as ext_toolkit
+from amp_fused_ops.extensions import _build as ext_build
+from amp_fused_ops.extensions import _loader
+from amp_fused_ops.extensions import _lookup as ext_lookup
+from amp_fused_ops.extensions import _toolkit as ext_toolkit
 
 OPS = ("multi_tensor_scale", "multi_tensor_axpby", "multi_tensor_l2norm", "multi_tensor_adam")
 
@@ -93,7 +93,7 @@ def test_disable_cuda_only_keeps_cpu(build: SessionBuild, monkeypatch: pytest.Mo
 # --- the CUDA kind: why it is unavailable, and what its build would compile ----------------
 
 CPU_TORCH = torch.version.cuda is None
-CUDA_DIR = Path(_loader.__file__).resolve().parents[2] / "csrc" / "cuda"
+CUDA_DIR = Path(_loader.__file__).resolve().parents[3] / "csrc" / "cuda"
 
 
 @pytest.fixture
@@ -389,7 +389,7 @@ def test_cache_key_covers_the_shared_headers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An edit of csrc/common (the math both extensions include) changes both cache keys."""
-    from amp_fused_ops._extension import cache
+    from amp_fused_ops.extensions import _cache as cache
 
     csrc = tmp_path / "csrc"
     shutil.copytree(CUDA_DIR.parent, csrc)
@@ -427,7 +427,7 @@ def _defined_runtime_symbols(library: Path) -> list[str]:
 
 
 def test_link_flags_keep_libstdcxx_shared_under_a_static_toolchain(tmp_path: Path) -> None:
-    from amp_fused_ops._extension import flags
+    from amp_fused_ops.extensions import _flags as flags
 
     compiler = shutil.which(os.environ.get("CXX", "c++"))
     if compiler is None:
@@ -456,7 +456,8 @@ def test_built_extension_has_no_cxx_runtime_of_its_own(build: SessionBuild) -> N
 
 
 def test_cache_key_follows_the_link_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    from amp_fused_ops._extension import cache, flags
+    from amp_fused_ops.extensions import _cache as cache
+    from amp_fused_ops.extensions import _flags as flags
 
     before = cache.source_hash("cpu")
     monkeypatch.setattr(flags, "extra_ldflags", lambda: ("/elsewhere/libstdc++.so.6",))

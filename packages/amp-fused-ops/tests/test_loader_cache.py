@@ -26,10 +26,13 @@ from typing import Any
 import pytest
 
 from _cpu_extension_helpers import SessionBuild, child_env, session_cache
-from amp_fused_ops import __version__, _loader
-from amp_fused_ops._extension import api, lock, progress
-from amp_fused_ops._extension import build as ext_build
-from amp_fused_ops._extension import toolkit as ext_toolkit
+from amp_fused_ops import __version__
+from amp_fused_ops.extensions import _api as api
+from amp_fused_ops.extensions import _build as ext_build
+from amp_fused_ops.extensions import _loader
+from amp_fused_ops.extensions import _lock as lock
+from amp_fused_ops.extensions import _progress as progress
+from amp_fused_ops.extensions import _toolkit as ext_toolkit
 
 MARKER = "amp_fused_ops_build.json"
 LOCK_INFO = "amp_fused_ops.lock.json"
@@ -38,7 +41,8 @@ TIMEOUT = 1800  # seconds for a child that may compile on a loaded machine (a ha
 # Runs the first op of a fresh process: multi_tensor_scale by 0.5 of values that halve exactly.
 _FIRST_OP = """
 import json, logging, torch
-from amp_fused_ops import _loader, amp_C, multi_tensor_applier
+from amp_fused_ops import amp_C, multi_tensor_applier
+from amp_fused_ops.extensions import _loader
 
 class Recorder(logging.Handler):
     def __init__(self):
@@ -193,7 +197,9 @@ def test_damaged_module_falls_back_when_it_cannot_be_rebuilt(
     damage(module, how)
     # No ninja in the child (the compiler is part of the cache key, ninja is not).
     report = first_op(
-        cache, "from amp_fused_ops._extension import toolkit; toolkit.ninja_path = lambda: None"
+        cache,
+        "from amp_fused_ops.extensions import _toolkit as toolkit\n"
+        "toolkit.ninja_path = lambda: None",
     )
     assert not report["compiled"]  # the reference path ran, and nothing crashed
     (line,) = warnings_of(report)
@@ -285,7 +291,8 @@ def test_damaged_module_recovers_for_real(build: SessionBuild, tmp_path: Path) -
     assert any("compiling it again from scratch" in m for m in warnings_of(report))
     # The next process loads the rebuilt module: no compile, no warning.
     again = first_op(
-        cache, "from amp_fused_ops._extension import build; build.compile_extension = None"
+        cache,
+        "from amp_fused_ops.extensions import _build as build; build.compile_extension = None",
     )
     assert again["compiled"] and not warnings_of(again)
     record = json.loads((module.parent / MARKER).read_text())
@@ -296,7 +303,7 @@ def test_damaged_module_recovers_for_real(build: SessionBuild, tmp_path: Path) -
 
 _HOLDER = """
 import time
-from amp_fused_ops._extension import cache, lock
+from amp_fused_ops.extensions import _cache as cache, _lock as lock
 folder = cache.build_directory("cpu")
 folder.mkdir(parents=True, exist_ok=True)
 with lock.build_lock(folder, "cpu", timeout=0):
@@ -329,7 +336,7 @@ def test_waiter_says_who_holds_the_lock_then_falls_back(
     stopped_holder: tuple[Path, int],
 ) -> None:
     cache, pid = stopped_holder
-    setup = "from amp_fused_ops._extension import lock; lock.PROGRESS_SECONDS = 1.0"
+    setup = "from amp_fused_ops.extensions import _lock as lock; lock.PROGRESS_SECONDS = 1.0"
     report = first_op(cache, setup, AMP_FUSED_OPS_LOCK_TIMEOUT="4")
     assert not report["compiled"]
     lines = warnings_of(report)
@@ -588,13 +595,14 @@ def test_clear_cache_reads_the_environment_again(
 def test_assigning_through_the_facade_reaches_the_module_that_uses_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from amp_fused_ops._extension import build as build_module
-    from amp_fused_ops._extension import toolkit
+    from amp_fused_ops.extensions import _build as build_module
+    from amp_fused_ops.extensions import _lookup as lookup
+    from amp_fused_ops.extensions import _toolkit as toolkit
 
     monkeypatch.setattr(ext_toolkit, "ninja_path", lambda: None)
     monkeypatch.setattr(ext_build, "compile_extension", None)
     assert toolkit.ninja_path() is None and build_module.compile_extension is None
-    assert "ninja is not installed" in str(toolkit.missing_tools_reason("cpu"))
+    assert "ninja is not installed" in str(lookup.missing_tools_reason("cpu"))
     monkeypatch.undo()
     assert build_module.compile_extension is not None
 

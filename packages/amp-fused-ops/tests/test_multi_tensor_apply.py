@@ -13,14 +13,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_fused_ops
-from amp_fused_ops import MultiTensorApply, _reference, amp_C, multi_tensor_applier
-from amp_fused_ops._extension import api as extension_api
+from _op_cases import noop_flag as _flag
+from amp_fused_ops import MultiTensorApply, amp_C, multi_tensor_applier
+from amp_fused_ops.extensions import _api as extension_api
+from amp_fused_ops.reference import _ops as _reference
 
 OPS = list(_reference.__all__)
-
-
-def _flag() -> torch.Tensor:
-    return torch.zeros(1, dtype=torch.int32)
 
 
 # --- MultiTensorApply ------------------------------------------------------------------------

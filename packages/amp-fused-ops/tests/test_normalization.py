@@ -33,7 +33,6 @@ from amp_fused_ops import (
     FusedRMSNorm,
     MixedFusedLayerNorm,
     MixedFusedRMSNorm,
-    _loader,
     fused_layer_norm,
     fused_layer_norm_affine,
     fused_rms_norm,
@@ -41,7 +40,8 @@ from amp_fused_ops import (
     mixed_dtype_fused_layer_norm_affine,
     mixed_dtype_fused_rms_norm_affine,
 )
-from amp_fused_ops._extension import api as ext_api
+from amp_fused_ops.extensions import _api as ext_api
+from amp_fused_ops.extensions import _loader
 from amp_fused_ops.normalization import _ops as _norm_ops
 
 SHAPES = [  # (input shape, normalized_shape): rows of 1, 7, 64, 555 and 1025 elements

@@ -20,8 +20,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from _norm_helpers import NORM_IDS, NORMS, NormSpec, max_err, random_params, run_with_grads
-from amp_fused_ops import FusedLayerNorm, FusedRMSNorm, _loader
+from _norm_helpers import (
+    NORM_IDS,
+    NORMS,
+    STATS_TOL,
+    NormSpec,
+    max_err,
+    random_params,
+    run_with_grads,
+)
+from amp_fused_ops import FusedLayerNorm, FusedRMSNorm
+from amp_fused_ops.extensions import _loader
 from amp_fused_ops.normalization import _ops as _norm_ops
 from amp_fused_ops.normalization import _reference as _norm_reference
 
@@ -29,7 +38,6 @@ pytestmark = pytest.mark.gpu
 
 HIDDEN = (1, 7, 127, 555, 1024, 1025, 4099, 8192, 65536)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-STATS_TOL = {"rtol": 1e-5, "atol": 1e-5}
 TOL = {  # two roundings of the output dtype, as in test_cuda_kernels.py
     torch.float32: {"rtol": 1e-5, "atol": 1e-5},
     torch.float16: {"rtol": 2 * 2.0**-10, "atol": 1e-4},

@@ -1,9 +1,11 @@
-"""Every op of the registry as a PyTorch op: schema, fake kernel, meta tensors, opcheck.
+"""Every op of the registry as a PyTorch op: schema, fake kernel, meta tensors, opcheck, paths.
 
-The op registry (:data:`amp_fused_ops._library.REGISTRY`) is the one list of ``amp_C`` ops;
-these tests take their op list from it, so an op added there without sample inputs here fails
-``test_every_registered_op_has_samples``, and one without a working fake kernel fails the
-opcheck and meta tests.
+The op registry (:data:`amp_fused_ops.ops._registry.REGISTRY`) is the one list of ``amp_C`` ops;
+these tests take their op list from it and each op's sample call and tolerances from
+``_op_cases.py``, so an op added there without a case fails
+``test_every_registered_op_has_a_case``, one without a working fake kernel fails the opcheck
+and meta tests, and one whose kernel disagrees with its reference fails
+``test_every_path_agrees_with_the_reference``.
 """
 
 from __future__ import annotations
@@ -17,82 +19,10 @@ from torch import Tensor
 
 from _kernel_target import DEVICE as KERNEL_DEVICE
 from _kernel_target import norm_ops
-from amp_fused_ops import _kernel_op_fakes, amp_C, extensions
-from amp_fused_ops._library import REGISTRY
-
-
-def _flag() -> Tensor:
-    return torch.zeros(1, dtype=torch.int32)
-
-
-def _lists(seed: int, dtype: torch.dtype = torch.float32, positive: bool = False) -> list[Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    tensors = [torch.randn(size, generator=gen) for size in (5, 3)]
-    return [(t.abs() if positive else t).to(dtype) for t in tensors]
-
-
-def _zeros() -> list[Tensor]:
-    return [torch.zeros(5), torch.zeros(3)]
-
-
-def _one(value: float) -> Tensor:
-    return torch.tensor([value])
-
-
-# One call per op, with the schema's arguments (the lists as separate arguments).
-SAMPLES: dict[str, Callable[[], tuple[Any, ...]]] = {
-    "multi_tensor_scale": lambda: (64, _flag(), _lists(0), _zeros(), 0.5),
-    "multi_tensor_sgd": lambda: (
-        64, _flag(), _lists(0), _lists(1), _lists(2), None, 0.0, 0.9, 0.0, 0.1, False, False,
-        False, 1.0,
-    ),
-    "multi_tensor_axpby": lambda: (64, _flag(), _lists(0), _lists(1), _zeros(), 2.0, 3.0, -1),
-    "multi_tensor_l2norm": lambda: (64, _flag(), _lists(0), True),
-    "multi_tensor_l2norm_mp": lambda: (64, _flag(), _lists(0), True),
-    "multi_tensor_l2norm_scale": lambda: (64, _flag(), _lists(0), _zeros(), 0.5, True),
-    "multi_tensor_unscale_l2norm": lambda: (64, _flag(), _lists(0), _one(0.5), True),
-    "multi_tensor_lamb_stage1_cuda": lambda: (
-        64, _flag(), _lists(0), _lists(1), _lists(2), _lists(3, positive=True), _zeros(),
-        torch.tensor([0.01, 0.01]), 1, 0.9, 0.999, 1e-6, _one(1.0), 1.0,
-    ),
-    "multi_tensor_lamb_stage2_cuda": lambda: (
-        64, _flag(), _lists(0), _lists(1), torch.tensor([1.0, 2.0]), torch.tensor([0.5, 0.7]),
-        0.01, 0.01, False,
-    ),
-    "multi_tensor_adam": lambda: (
-        64, _flag(), _lists(0), _lists(1), _lists(2), _lists(3, positive=True), 1e-3, 0.9,
-        0.999, 1e-8, 1, 1, 1, 0.01,
-    ),
-    "multi_tensor_adam_capturable": lambda: (
-        64, _flag(), _lists(0), _lists(1), _lists(2), _lists(3, positive=True), _one(1e-3),
-        0.9, 0.999, 1e-8, _one(1), 1, 1, 0.01, _one(1.0),
-    ),
-    "multi_tensor_adam_capturable_master": lambda: (
-        64, _flag(), _lists(0, torch.bfloat16), _lists(1, torch.bfloat16), _lists(2),
-        _lists(3, positive=True), _lists(1), _one(1e-3), 0.9, 0.999, 1e-8, _one(1), 1, 1,
-        0.01, _one(1.0),
-    ),
-    "multi_tensor_adagrad": lambda: (
-        64, _flag(), _lists(0), _lists(1), _lists(2, positive=True), 0.01, 1e-10, 1, 0.0,
-    ),
-    "multi_tensor_novograd": lambda: (
-        64, _flag(), _lists(0), _lists(1), _lists(2), torch.tensor([1.0, 2.0]), 0.01, 0.9,
-        0.999, 1e-8, 1, 1, 0.0, 1, 0, 2,
-    ),
-    "multi_tensor_lamb": lambda: (
-        64, _flag(), _lists(0), _lists(1), _lists(2), _lists(3, positive=True), 1e-3, 0.9,
-        0.999, 1e-6, 1, 1, 0.01, 1, 1, _one(1.0), 1.0, False,
-    ),
-    "multi_tensor_lamb_mp": lambda: (
-        64, _flag(), _lists(0), _lists(1), _lists(2), _lists(3, positive=True), None,
-        _one(1e-3), 0.9, 0.999, 1e-6, _one(1), 1, 0.01, 1, 1, _one(1.0), _one(1.0), False,
-        _one(0.0), _one(1.0),
-    ),
-    "update_scale_hysteresis": lambda: (
-        _one(1024.0), torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
-        _one(0.0), 2.0, 0.5, 2000, 2,
-    ),
-}  # fmt: skip
+from _op_cases import OP_CASES, missing_cases, noop_flag
+from amp_fused_ops import amp_C, extensions
+from amp_fused_ops.ops import _kernel_op_fakes
+from amp_fused_ops.ops._registry import REGISTRY, _reference_kernel
 
 OPS = sorted(REGISTRY)
 
@@ -115,8 +45,14 @@ def _to(value: Any, device: str) -> Any:
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def test_every_registered_op_has_samples() -> None:
-    assert set(SAMPLES) == set(REGISTRY)
+def test_every_registered_op_has_a_case() -> None:
+    assert missing_cases(REGISTRY) == ([], [])
+
+
+def test_the_case_check_names_an_op_without_a_case() -> None:
+    registered = {**REGISTRY, "multi_tensor_new": REGISTRY["multi_tensor_scale"]}
+    del registered["multi_tensor_adam"]
+    assert missing_cases(registered) == (["multi_tensor_new"], ["multi_tensor_adam"])
 
 
 def test_every_registered_op_is_in_amp_C() -> None:
@@ -130,13 +66,13 @@ def test_every_registered_op_is_in_amp_C() -> None:
 def test_opcheck(name: str, device: str) -> None:
     """Schema (mutations declared), fake kernel, autograd registration, AOT dispatch."""
     extensions.get_extension(device)  # the compiled kernels, where they can be built
-    torch.library.opcheck(_op(name), _to(SAMPLES[name](), device))
+    torch.library.opcheck(_op(name), _to(OP_CASES[name].sample(), device))
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", OPS)
 def test_meta_tensors_get_the_shapes_of_real_outputs(name: str, device: str) -> None:
-    args = _to(SAMPLES[name](), device)
+    args = _to(OP_CASES[name].sample(), device)
     meta_args = _to(args, "meta")
     assert not any(isinstance(a, Tensor) and a.device.type != "meta" for a in meta_args)
     real = _op(name)(*args)
@@ -149,10 +85,63 @@ def test_meta_tensors_get_the_shapes_of_real_outputs(name: str, device: str) -> 
         assert (f.shape, f.dtype) == (r.shape, r.dtype)
 
 
+def _apex_call(op: Callable[..., Any], name: str, args: tuple[Any, ...]) -> Any:
+    """``op`` called with the sample's arguments in Apex's convention (a list of lists)."""
+    counts = REGISTRY[name].list_counts
+    if not counts:
+        return op(*args)
+    most = max(counts)
+    lists = [part for part in args[2 : 2 + most] if part is not None]
+    return op(args[0], args[1], lists, *args[2 + most :])
+
+
+# The same sample through each way of running an op, against the reference called the same
+# way: the dispatcher op (the compiled CPU kernel where the extension has one) with the
+# schema's arguments, and amp_C with Apex's.
+PATHS: dict[
+    str, tuple[Callable[[str, tuple[Any, ...]], Any], Callable[[str, tuple[Any, ...]], Any]]
+] = {
+    "dispatcher": (
+        lambda name, args: _op(name)(*args),
+        lambda name, args: _reference_kernel(REGISTRY[name])(*args),
+    ),
+    "amp_C": (
+        lambda name, args: _apex_call(getattr(amp_C, name), name, args),
+        lambda name, args: _apex_call(REGISTRY[name].reference, name, args),
+    ),
+}
+
+
+def _tensors_of(value: Any) -> list[Tensor]:
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [t for v in value for t in _tensors_of(v)]
+    return []
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("name", OPS)
+def test_every_path_agrees_with_the_reference(name: str, path: str) -> None:
+    """Outputs and every argument written in place, within the op's tolerances, per dtype."""
+    case = OP_CASES[name]
+    extensions.get_extension("cpu")  # the compiled kernels, where they can be built
+    want_args, got_args = case.sample(), case.sample()
+    run, reference = PATHS[path]
+    got, want = run(name, got_args), reference(name, want_args)
+    pairs = list(zip(_tensors_of((got, got_args)), _tensors_of((want, want_args)), strict=True))
+    assert pairs
+    for got_tensor, want_tensor in pairs:
+        assert (got_tensor.dtype, got_tensor.shape) == (want_tensor.dtype, want_tensor.shape)
+        exact = {"rtol": 0.0, "atol": 0.0}  # flags, step counts, trackers
+        tolerance = case.tolerances[want_tensor.dtype] if want_tensor.is_floating_point() else exact
+        torch.testing.assert_close(got_tensor, want_tensor, **tolerance)
+
+
 def test_the_fake_kernels_check_devices_as_the_kernels_do() -> None:
     ins = [torch.empty(3, device="meta")]
     with pytest.raises(RuntimeError, match=r"tensor_lists\[0\]\[0\] is on meta but noop_flag"):
-        _op("multi_tensor_scale")(64, _flag(), ins, [torch.empty(3)], 1.0)
+        _op("multi_tensor_scale")(64, noop_flag(), ins, [torch.empty(3)], 1.0)
 
 
 # --- the norm ops (custom ops of their own, outside the amp_C registry) --------------------
@@ -178,7 +167,7 @@ def test_opcheck_norm_ops(rms: bool, memory_efficient: bool, device: str) -> Non
     torch.library.opcheck(torch.ops.amp_fused_ops.norm_backward.default, backward_args)
 
 
-# --- the CUDA extension's own norm and SyncBN ops (fake kernels: amp_fused_ops._kernel_op_fakes)
+# --- the CUDA extension's own norm and SyncBN ops (fakes: amp_fused_ops.ops._kernel_op_fakes)
 
 
 def _kernel_op_samples(device: str) -> dict[str, list[tuple[Any, ...]]]:

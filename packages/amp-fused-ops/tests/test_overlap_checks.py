@@ -20,14 +20,11 @@ from torch import Tensor
 
 from _cpu_extension_helpers import load_from, session_cache
 from _kernel_target import EMULATED, extension
-from amp_fused_ops import _reference
+from _op_cases import noop_flag as _flag
+from amp_fused_ops.reference import _ops as _reference
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _F = torch.float32
-
-
-def _flag() -> Tensor:
-    return torch.zeros(1, dtype=torch.int32)
 
 
 def _t(n: int, dtype: torch.dtype, seed: int) -> Tensor:

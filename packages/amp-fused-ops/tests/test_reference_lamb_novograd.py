@@ -14,7 +14,11 @@ import pytest
 import torch
 from torch import Tensor
 
-from amp_fused_ops import _reference, _reference_layerwise, _reference_optim, amp_C, reference
+from _op_cases import noop_flag as _flag
+from amp_fused_ops import amp_C, reference
+from amp_fused_ops.reference import _layerwise as _reference_layerwise
+from amp_fused_ops.reference import _ops as _reference
+from amp_fused_ops.reference import _optim as _reference_optim
 
 # The last tensor of params is all zeros: its trust ratio falls back to 1 (LAMB).
 SIZES = [1, 7, 555, 4096, 33]
@@ -28,10 +32,6 @@ STEPS = 3
 def _reference_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """Run amp_C's ops on CPU tensors through the reference, whatever extensions are loaded."""
     monkeypatch.setitem(amp_C._routes, "cpu", reference)
-
-
-def _flag(value: int = 0) -> Tensor:
-    return torch.full((1,), value, dtype=torch.int32)
 
 
 def _randn(dtype: torch.dtype, seed: int, scale: float = 1.0) -> list[Tensor]:

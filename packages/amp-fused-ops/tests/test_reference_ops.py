@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from _op_cases import noop_flag as _flag
 from amp_fused_ops import MultiTensorApply, amp_C, reference
 
 SIZES = [1, 7, 555, 33333, 2048 * 32 + 1, 2 * 2048 * 32]
@@ -28,10 +29,6 @@ ATOL = {torch.float32: 1e-6, torch.float16: 1e-4, torch.bfloat16: 1e-3}
 def _reference_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """Run amp_C's ops on CPU tensors through the reference, whatever extensions are loaded."""
     monkeypatch.setitem(amp_C._routes, "cpu", reference)
-
-
-def _flag(value: int = 0) -> Tensor:
-    return torch.full((1,), value, dtype=torch.int32)
 
 
 def _randn(

@@ -16,8 +16,9 @@ import torch
 from torch import Tensor
 
 from _cpu_extension_helpers import load_from, session_cache
-from amp_fused_ops import _reference, amp_C
-from amp_fused_ops._stochastic_round import (
+from amp_fused_ops import amp_C
+from amp_fused_ops.reference import _ops as _reference
+from amp_fused_ops.reference._stochastic_round import (
     _philox_first,
     stochastic_round_bf16,
     stochastic_round_bits,

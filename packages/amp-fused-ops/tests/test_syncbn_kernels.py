@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from amp_fused_ops import _loader, syncbn
+from amp_fused_ops import syncbn
+from amp_fused_ops.extensions import _loader
 from amp_fused_ops.normalization import _ops as _norm_ops
 
 HALF = (torch.float16, torch.bfloat16)

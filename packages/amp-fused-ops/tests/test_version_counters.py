@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from _cpu_extension_helpers import load_from, session_cache
-from amp_fused_ops import _reference
+from amp_fused_ops.reference import _ops as _reference
 
 PATHS = ("reference", "compiled")
 

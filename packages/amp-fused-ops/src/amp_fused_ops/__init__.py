@@ -13,15 +13,6 @@ whenever no compiled kernel is available for the tensors' device.
 # SyncBatchNorm kernels (Apex: the syncbn extension), as the module amp_fused_ops.syncbn
 # The op namespace (Apex: the amp_C extension)
 from amp_fused_ops import amp_C, syncbn
-
-# Flatten / unflatten for bucketing (Apex: apex_C)
-from amp_fused_ops._flatten import flatten, unflatten
-
-# Multi-tensor apply (Apex: apex.multi_tensor_apply)
-from amp_fused_ops._multi_tensor_apply import MultiTensorApply, multi_tensor_applier
-
-# Norms of whole tensors, DTensor (FSDP2) shards reduced over their mesh
-from amp_fused_ops._sharding import tensor_norms
 from amp_fused_ops._version import __version__
 
 # Fused LayerNorm / RMSNorm (Apex: apex.normalization)
@@ -37,6 +28,19 @@ from amp_fused_ops.normalization._modules import (
     mixed_dtype_fused_layer_norm_affine,
     mixed_dtype_fused_rms_norm_affine,
 )
+
+# Flatten / unflatten for bucketing (Apex: apex_C)
+from amp_fused_ops.ops._flatten import flatten, unflatten
+
+# Multi-tensor apply (Apex: apex.multi_tensor_apply)
+from amp_fused_ops.ops._multi_tensor_apply import MultiTensorApply, multi_tensor_applier
+
+# Norms of whole tensors, DTensor (FSDP2) shards reduced over their mesh
+from amp_fused_ops.ops._sharding import tensor_norms
+
+# Flatten / unflatten for bucketing (Apex: apex_C)
+
+# Multi-tensor apply (Apex: apex.multi_tensor_apply)
 
 __all__ = [
     "__version__",

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
-from amp_fused_ops import _loader
 from amp_fused_ops._version import __version__
+from amp_fused_ops.extensions import _loader
 
 
 def _info() -> int:

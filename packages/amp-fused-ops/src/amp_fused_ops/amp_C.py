@@ -1,13 +1,13 @@
 """``amp_C``: Apex's namespace of multi-tensor ops, with Apex's names and calling convention.
 
 Each op is ``op(chunk_size, noop_flag, tensor_lists, *args)`` as in Apex's ``amp_C`` and runs
-the dispatcher op ``torch.ops.amp_fused_ops.<name>`` (:mod:`amp_fused_ops._library`), which
+the dispatcher op ``torch.ops.amp_fused_ops.<name>`` (:mod:`amp_fused_ops.ops._registry`), which
 picks the kernel by the tensors' device: the compiled CPU or CUDA kernel when that extension
 is loaded, else the pure-PyTorch reference; fake kernels serve ``torch.compile`` and meta
 tensors. Before the call an op
 
 1. checks ``chunk_size`` and its scalar arguments against one table
-   (:data:`amp_fused_ops._preconditions.PRECONDITIONS`), so that a mistake gives the same
+   (:data:`amp_fused_ops.ops._preconditions.PRECONDITIONS`), so that a mistake gives the same
    ``ValueError`` and message whichever kernel runs (the per-tensor preconditions are the
    kernels' own, with the same exception types and words on every path);
 2. loads the compiled extension of the tensors' device on first use (building it just in time;
@@ -35,9 +35,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from amp_fused_ops import _preconditions
-from amp_fused_ops._extension import api as _extension_api
-from amp_fused_ops._library import OPS_NAMESPACE, REGISTRY, apex_convention
+from amp_fused_ops.extensions import _api as _extension_api
+from amp_fused_ops.ops import _preconditions
+from amp_fused_ops.ops._registry import OPS_NAMESPACE, REGISTRY, apex_convention
 
 # Every op of the registry, in its order (Apex's csrc/amp_C_frontend.cpp).
 __all__ = list(REGISTRY)

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
-from amp_fused_ops import _loader
+from amp_fused_ops.extensions import _loader
 from amp_fused_ops.normalization._reference import (
     norm_backward_reference,
     norm_forward_reference,
@@ -53,7 +53,7 @@ def cuda_op(name: str) -> Any | None:
     """The CUDA op ``torch.ops.amp_fused_ops_cuda_ops.<name>``, or ``None`` when not loaded.
 
     Loads (building just in time on first use) the CUDA extension through
-    :func:`amp_fused_ops._loader.get_extension`; the op is used when it is registered, whoever
+    :func:`amp_fused_ops.extensions.get_extension`; the op is used when it is registered, whoever
     loaded the library that defines it.
 
     Args:

@@ -16,7 +16,7 @@ preload libasan: :func:`asan_environment`). Not a path for users' tensors::
 
 from __future__ import annotations
 
-from amp_fused_ops._emulation import (
+from amp_fused_ops.emulation._kernels import (
     Counters,
     Graph,
     amp_C_on_emulated_kernels,

@@ -19,9 +19,17 @@ from typing import Any
 
 import torch
 
-from . import cache, flags, progress, record, toolkit
-from .settings import (
+from amp_fused_ops.ops import _kernel_op_fakes
+from amp_fused_ops.ops import _registry as _library
+
+from . import _cache as cache
+from . import _flags as flags
+from . import _progress as progress
+from . import _record as record
+from . import _toolkit as toolkit
+from ._settings import (
     ARCH_ENV,
+    DISPATCH_KEYS,
     FAILED,
     KEEP_ON_CLEAN,
     LOCK_INFO,
@@ -176,6 +184,14 @@ def _as_module(kind: str, loaded: Any) -> ModuleType:
     """
     if isinstance(loaded, ModuleType):
         return loaded
-    from . import lookup
+    return ops_module(kind, Path(str(loaded)))
 
-    return lookup.ops_module(kind, Path(str(loaded)))
+
+def ops_module(kind: str, path: Path) -> ModuleType:
+    """The module of the ops extension ``kind`` (loaded from ``path``) registered.
+
+    The CUDA extension's own norm and SyncBN ops get their fake kernels here.
+    """
+    if kind == "cuda":
+        _kernel_op_fakes.register_fakes(_kernel_op_fakes.CUDA_NAMESPACE)
+    return _library.compiled_ops(_library.OPS_NAMESPACE, DISPATCH_KEYS[kind], path)

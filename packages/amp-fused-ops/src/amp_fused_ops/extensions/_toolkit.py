@@ -13,8 +13,7 @@ from pathlib import Path
 
 import torch
 
-from . import cache
-from .settings import ARCH_ENV, PACKAGE_DIR
+from ._settings import ARCH_ENV
 
 
 def cuda_home() -> Path | None:
@@ -136,30 +135,6 @@ def ninja_path() -> str | None:
         Its full path, or ``None`` when ninja is not installed.
     """
     return shutil.which("ninja")
-
-
-def missing_tools_reason(kind: str) -> str | None:
-    """Why ``kind`` cannot be compiled on this machine (sources, compiler, ninja), or None."""
-    if not cache.compiled_sources(kind):
-        return (
-            f"the C++ sources (csrc/{kind}) are not shipped with this installation "
-            f"(looked next to {PACKAGE_DIR}); reinstall amp-fused-ops from its wheel or sdist"
-        )
-    if kind == "cuda":
-        missing = missing_cuda_reason()
-        if missing is not None:
-            return missing
-    if compiler_path() is None:
-        return (
-            f"no C++ compiler found ({compiler_command()[0]!r} is not on PATH); install one "
-            "(e.g. `apt install g++`) or set CXX, then run `python -m amp_fused_ops build`"
-        )
-    if ninja_path() is None:
-        return (
-            "ninja is not installed; run `pip install ninja` (or install "
-            '"amp-fused-ops[compile]"), then `python -m amp_fused_ops build`'
-        )
-    return None
 
 
 def missing_cuda_reason() -> str | None:

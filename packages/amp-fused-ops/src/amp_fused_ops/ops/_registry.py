@@ -9,7 +9,7 @@ dispatch key               kernel
 ========================== ====================================================================
 ``CPU``                    the C++ CPU kernel, once the CPU extension is loaded
 ``CUDA``                   the CUDA kernel, once the CUDA extension is loaded
-any other device, or no    the pure-PyTorch reference (:mod:`amp_fused_ops._reference`),
+any other device, or no    the pure-PyTorch reference (:mod:`amp_fused_ops.reference._ops`),
 compiled kernel            registered here for ``CompositeExplicitAutograd``
 ``Meta`` / fake tensors    a fake kernel registered here: output shapes, no data
 ========================== ====================================================================
@@ -22,7 +22,7 @@ mutable); :func:`apex_convention` turns such an op back into Apex's
 ``op(chunk_size, noop_flag, tensor_lists, *args)``.
 
 Adding an op: one :class:`OpSpec` in :data:`REGISTRY` (schema, reference, fake kernel, the
-numbers of lists Apex passes), its preconditions row in :mod:`amp_fused_ops._preconditions`,
+numbers of lists Apex passes), its preconditions row in :mod:`amp_fused_ops.ops._preconditions`,
 and its compiled kernels registered under the same name.
 """
 
@@ -37,15 +37,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from amp_fused_ops import _reference
-from amp_fused_ops._reference_common import find_wrong_device
-from amp_fused_ops._sharding import (
+from amp_fused_ops.ops._sharding import (
     agree_nonfinite,
     dtensor_type,
     shard_groups,
     sharded_norms,
     to_local,
 )
+from amp_fused_ops.reference import _ops as _reference
+from amp_fused_ops.reference._common import find_wrong_device
 
 __all__ = [
     "OPS_NAMESPACE",
@@ -340,7 +340,7 @@ _SHARD_LOCAL_OPS = frozenset({"multi_tensor_adam", "multi_tensor_sgd", "multi_te
 
 # Ops that take norms of whole tensors (and raise the noop flag only from those norms): on
 # DTensor arguments their reference runs on the local shards with each norm all-reduced over
-# the ranks that hold the tensor's other shards (amp_fused_ops._sharding). A compiled kernel
+# the ranks that hold the tensor's other shards (amp_fused_ops.ops._sharding). A compiled kernel
 # takes a norm inside one launch and cannot wait for other ranks.
 _SHARD_NORM_OPS = frozenset(
     {
@@ -356,7 +356,7 @@ _SHARD_NORM_OPS = frozenset(
 
 
 # Ops that skip the whole step when a gradient read is not finite (and raise the flag): on
-# DTensor arguments the ranks first agree on that decision (amp_fused_ops._sharding), then each
+# DTensor arguments the ranks first agree on that decision (amp_fused_ops.ops._sharding), then each
 # steps its local shards.
 _SHARD_FLAG_OPS = frozenset({"multi_tensor_adam_capturable", "multi_tensor_adam_capturable_master"})
 
@@ -366,7 +366,7 @@ def _local_shards(name: str, lists: list[Any]) -> tuple[list[Any], list[tuple[An
 
     Returns:
         ``(lists, groups)``: ``groups`` is None when no argument is a DTensor, else the process
-        groups each position's norm spans (:func:`amp_fused_ops._sharding.shard_groups`).
+        groups each position's norm spans (:func:`amp_fused_ops.ops._sharding.shard_groups`).
 
     Raises:
         NotImplementedError: DTensor arguments to an op of none of :data:`_SHARD_LOCAL_OPS`,

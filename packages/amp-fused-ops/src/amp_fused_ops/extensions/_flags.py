@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from .settings import PORTABLE_ENV
+from ._settings import PORTABLE_ENV
 
 # -fno-math-errno lets sqrt vectorize (the kernels never read errno). No -march=native: the
 # AVX2 flags are added only where torch reports AVX2 on this host (the cache key includes the

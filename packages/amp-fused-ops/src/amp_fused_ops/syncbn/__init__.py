@@ -8,7 +8,7 @@ Example:
     >>> mean, var = syncbn.welford_mean_var(torch.randn(8, 3, 4, 4))
 """
 
-from amp_fused_ops._syncbn import (
+from amp_fused_ops.syncbn._kernels import (
     batchnorm_backward,
     batchnorm_forward,
     reduce_bn,

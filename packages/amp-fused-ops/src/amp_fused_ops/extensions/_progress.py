@@ -19,8 +19,9 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from . import cache, lock
-from .settings import MARKER
+from . import _cache as cache
+from . import _lock as lock
+from ._settings import MARKER
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Reference LAMB ``amp_C`` ops of Apex beside ``multi_tensor_lamb``: the two stages and ``_mp``.
 
-Re-exported by :mod:`amp_fused_ops._reference`, which documents the conventions they follow.
+Re-exported by :mod:`amp_fused_ops.reference._ops`, which documents the conventions they follow.
 
 * ``multi_tensor_lamb_stage1_cuda`` / ``multi_tensor_lamb_stage2_cuda`` (Apex's
   ``csrc/multi_tensor_lamb_stage_1.cu`` / ``_2.cu``): the LAMB step cut in two, with the
@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from amp_fused_ops._preconditions import check_arguments
-from amp_fused_ops._reference_common import (
+from amp_fused_ops.ops._preconditions import check_arguments
+from amp_fused_ops.reference._common import (
     _FLOAT_DTYPES,
     _FP32_ONLY,
     TensorLists,
@@ -35,13 +35,13 @@ from amp_fused_ops._reference_common import (
     _write,
     resolve_step,
 )
-from amp_fused_ops._reference_layerwise import (
+from amp_fused_ops.reference._layerwise import (
     MOMENT_MODE_DECOUPLED,
     _clip_divisor,
     _lamb_update,
     _trust_ratios,
 )
-from amp_fused_ops._reference_optim import _adam_update
+from amp_fused_ops.reference._optim import _adam_update
 
 __all__ = [
     "multi_tensor_lamb_stage1_cuda",

@@ -13,11 +13,27 @@ tools, benchmarks and checks that need to know which path runs::
 ``AMP_FUSED_OPS_DISABLE=1`` (or a comma-separated list of kinds, :data:`DISABLE_ENV`) makes
 the extensions unavailable on purpose; :func:`clear_cache` makes the next
 :func:`get_extension` decide again.
+
+One job per module here; they import each other relatively and nothing else of the package
+but the op registry, so that ``hatch_build.py`` can load this folder by path to build an
+extension into a wheel:
+
+- ``_settings``: the kinds, environment variables, file names and error type;
+- ``_flags``: the compiler flags;
+- ``_toolkit``: the compiler, ninja and the CUDA toolkit;
+- ``_cache``: where builds live (the cache key) and which sources make a kind;
+- ``_record``: the build record beside each compiled module (size, SHA-256) and its checks;
+- ``_lock``: the build lock, who holds it, and how long others wait for it;
+- ``_progress``: the compile-time estimate and the progress lines while compiling;
+- ``_build``: compiling and importing a build;
+- ``_lookup``: why a kind cannot be built, and choosing prebuilt / cached / fresh;
+- ``_api``: what callers use (``get_extension`` and friends) and the per-process memo;
+- ``_loader``: every name of the above that the rest of the package and its tests read.
 """
 
 from __future__ import annotations
 
-from amp_fused_ops._loader import (
+from ._loader import (
     DISABLE_ENV,
     KINDS,
     ExtensionStatus,

@@ -1,6 +1,6 @@
 """Reference LAMB and NovoGrad ``amp_C`` ops: optimizers with a per-tensor (layer-wise) scale.
 
-Re-exported by :mod:`amp_fused_ops._reference`, which documents the conventions they follow.
+Re-exported by :mod:`amp_fused_ops.reference._ops`, which documents the conventions they follow.
 Both follow Apex's kernels (``csrc/multi_tensor_lamb.cu``, ``csrc/multi_tensor_novograd.cu``)
 except that gradients are never modified (Apex's LAMB stores the update in the gradients) and
 intermediate values stay in float32 whatever the storage dtype.
@@ -14,8 +14,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from amp_fused_ops._preconditions import check_arguments
-from amp_fused_ops._reference_common import (
+from amp_fused_ops.ops._preconditions import check_arguments
+from amp_fused_ops.ops._sharding import per_tensor_norms
+from amp_fused_ops.reference._common import (
     TensorLists,
     _check,
     _check_overlap,
@@ -28,8 +29,7 @@ from amp_fused_ops._reference_common import (
     _write,
     resolve_step,
 )
-from amp_fused_ops._reference_optim import _adam_update
-from amp_fused_ops._sharding import per_tensor_norms
+from amp_fused_ops.reference._optim import _adam_update
 
 __all__ = ["multi_tensor_lamb", "multi_tensor_novograd"]
 
@@ -41,7 +41,7 @@ NORM_TYPE_L2 = 2  # NovoGrad: per-tensor L2 norm
 
 def _per_tensor_norms(tensors: Sequence[Tensor], ord: float) -> Tensor:
     """Float32 ``(len(tensors),)`` tensor of the ``ord``-norm of each tensor (of each whole
-    tensor when the op runs on DTensor shards: :mod:`amp_fused_ops._sharding`)."""
+    tensor when the op runs on DTensor shards: :mod:`amp_fused_ops.ops._sharding`)."""
     return per_tensor_norms(tensors, ord)
 
 

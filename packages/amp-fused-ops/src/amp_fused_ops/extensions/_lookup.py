@@ -9,15 +9,18 @@ from types import ModuleType
 
 import torch
 
-from amp_fused_ops import _kernel_op_fakes, _library
-
-from . import build, cache, lock, progress, record, toolkit
-from .record import DamagedBuildError
-from .settings import (
+from . import _build as build
+from . import _cache as cache
+from . import _lock as lock
+from . import _progress as progress
+from . import _record as record
+from . import _toolkit as toolkit
+from ._record import DamagedBuildError
+from ._settings import (
     DISABLE_ENV,
-    DISPATCH_KEYS,
     FAILED,
     MODULE_NAMES,
+    PACKAGE_DIR,
     PREBUILT_DIR,
     ExtensionStatus,
     ExtensionUnavailableError,
@@ -58,7 +61,7 @@ def import_compiled(path: Path) -> ModuleType:
         torch.ops.load_library(str(path))
     except (OSError, RuntimeError) as error:
         raise ImportError(f"cannot load {path}: {error}") from error
-    return ops_module(kinds[0], path)
+    return build.ops_module(kinds[0], path)
 
 
 def import_or_explain(path: Path) -> ModuleType:
@@ -70,16 +73,6 @@ def import_or_explain(path: Path) -> ModuleType:
             f"the compiled module {path} cannot be imported ({error}); delete {path.parent} "
             "and run `python -m amp_fused_ops build`"
         ) from error
-
-
-def ops_module(kind: str, path: Path) -> ModuleType:
-    """The module of the ops extension ``kind`` (loaded from ``path``) registered.
-
-    The CUDA extension's own norm and SyncBN ops get their fake kernels here.
-    """
-    if kind == "cuda":
-        _kernel_op_fakes.register_fakes(_kernel_op_fakes.CUDA_NAMESPACE)
-    return _library.compiled_ops(_library.OPS_NAMESPACE, DISPATCH_KEYS[kind], path)
 
 
 def prebuilt_module_path(kind: str) -> Path | None:
@@ -107,6 +100,31 @@ def prebuilt_module_path(kind: str) -> Path | None:
     if problem is not None:
         raise DamagedBuildError(f"the prebuilt module of this wheel is damaged: {problem}")
     return path
+
+
+def missing_tools_reason(kind: str) -> str | None:
+    """Why ``kind`` cannot be compiled on this machine (sources, compiler, ninja), or None."""
+    if not cache.compiled_sources(kind):
+        return (
+            f"the C++ sources (csrc/{kind}) are not shipped with this installation "
+            f"(looked next to {PACKAGE_DIR}); reinstall amp-fused-ops from its wheel or sdist"
+        )
+    if kind == "cuda":
+        missing = toolkit.missing_cuda_reason()
+        if missing is not None:
+            return missing
+    if toolkit.compiler_path() is None:
+        compiler = toolkit.compiler_command()[0]
+        return (
+            f"no C++ compiler found ({compiler!r} is not on PATH); install one "
+            "(e.g. `apt install g++`) or set CXX, then run `python -m amp_fused_ops build`"
+        )
+    if toolkit.ninja_path() is None:
+        return (
+            "ninja is not installed; run `pip install ninja` (or install "
+            '"amp-fused-ops[compile]"), then `python -m amp_fused_ops build`'
+        )
+    return None
 
 
 def load_or_build(
@@ -140,7 +158,7 @@ def load_or_build(
         else:
             if cached is not None:
                 return import_or_explain(cached)
-    missing = toolkit.missing_tools_reason(kind) or cache.unwritable_reason(build_dir, create=True)
+    missing = missing_tools_reason(kind) or cache.unwritable_reason(build_dir, create=True)
     if missing is not None:
         raise ExtensionUnavailableError(
             missing if damaged is None else f"{damaged}; it cannot be compiled again: {missing}"
@@ -190,7 +208,7 @@ def extension_status(kind: str) -> ExtensionStatus:
     failed = build_dir / FAILED
     if damaged is None and failed.exists():
         return ExtensionStatus(kind, "unavailable", build.failed_reason(kind, failed))
-    missing = toolkit.missing_tools_reason(kind) or cache.unwritable_reason(build_dir, create=False)
+    missing = missing_tools_reason(kind) or cache.unwritable_reason(build_dir, create=False)
     if missing is not None:
         prefix = "" if damaged is None else f"{damaged}; it cannot be compiled again: "
         return ExtensionStatus(kind, "unavailable", prefix + missing)

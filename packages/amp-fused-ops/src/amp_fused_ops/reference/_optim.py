@@ -1,6 +1,6 @@
 """Reference Adam (plain, capturable, capturable master-weight), SGD and Adagrad ``amp_C`` ops.
 
-Re-exported by :mod:`amp_fused_ops._reference`, which documents the conventions they follow.
+Re-exported by :mod:`amp_fused_ops.reference._ops`, which documents the conventions they follow.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from amp_fused_ops._preconditions import check_arguments
-from amp_fused_ops._reference_common import (
+from amp_fused_ops.ops._preconditions import check_arguments
+from amp_fused_ops.reference._common import (
     _FLOAT_DTYPES,
     _FP32_ONLY,
     TensorLists,
@@ -26,7 +26,7 @@ from amp_fused_ops._reference_common import (
     _write,
     resolve_step,
 )
-from amp_fused_ops._stochastic_round import stochastic_round_bf16
+from amp_fused_ops.reference._stochastic_round import stochastic_round_bf16
 
 __all__ = [
     "multi_tensor_adam",

@@ -27,15 +27,15 @@ The CUDA kind needs a CUDA build of torch, ``nvcc`` of the same CUDA major versi
 check). ``AMP_FUSED_OPS_DISABLE=1`` (or a comma-separated list of kinds, e.g. ``cpu``) makes
 the extensions unavailable on purpose.
 
-The work is done in :mod:`amp_fused_ops._extension` (one module per job); this module
+The work is done in :mod:`amp_fused_ops.extensions` (one module per job); this module
 re-exports its names for reading (the ``as _name`` imports are private ones that tests and
 tools read through this module). To replace one (in a test), assign it in the module that
-owns and uses it, e.g. ``amp_fused_ops._extension.build.compile_extension``.
+owns and uses it, e.g. ``amp_fused_ops.extensions._build.compile_extension``.
 """
 
 from __future__ import annotations
 
-from amp_fused_ops._extension.api import (
+from ._api import (
     build_directory,
     build_extension,
     clear_cache,
@@ -43,13 +43,14 @@ from amp_fused_ops._extension.api import (
     get_extension,
     unavailable_reason,
 )
-from amp_fused_ops._extension.build import compile_extension as _compile  # noqa: F401
-from amp_fused_ops._extension.cache import cache_root, source_dir
-from amp_fused_ops._extension.flags import extra_cflags as _extra_cflags  # noqa: F401
-from amp_fused_ops._extension.lookup import PREBUILT_DIR as _PREBUILT_DIR  # noqa: F401
-from amp_fused_ops._extension.lookup import import_compiled as _import_compiled  # noqa: F401
-from amp_fused_ops._extension.record import python_tag as _python_tag  # noqa: F401
-from amp_fused_ops._extension.settings import (
+from ._build import compile_extension as _compile  # noqa: F401
+from ._cache import cache_root, source_dir
+from ._flags import extra_cflags as _extra_cflags  # noqa: F401
+from ._lookup import PREBUILT_DIR as _PREBUILT_DIR  # noqa: F401
+from ._lookup import import_compiled as _import_compiled  # noqa: F401
+from ._lookup import missing_tools_reason as _missing_tools_reason  # noqa: F401
+from ._record import python_tag as _python_tag  # noqa: F401
+from ._settings import (
     ARCH_ENV,
     CACHE_ENV,
     DISABLE_ENV,
@@ -59,9 +60,9 @@ from amp_fused_ops._extension.settings import (
     ExtensionStatus,
     ExtensionUnavailableError,
 )
-from amp_fused_ops._extension.settings import MODULE_NAMES as _MODULE_NAMES  # noqa: F401
-from amp_fused_ops._extension.toolkit import arch_covers as _arch_covers  # noqa: F401
-from amp_fused_ops._extension.toolkit import (
+from ._settings import MODULE_NAMES as _MODULE_NAMES  # noqa: F401
+from ._toolkit import arch_covers as _arch_covers  # noqa: F401
+from ._toolkit import (
     compiler_path,
     cuda_arch_list,
     cuda_home,
@@ -69,7 +70,6 @@ from amp_fused_ops._extension.toolkit import (
     nvcc_path,
     nvcc_version,
 )
-from amp_fused_ops._extension.toolkit import missing_tools_reason as _missing_tools_reason  # noqa: F401
 
 __all__ = [
     # Loading

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import torch
 
-from . import flags, toolkit
-from .settings import ARCH_ENV, CACHE_ENV, PACKAGE_DIR, check_kind
+from . import _flags as flags
+from . import _toolkit as toolkit
+from ._settings import ARCH_ENV, CACHE_ENV, PACKAGE_DIR, check_kind
 
 # Files of csrc/<kind> that make the extension (hashed) and that are compiled.
 SOURCE_SUFFIXES = {"cpu": (".cpp", ".h"), "cuda": (".cu", ".cpp", ".h", ".cuh")}

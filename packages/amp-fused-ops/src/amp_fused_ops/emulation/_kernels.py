@@ -39,7 +39,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
 
-from amp_fused_ops import _kernel_op_fakes, _library, amp_C
+from amp_fused_ops import amp_C
+from amp_fused_ops.ops import _kernel_op_fakes
+from amp_fused_ops.ops import _registry as _library
 
 __all__ = [
     "BUILDS",
@@ -58,7 +60,7 @@ BUILDS = ("counting", "asan")
 OPS_NAMESPACE = "amp_fused_ops_emu"
 """Namespace of the emulated multi-tensor ops (``AMP_FUSED_OPS_NS`` in csrc/emulation/amp_emu.h)."""
 CACHE_ENV = "AMP_FUSED_OPS_CACHE"
-_CSRC = Path(__file__).resolve().parent.parent.parent / "csrc"
+_CSRC = Path(__file__).resolve().parents[3] / "csrc"
 _LAUNCH = re.compile(r"<<<(.*?)>>>", re.DOTALL)
 _SOURCE_SUFFIXES = (".cu", ".cuh", ".h", ".cpp")
 
@@ -197,7 +199,7 @@ def load(build: str = "counting", *, verbose: bool = False) -> ModuleType:
     if build == "asan" and "libasan" not in os.environ.get("LD_PRELOAD", ""):
         raise RuntimeError(
             "the asan build needs libasan preloaded: run Python with the variables of "
-            "amp_fused_ops._emulation.asan_environment()"
+            "amp_fused_ops.emulation._kernels.asan_environment()"
         )
     _, emulation = source_dirs()
     cflags, ldflags = _BUILD_FLAGS[build]

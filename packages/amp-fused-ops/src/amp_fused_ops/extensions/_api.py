@@ -14,8 +14,9 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
-from . import cache, lookup
-from .settings import ExtensionStatus, ExtensionUnavailableError, check_kind
+from . import _cache as cache
+from . import _lookup as lookup
+from ._settings import ExtensionStatus, ExtensionUnavailableError, check_kind
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, TypeVar
 
 from torch import Tensor
 
-from amp_fused_ops._preconditions import MAX_CHUNK_SIZE
+from amp_fused_ops.ops._preconditions import MAX_CHUNK_SIZE
 
 __all__ = ["MultiTensorApply", "multi_tensor_applier"]
 

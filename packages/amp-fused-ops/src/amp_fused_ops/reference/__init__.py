@@ -11,7 +11,7 @@ kernels against it. Each function has the ``amp_C`` signature of the op of the s
 
 from __future__ import annotations
 
-from amp_fused_ops._reference import (
+from amp_fused_ops.reference._ops import (
     multi_tensor_adagrad,
     multi_tensor_adam,
     multi_tensor_adam_capturable,

@@ -42,17 +42,17 @@ multi_tensor_novograd          no (inf/nan propagate)       a gradient norm is i
 ============================== ============================ ===================================
 
 ``update_scale_hysteresis`` has no noop flag and no tensor lists: it is the loss-scale update
-of Megatron-style dynamic scaling with hysteresis (:mod:`amp_fused_ops._reference_scaler`).
+of Megatron-style dynamic scaling with hysteresis (:mod:`amp_fused_ops.reference._scaler`).
 
 Tensors at the same position of different lists must have the same number of elements. When
 their shapes differ they are matched element by element in row-major (flattened) order, which
 for contiguous tensors is Apex's memory order.
 
-The optimizers live in :mod:`amp_fused_ops._reference_optim` (Adam, SGD, Adagrad),
-:mod:`amp_fused_ops._reference_layerwise` (LAMB, NovoGrad) and
-:mod:`amp_fused_ops._reference_lamb_stages` (the two LAMB stages and the mixed-precision
-LAMB), the scaler update in :mod:`amp_fused_ops._reference_scaler`, the shared checks and
-helpers in :mod:`amp_fused_ops._reference_common`; every op is importable from here.
+The optimizers live in :mod:`amp_fused_ops.reference._optim` (Adam, SGD, Adagrad),
+:mod:`amp_fused_ops.reference._layerwise` (LAMB, NovoGrad) and
+:mod:`amp_fused_ops.reference._lamb_stages` (the two LAMB stages and the mixed-precision
+LAMB), the scaler update in :mod:`amp_fused_ops.reference._scaler`, the shared checks and
+helpers in :mod:`amp_fused_ops.reference._common`; every op is importable from here.
 
 Every op writes its outputs with ATen in-place ops (``copy_``, ``masked_fill_``), so the
 autograd version counter of every tensor it writes is bumped, as the compiled kernels do.
@@ -63,8 +63,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from amp_fused_ops._preconditions import check_arguments
-from amp_fused_ops._reference_common import (
+from amp_fused_ops.ops._preconditions import check_arguments
+from amp_fused_ops.ops._sharding import per_tensor_norms
+from amp_fused_ops.reference._common import (
     TensorLists,
     _any_nonfinite,
     _check,
@@ -74,21 +75,20 @@ from amp_fused_ops._reference_common import (
     _scalar,
     _write,
 )
-from amp_fused_ops._reference_lamb_stages import (
+from amp_fused_ops.reference._lamb_stages import (
     multi_tensor_lamb_mp,
     multi_tensor_lamb_stage1_cuda,
     multi_tensor_lamb_stage2_cuda,
 )
-from amp_fused_ops._reference_layerwise import multi_tensor_lamb, multi_tensor_novograd
-from amp_fused_ops._reference_optim import (
+from amp_fused_ops.reference._layerwise import multi_tensor_lamb, multi_tensor_novograd
+from amp_fused_ops.reference._optim import (
     multi_tensor_adagrad,
     multi_tensor_adam,
     multi_tensor_adam_capturable,
     multi_tensor_adam_capturable_master,
     multi_tensor_sgd,
 )
-from amp_fused_ops._reference_scaler import update_scale_hysteresis
-from amp_fused_ops._sharding import per_tensor_norms
+from amp_fused_ops.reference._scaler import update_scale_hysteresis
 
 # Every op of Apex's amp_C extension (csrc/amp_C_frontend.cpp), in its order.
 __all__ = [

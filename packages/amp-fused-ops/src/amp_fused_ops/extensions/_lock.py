@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .settings import LOCK, LOCK_INFO, LOCK_TIMEOUT_ENV, ExtensionUnavailableError
+from ._settings import LOCK, LOCK_INFO, LOCK_TIMEOUT_ENV, ExtensionUnavailableError
 
 logger = logging.getLogger(__name__)
 

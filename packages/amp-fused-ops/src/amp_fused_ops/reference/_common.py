@@ -1,7 +1,7 @@
 """Preconditions and device-side helpers shared by the reference ``amp_C`` ops.
 
-Private to :mod:`amp_fused_ops._reference`, :mod:`amp_fused_ops._reference_optim` and
-:mod:`amp_fused_ops._reference_layerwise`; see :mod:`amp_fused_ops._reference` for the
+Private to :mod:`amp_fused_ops.reference._ops`, :mod:`amp_fused_ops.reference._optim` and
+:mod:`amp_fused_ops.reference._layerwise`; see :mod:`amp_fused_ops.reference._ops` for the
 conventions every reference op follows.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from amp_fused_ops._preconditions import check_chunk_size
+from amp_fused_ops.ops._preconditions import check_chunk_size
 
 TensorLists = Sequence[Sequence[Tensor]]
 # What torch._foreach_* accept and return.

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .settings import MARKER, ExtensionUnavailableError
+from ._settings import MARKER, ExtensionUnavailableError
 
 
 class DamagedBuildError(ExtensionUnavailableError):

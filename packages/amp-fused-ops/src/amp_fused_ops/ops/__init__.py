@@ -1,0 +1,12 @@
+"""The op machinery of amp-fused-ops: the op registry and what calls the ops.
+
+- ``_registry``: the op registry (schema, reference and fake kernel of every op) and the
+  dispatcher ops defined from it;
+- ``_preconditions``: the checks of ``chunk_size`` and the scalar arguments;
+- ``_multi_tensor_apply``: ``multi_tensor_applier`` (Apex's ``apex.multi_tensor_apply``);
+- ``_flatten``: ``flatten`` / ``unflatten`` for bucketing (Apex's ``apex_C``);
+- ``_kernel_op_fakes``: the fake kernels of the norm and SyncBN ops the CUDA extension defines
+  itself (registered when it, or the emulated build, is loaded).
+
+The public names are re-exported by :mod:`amp_fused_ops` and :mod:`amp_fused_ops.amp_C`.
+"""
