@@ -103,20 +103,19 @@ def compile_flags(nvcc: str) -> list[str]:
             "CUDA build of torch (nox -s cuda_ptxas installs one)"
         )
     sys.path.insert(0, str(ROOT / "packages" / "amp-fused-ops" / "src"))
-    from amp_fused_ops.extensions import _flags as flags
-    from amp_fused_ops.extensions import _toolkit as toolkit
+    from amp_fused_ops.extensions import cuda_compile_settings
 
-    home = Path(nvcc).resolve().parents[1]
+    nvcc_flags, toolkit_includes = cuda_compile_settings(Path(nvcc).resolve().parents[1])
     includes = [
         *cpp_extension.include_paths(device_type="cuda"),
-        *toolkit.extra_cuda_include_paths(home),
+        *toolkit_includes,
         sysconfig.get_paths()["include"],
         str(CSRC),
         str(CSRC / "cuda"),
     ]
     return [
         *cpp_extension.COMMON_NVCC_FLAGS,
-        *flags.CUDA_NVCC_FLAGS,
+        *nvcc_flags,
         "-std=c++20",
         "-DTORCH_EXTENSION_NAME=amp_fused_ops_cuda",
         *(f"-I{path}" for path in includes),

@@ -33,6 +33,9 @@ extension into a wheel:
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from . import _flags, _toolkit
 from ._loader import (
     DISABLE_ENV,
     KINDS,
@@ -53,4 +56,21 @@ __all__ = [
     "ExtensionStatus",
     "build_extension",
     "clear_cache",
+    "cuda_compile_settings",
 ]
+
+
+def cuda_compile_settings(cuda_home: str | Path) -> tuple[list[str], list[str]]:
+    """The nvcc flags and the toolkit include paths the CUDA extension is compiled with.
+
+    For tools that compile the extension's ``.cu`` sources as the build does (e.g. a report of
+    registers and spills per kernel); PyTorch's own flags and include paths come on top.
+
+    Args:
+        cuda_home: The CUDA toolkit's root (the folder above ``bin/nvcc``).
+
+    Returns:
+        ``(nvcc_flags, include_paths)``.
+    """
+    home = Path(cuda_home)
+    return list(_flags.CUDA_NVCC_FLAGS), [str(p) for p in _toolkit.extra_cuda_include_paths(home)]
