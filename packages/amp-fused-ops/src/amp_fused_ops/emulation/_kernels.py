@@ -40,6 +40,7 @@ from types import ModuleType
 from typing import Any, NamedTuple
 
 from amp_fused_ops import amp_C
+from amp_fused_ops.extensions import _flags
 from amp_fused_ops.ops import _kernel_op_fakes
 from amp_fused_ops.ops import _registry as _library
 
@@ -215,7 +216,9 @@ def load(build: str = "counting", *, verbose: bool = False) -> ModuleType:
             f"-I{emulation / 'include'}",
             f"-I{emulation}",
         ],
-        extra_ldflags=list(ldflags),
+        # The libstdc++ the process uses, as for the extensions (extensions/_flags.py): a
+        # toolchain that links its own copy statically crashes on the first error message.
+        extra_ldflags=[*ldflags, *_flags.extra_ldflags()],
         build_directory=str(build_directory(build)),
         is_python_module=False,
         verbose=verbose,
