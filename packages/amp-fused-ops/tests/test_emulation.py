@@ -204,9 +204,9 @@ def test_counters_count_the_store_after_a_load_of_the_same_address(selftest):
 
 
 def _counted(run) -> _emulation.Counters:
+    extension()  # loads the emulated build, which defines torch.ops.amp_emu
     if not torch.ops.amp_emu.counting():
         pytest.skip("only the counting build counts bytes")
-    extension()
     _emulation.reset_counters()
     run()
     return _emulation.counters()
