@@ -373,6 +373,10 @@ def _pytest(session: nox.Session, package: str, marker: str, success_codes: list
         # The fused norms' ONNX export is tested with both exporters (TorchScript: onnx;
         # dynamo: onnxscript too); both are pure-Python or wheels from PyPI.
         extra = ["onnx", "onnxscript"]
+    if package == "amp-optimizers":
+        # torch.distributed.checkpoint gathers its save plan through numpy (the FSDP2
+        # checkpoint test); torch itself does not require numpy.
+        extra = ["numpy"]
     # A package's own tests get that package and the toolkit packages it declares only: an
     # import of another one fails there (tests/integration/test_declared_dependencies.py finds
     # such imports without running anything). The integration tests get all five.
