@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import tempfile
+from typing import NoReturn
 
 import pytest
 import torch
@@ -55,6 +57,21 @@ def _check(path: str, dtype: torch.dtype) -> None:
                 torch.testing.assert_close(g.full_tensor(), expected, rtol=0, atol=0, msg=name)
 
 
+def exit_passed_rank() -> NoReturn:
+    """End a spawned Gloo rank whose checks passed, without interpreter shutdown.
+
+    DTensor's caches keep the device mesh, and through it the process group, alive past
+    ``destroy_process_group``. A Gloo worker thread can then release the tensors of the last
+    collective while the interpreter shuts down, and the process aborts ("terminate called
+    without an active exception", PyTorch issue 190489): ``mp.spawn`` would report a rank
+    that passed as failed. A rank that raised still exits through ``mp.spawn``, which
+    reports its traceback.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _worker(rank: int, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=WORLD)  # fmt: skip
@@ -64,6 +81,7 @@ def _worker(rank: int, init_file: str) -> None:
                 _check(path, dtype)
     finally:
         dist.destroy_process_group()
+    exit_passed_rank()
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")

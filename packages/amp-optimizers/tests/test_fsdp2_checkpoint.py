@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from _amp_optimizers_helpers import exit_passed_rank
 from amp_optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -89,6 +90,7 @@ def _save_worker(rank: int, init_file: str, folder: str) -> None:
             )
     finally:
         dist.destroy_process_group()
+    exit_passed_rank()
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")

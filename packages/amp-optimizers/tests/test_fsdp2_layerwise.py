@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from _amp_optimizers_helpers import exit_passed_rank
 from amp_fused_ops import amp_C, multi_tensor_applier
 from amp_optimizers import FusedLAMB, FusedMixedPrecisionLamb, FusedNovoGrad
 
@@ -177,6 +178,7 @@ def _worker(rank: int, init_file: str) -> None:
             )
     finally:
         dist.destroy_process_group()
+    exit_passed_rank()
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
