@@ -1,5 +1,7 @@
 """The ops with Apex's ``int step`` also take the count as ``step_tensor`` (a CPU tensor).
 
+(``multi_tensor_sgd`` takes the ``sr_step`` its bfloat16 stochastic rounding is keyed by so.)
+
 ``torch.compile`` makes a Python int read from a param group a constant of the graph, so an
 optimizer whose step count changes every step would recompile every step; the optimizers pass
 the count as a tensor there instead. The kernels and the reference must read it exactly as
@@ -48,6 +50,11 @@ CASES: dict[str, tuple[Callable[[], list[list[Tensor]]], Callable[[int], tuple[A
     "multi_tensor_lamb_stage1_cuda": (
         lambda: [*_lists(3), [t.abs() for t in _lists(4)[3]], [torch.zeros(5, 3), torch.zeros(70)]],
         lambda step: (torch.tensor([0.01, 0.01]), step, 0.9, 0.999, 1e-6, torch.tensor([1.0]), 1.0),
+    ),
+    # The step stochastic rounding keys its bits by (bfloat16 params, seed 3).
+    "multi_tensor_sgd": (
+        lambda: [[t.bfloat16() for t in part] for part in _lists(3)],
+        lambda step: (0.01, 0.9, 0.0, 0.1, False, False, False, 1.0, 3, step),
     ),
 }  # fmt: skip
 
@@ -126,6 +133,9 @@ def test_opcheck_with_a_step_tensor(name: str) -> None:
     lists = make_lists()
     args = list(make_args(0))
     overload = getattr(torch.ops.amp_fused_ops, name).default
+    # The schema's list arguments, an optional one not given (sgd's model_copies) as None.
+    slots = [a for a in overload._schema.arguments if "List[Tensor]" in str(a.type)]
+    lists = [*lists, *[None] * (len(slots) - len(lists))]
     torch.library.opcheck(
         overload,
         (2048, torch.zeros(1, dtype=torch.int32), *lists, *args),

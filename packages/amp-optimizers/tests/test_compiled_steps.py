@@ -43,6 +43,12 @@ CASES: dict[str, tuple[Callable[[list[Tensor]], torch.optim.Optimizer], torch.dt
         lambda ps: FusedAdam(ps, lr=1e-2, bf16_stochastic_round=True, stochastic_round_seed=7),
         torch.bfloat16,
     ),
+    "sgd_bf16_stochastic_round": (
+        lambda ps: FusedSGD(
+            ps, lr=1e-2, momentum=0.9, bf16_stochastic_round=True, stochastic_round_seed=7
+        ),
+        torch.bfloat16,
+    ),
     "sgd_nesterov": (
         lambda ps: FusedSGD(ps, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.1),
         torch.float32,

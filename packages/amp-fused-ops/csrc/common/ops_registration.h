@@ -62,7 +62,8 @@ void bump(at::TensorList tensors) {
 // --- the step count ---------------------------------------------------------------------
 //
 // The ops with Apex's `int step` (adam, lamb, novograd, lamb_stage1) also take an optional
-// `step_tensor`: when given, the count is its value and `step` is not read. The optimizers pass
+// `step_tensor`: when given, the count is its value and `step` is not read (sgd's holds the
+// `sr_step` its stochastic rounding is keyed by). The optimizers pass
 // it under torch.compile, where an int that changes every step would be a constant of the graph
 // and recompile it (docs/compile.rst). It is read on the host, so it must be a one-element CPU
 // tensor; a count on the device is what the capturable ops take.
@@ -168,13 +169,15 @@ void sgd(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList grads,
          at::TensorList params, at::TensorList momentum_bufs,
          const OptionalTensorList& model_copies, double weight_decay, double momentum,
          double dampening, double lr, bool nesterov, bool first_run, bool wd_after_momentum,
-         double scale, std::optional<int64_t> sr_seed, std::optional<int64_t> sr_step) {
+         double scale, std::optional<int64_t> sr_seed, std::optional<int64_t> sr_step,
+         const std::optional<at::Tensor>& step_tensor) {
   TensorLists tensor_lists = model_copies.has_value()
                                  ? lists({grads, params, momentum_bufs, *model_copies})
                                  : lists({grads, params, momentum_bufs});
   backend::multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, weight_decay, momentum,
                             dampening, lr, nesterov, first_run, wd_after_momentum, scale,
-                            sr_seed, sr_step.value_or(0));
+                            sr_seed,
+                            step_count("multi_tensor_sgd", sr_step.value_or(0), step_tensor));
   bump(params);
   // The momentum buffers are written only with momentum (as the reference).
   if (momentum != 0.0) bump(momentum_bufs);

@@ -14,8 +14,10 @@ from amp_fused_ops import amp_C, multi_tensor_applier
 from ._base import (
     AmpCOp,
     FusedOptimizerBase,
+    advance_step,
     check_nonnegative,
     group_by_device_dtype,
+    step_arguments,
 )
 from ._stochastic_round import (
     FLAG as _SR_FLAG,
@@ -54,7 +56,8 @@ class FusedSGD(FusedOptimizerBase):
         bf16_stochastic_round: Pure bfloat16 training without master weights: round each
             updated bfloat16 param stochastically (unbiased) instead of to nearest. A
             param-group option; the group's params must be bfloat16. The group counts its
-            steps in ``"stochastic_round_step"``, which keys the random bits.
+            steps in ``"stochastic_round_step"``, which keys the random bits (an int, or a
+            one-element CPU tensor once the step has run under ``torch.compile``).
         stochastic_round_seed: Seed of the rounding's random bits (default: drawn from torch's
             default generator). Saved in ``state_dict()``: a resumed run continues bit for bit.
 
@@ -170,8 +173,12 @@ class FusedSGD(FusedOptimizerBase):
             if plan is None:
                 continue
             rounding = group.get(_SR_FLAG, False)
-            if rounding:
-                group["stochastic_round_step"] = int(group.get("stochastic_round_step", 0)) + 1
+            # The count keying the random bits (a tensor under torch.compile, see advance_step).
+            sr_step, sr_step_tensor = (
+                step_arguments(advance_step(group, "stochastic_round_step"))
+                if rounding
+                else (0, None)
+            )
             # The op's first_run flag holds for a whole launch: params whose momentum buffer is
             # new (the first step, or a param whose first gradient comes later) are launched
             # apart from those that continue their buffer.
@@ -181,10 +188,10 @@ class FusedSGD(FusedOptimizerBase):
                 launches = self._split_first_run(plan.params, grads)
                 self.invalidate_step_plans()  # the next step continues every buffer
             for launch_index, (first_run, device, (gs, ps, bufs)) in enumerate(launches):
-                sr_args: tuple[int, ...] = ()
+                sr_args: tuple[int | Tensor | None, ...] = ()
                 if rounding:
                     seed = launch_seed(group[_SR_SEED], (group_index << 16) + launch_index)
-                    sr_args = (seed, group["stochastic_round_step"])
+                    sr_args = (seed, sr_step, sr_step_tensor)
                 multi_tensor_applier(
                     amp_C.multi_tensor_sgd,
                     self.noop_flag(device),

@@ -94,6 +94,7 @@ PRECONDITIONS: Mapping[str, OpPreconditions] = {
             "scale",
             "sr_seed",
             "sr_step",
+            "step_tensor",
         )
     ),
     "multi_tensor_axpby": OpPreconditions(

@@ -124,7 +124,8 @@ _SPECS = (
         "multi_tensor_sgd(int chunk_size, Tensor noop_flag, Tensor[] grads, Tensor(a!)[] params, "
         "Tensor(b!)[] momentum_bufs, Tensor(c!)[]? model_copies, float weight_decay, "
         "float momentum, float dampening, float lr, bool nesterov, bool first_run, "
-        "bool wd_after_momentum, float scale, int? sr_seed=None, int? sr_step=None) -> ()",
+        "bool wd_after_momentum, float scale, int? sr_seed=None, int? sr_step=None, "
+        "Tensor? step_tensor=None) -> ()",
         _reference.multi_tensor_sgd,
         list_counts=(3, 4),
     ),

@@ -461,6 +461,7 @@ def multi_tensor_sgd(
     scale: float,
     sr_seed: int | None = None,
     sr_step: int | None = None,
+    step_tensor: Tensor | None = None,
 ) -> None:
     """One SGD step (Apex ``FusedSGD``), in place, optionally writing a low-precision copy.
 
@@ -493,6 +494,8 @@ def multi_tensor_sgd(
         sr_seed: When given, the new params (bfloat16, three lists) are rounded
             stochastically, as :func:`multi_tensor_adam`'s.
         sr_step: The step the random bits are keyed by (None: 0).
+        step_tensor: ``sr_step`` as a one-element CPU tensor (what ``FusedSGD`` passes under
+            ``torch.compile``); when given, ``sr_step`` is not read.
 
     Raises:
         ValueError: Malformed lists, mismatched sizes, bad dtype (a momentum buffer neither
@@ -529,7 +532,8 @@ def multi_tensor_sgd(
     if weight_decay != 0.0 and wd_after_momentum:
         g = torch._foreach_add(g, p, alpha=weight_decay)
     new_p = torch._foreach_add(p, g, alpha=-lr)
-    _write(params, _round_params(params, new_p, sr_seed, sr_step or 0), skip)
+    round_step = resolve_step(op, sr_step or 0, step_tensor)
+    _write(params, _round_params(params, new_p, sr_seed, round_step), skip)
     if len(tensor_lists) == 4:
         _write(tensor_lists[3], new_p, skip)
 
