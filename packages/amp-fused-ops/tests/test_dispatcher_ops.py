@@ -119,3 +119,49 @@ def test_the_library_registers_kernels_and_the_package_defines_the_ops(
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-3:] == ["False", "True", "[3.0, 3.0, 3.0]"]
+
+
+# A fresh process whose first op call is from a compiled graph: torch.compile traced the fake
+# kernel and loaded nothing, so the call reaches the kernel of last resort, which must load the
+# CPU extension and hand the call to the C++ kernel (not run the reference on every step).
+_COMPILED_FIRST = """
+import torch
+from torch.profiler import profile
+import amp_fused_ops
+from amp_fused_ops import amp_C
+
+has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+name = "amp_fused_ops::multi_tensor_adam"
+g = torch.Generator().manual_seed(0)
+lists = [[torch.randn(n, generator=g).abs() for n in (5, 3000)] for _ in range(4)]
+flag = torch.zeros(1, dtype=torch.int32)
+
+@torch.compile(fullgraph=True)
+def step():
+    amp_C.multi_tensor_adam(2048, flag, lists, 1e-3, 0.9, 0.999, 1e-8, 1, 1, 1, 0.01)
+
+print(has_kernel(name, "CPU"))
+step()
+print(has_kernel(name, "CPU"))
+with profile() as prof:
+    step()
+print(sorted({e.key for e in prof.key_averages() if e.key.startswith("aten::")}))
+"""
+
+
+def test_a_compiled_graph_loads_and_runs_the_cpu_kernels(
+    ext: Any, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    del ext  # built in the session cache the child loads from
+    result = subprocess.run(
+        [sys.executable, "-c", _COMPILED_FIRST],
+        env=child_env(session_cache(tmp_path_factory).cache),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    before, after, aten_ops = result.stdout.strip().splitlines()[-3:]
+    assert (before, after) == ("False", "True")
+    # The C++ kernel calls no ATen op; the reference computes the step with ATen ops.
+    assert aten_ops == "[]", aten_ops

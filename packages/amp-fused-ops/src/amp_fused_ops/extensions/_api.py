@@ -14,6 +14,8 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
+from amp_fused_ops.ops import _registry
+
 from . import _cache as cache
 from . import _lookup as lookup
 from ._settings import ExtensionStatus, ExtensionUnavailableError, check_kind
@@ -167,3 +169,7 @@ def clear_cache() -> None:
         _reasons.clear()
         _logged.clear()
         cache.forget()
+
+
+# A dispatcher op called without amp_C (from a compiled graph) loads the extension itself.
+_registry.set_kernel_loader(get_extension)

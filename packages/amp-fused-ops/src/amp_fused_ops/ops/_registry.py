@@ -14,6 +14,12 @@ compiled kernel            registered here for ``CompositeExplicitAutograd``
 ``Meta`` / fake tensors    a fake kernel registered here: output shapes, no data
 ========================== ====================================================================
 
+The extension of a device is loaded on its first op call (:func:`set_kernel_loader`): by
+``amp_C`` before it calls the op, and by the kernel of last resort when the op is called
+otherwise, from a graph of ``torch.compile`` (which traced the fake kernel without loading
+anything) or as ``torch.ops.amp_fused_ops.<name>``. That kernel then hands the call to the
+compiled kernel, which serves every later call directly.
+
 The extensions register only kernels (``TORCH_LIBRARY_IMPL``); the schemas are defined here,
 from :data:`REGISTRY`, when this module is imported, so the ops exist (and trace under
 ``torch.compile``) whether or not an extension can be built. A schema has no list of tensor
@@ -255,12 +261,46 @@ kernels, ``amp_C`` itself and the op tests are made from."""
 
 _libraries: dict[str, torch.library.Library] = {}
 
+# Loads the compiled extension of a device type ("cpu" / "cuda") on first use, registering its
+# kernels; set by amp_fused_ops.extensions, which imports this module (not the other way).
+_kernel_loader: Callable[[str], object] | None = None
+
+# Device type -> the dispatch key its compiled kernels are registered for.
+_COMPILED_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+
+
+def set_kernel_loader(loader: Callable[[str], object]) -> None:
+    """Install the function that loads a device type's compiled kernels (first use only)."""
+    global _kernel_loader
+    _kernel_loader = loader
+
+
+def _compiled_kernel(name: str, device: torch.device) -> Any | None:
+    """The op ``name`` when a compiled kernel serves ``device`` (loading its extension on
+    first use), else None: the kernel of last resort then runs the reference."""
+    key = _COMPILED_KEYS.get(device.type)
+    if key is None or _kernel_loader is None:
+        return None
+    _kernel_loader(device.type)  # remembered per process: one dictionary lookup after the first
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(f"{OPS_NAMESPACE}::{name}", key):
+        return None  # no compiled kernel of this op for the device, or no extension
+    return getattr(getattr(torch.ops, OPS_NAMESPACE), name).default
+
 
 def _reference_kernel(spec: OpSpec) -> Callable[..., Any]:
-    """The reference as a kernel of the schema (separate lists) instead of Apex's call."""
+    """The reference as a kernel of the schema (separate lists) instead of Apex's call.
+
+    The kernel of last resort: it first loads the compiled kernels of the arguments' device
+    (a call that did not come through ``amp_C``, from a compiled graph for one), and hands the
+    call to them when they serve the op.
+    """
     if not spec.list_counts:
 
         def plain(*args: Any) -> None:
+            compiled = _compiled_kernel(spec.name, args[0].device)
+            if compiled is not None:
+                compiled(*args)
+                return
             spec.reference(*args)  # writes its arguments; the schema returns nothing
 
         plain.__name__ = plain.__qualname__ = f"{spec.name}_reference"
@@ -269,6 +309,11 @@ def _reference_kernel(spec: OpSpec) -> Callable[..., Any]:
 
     def kernel(chunk_size: int, noop_flag: Tensor, *rest: Any) -> Any:
         lists = [list(part) for part in rest[:most] if part is not None]
+        first = lists[0][0] if lists and lists[0] else noop_flag
+        if isinstance(first, Tensor):
+            compiled = _compiled_kernel(spec.name, first.device)
+            if compiled is not None:
+                return compiled(chunk_size, noop_flag, *rest)
         return spec.reference(chunk_size, noop_flag, lists, *rest[most:])
 
     kernel.__name__ = kernel.__qualname__ = f"{spec.name}_reference"
