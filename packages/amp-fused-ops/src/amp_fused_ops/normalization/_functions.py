@@ -20,7 +20,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from amp_fused_ops.normalization._ops import norm_backward, norm_forward, saves_output
+from amp_fused_ops.normalization._ops import (
+    norm_backward,
+    norm_forward,
+    prepare_compile,
+    saves_output,
+)
 
 __all__ = [
     "FusedLayerNormAffineFunction",
@@ -72,6 +77,7 @@ def _forward(
     rows = input.reshape(-1, hidden).contiguous()  # (M, N)
     w, b = _flat(weight, hidden), _flat(bias, hidden)
     device_type = input.device.type
+    prepare_compile()
     if device_type in _AUTOCAST_DEVICE_TYPES:
         with torch.autocast(device_type, enabled=False):
             out, mean, invvar = norm_forward(rows, w, b, float(eps), rms, mixed, memory_efficient)

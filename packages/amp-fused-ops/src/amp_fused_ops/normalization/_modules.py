@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from amp_fused_ops.normalization._ops import check_floating, norm_forward
+from amp_fused_ops.normalization._ops import check_floating, norm_forward, prepare_compile
 from amp_fused_ops.normalization._reference import output_dtype
 
 __all__ = [
@@ -119,6 +119,7 @@ def _normalize(
     flat_weight = weight.reshape(hidden).contiguous() if weight is not None else None
     flat_bias = bias.reshape(hidden).contiguous() if bias is not None and not rms else None
     # Autocast is handled by the op's autocast kernel (it follows aten::layer_norm's policy).
+    prepare_compile()
     out, _, _ = norm_forward(rows, flat_weight, flat_bias, float(eps), rms, mixed, memory_efficient)
     return out.view(input.shape)
 

@@ -38,6 +38,7 @@ __all__ = [
     "layer_norm_autocasts_to_fp32",
     "norm_backward",
     "norm_forward",
+    "prepare_compile",
     "saves_output",
 ]
 
@@ -334,6 +335,70 @@ def _backward(ctx: Any, grad_out: Tensor, _grad_mean: Tensor, _grad_invvar: Tens
 
 
 norm_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --- torch.compile: the non-CUDA bodies as Inductor decompositions ----------------------------
+#
+# Without a CUDA kernel to run, the ops compute the norm with ATen ops (ATen's fused CPU
+# LayerNorm, or the reference). Left opaque, they keep Inductor from fusing the norm with its
+# neighbours as it fuses nn.LayerNorm's decomposition; given to Inductor as decompositions of
+# the ops, the same ATen ops are decomposed and fused in the generated code. CUDA inputs keep
+# the op (the CUDA kernels). Export is not affected: it does not use Inductor's table.
+
+
+def _forward_decomposition(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    rms: bool,
+    mixed: bool,
+    memory_efficient: bool,
+) -> Any:
+    del memory_efficient
+    if x.device.type == "cuda":
+        return NotImplemented
+    if _cpu_native_supported(x, (weight, bias), rms):
+        return _native_forward(x, weight, bias, eps, mixed)
+    return norm_forward_reference(x, weight, bias, eps, rms, mixed)
+
+
+def _backward_decomposition(
+    grad_out: Tensor,
+    saved: Tensor,
+    mean: Tensor,
+    invvar: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    rms: bool,
+    memory_efficient: bool,
+    input_dtype: torch.dtype,
+) -> Any:
+    if grad_out.device.type == "cuda":
+        return NotImplemented
+    if not memory_efficient and _cpu_native_supported(saved, (weight, bias), rms):
+        return _native_backward(grad_out, saved, mean, invvar, weight, bias, input_dtype)
+    return norm_backward_reference(
+        grad_out, saved, mean, invvar, weight, bias, rms, memory_efficient, input_dtype
+    )
+
+
+@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]
+def _register_inductor_decompositions() -> bool:
+    """Give Inductor the decompositions above (once; run while Dynamo traces a norm)."""
+    from torch._inductor import decomposition  # imported by torch.compile already
+
+    table = decomposition.decompositions
+    table.setdefault(torch.ops.amp_fused_ops.norm_forward.default, _forward_decomposition)
+    table.setdefault(torch.ops.amp_fused_ops.norm_backward.default, _backward_decomposition)
+    return True
+
+
+def prepare_compile() -> None:
+    """Called by the norms before the op: under ``torch.compile`` (not export), make sure
+    Inductor may decompose the ops on devices without a CUDA kernel."""
+    if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+        _register_inductor_decompositions()
 
 
 # --- autocast ---------------------------------------------------------------------------------
