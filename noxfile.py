@@ -790,6 +790,9 @@ def cuda_emulation(session: nox.Session) -> None:
     session.env["AMP_FUSED_OPS_CACHE"] = os.environ.get(
         "AMP_FUSED_OPS_CACHE", str(Path(session.create_tmp()) / "amp_fused_ops_cache")
     )
+    # The CPU tensors stand for CUDA ones: an op without a CUDA kernel must take the reference,
+    # as on a GPU, not the C++ CPU kernels (which would also be compiled here for nothing).
+    session.env["AMP_FUSED_OPS_DISABLE"] = os.environ.get("AMP_FUSED_OPS_DISABLE", "cpu")
     tests = [path for path in EMULATION_TESTS if (ROOT / path).is_file()]
     for path in sorted(set(EMULATION_TESTS) - set(tests)):
         session.log(f"{path} does not exist in this checkout: not run")
