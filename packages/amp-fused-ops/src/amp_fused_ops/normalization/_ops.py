@@ -200,6 +200,13 @@ def norm_forward(
         shift = bias if not rms else None
         out, mean, invvar = op(_dense(x), _dense(weight), _dense(shift), eps, rms, mixed)
         return out, mean, invvar
+    return _forward_with_aten(x, weight, bias, eps, rms, mixed)
+
+
+def _forward_with_aten(
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, rms: bool, mixed: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``norm_forward`` without the CUDA kernels: ATen's fused LayerNorm, or the reference."""
     if _cpu_native_supported(x, (weight, bias), rms):
         return _native_forward(x, weight, bias, eps, mixed)
     return norm_forward_reference(x, weight, bias, eps, rms, mixed)
@@ -247,6 +254,24 @@ def norm_backward(
             _dense(bias if not rms else None), rms, memory_efficient, input_dtype,
         )  # fmt: skip
         return dx, dw, db
+    return _backward_with_aten(
+        grad_out, saved, mean, invvar, weight, bias, rms, memory_efficient, input_dtype
+    )
+
+
+def _backward_with_aten(
+    grad_out: Tensor,
+    saved: Tensor,
+    mean: Tensor,
+    invvar: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    rms: bool,
+    memory_efficient: bool,
+    input_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``norm_backward`` without the CUDA kernels: ATen's fused LayerNorm backward, or the
+    reference."""
     if not memory_efficient and _cpu_native_supported(saved, (weight, bias), rms):
         return _native_backward(grad_out, saved, mean, invvar, weight, bias, input_dtype)
     return norm_backward_reference(
@@ -346,41 +371,19 @@ norm_forward.register_autograd(_backward, setup_context=_setup_context)
 # the op (the CUDA kernels). Export is not affected: it does not use Inductor's table.
 
 
-def _forward_decomposition(
-    x: Tensor,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    eps: float,
-    rms: bool,
-    mixed: bool,
-    memory_efficient: bool,
-) -> Any:
-    del memory_efficient
+def _forward_decomposition(x: Tensor, *args: Any) -> Any:
+    """``norm_forward`` for Inductor: the ATen ops it runs off CUDA (CUDA keeps the op)."""
     if x.device.type == "cuda":
         return NotImplemented
-    if _cpu_native_supported(x, (weight, bias), rms):
-        return _native_forward(x, weight, bias, eps, mixed)
-    return norm_forward_reference(x, weight, bias, eps, rms, mixed)
+    weight, bias, eps, rms, mixed, _memory_efficient = args
+    return _forward_with_aten(x, weight, bias, eps, rms, mixed)
 
 
-def _backward_decomposition(
-    grad_out: Tensor,
-    saved: Tensor,
-    mean: Tensor,
-    invvar: Tensor,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    rms: bool,
-    memory_efficient: bool,
-    input_dtype: torch.dtype,
-) -> Any:
+def _backward_decomposition(grad_out: Tensor, *args: Any) -> Any:
+    """``norm_backward`` for Inductor: the ATen ops it runs off CUDA (CUDA keeps the op)."""
     if grad_out.device.type == "cuda":
         return NotImplemented
-    if not memory_efficient and _cpu_native_supported(saved, (weight, bias), rms):
-        return _native_backward(grad_out, saved, mean, invvar, weight, bias, input_dtype)
-    return norm_backward_reference(
-        grad_out, saved, mean, invvar, weight, bias, rms, memory_efficient, input_dtype
-    )
+    return _backward_with_aten(grad_out, *args)
 
 
 @torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]
