@@ -140,12 +140,16 @@ flag = torch.zeros(1, dtype=torch.int32)
 def step():
     amp_C.multi_tensor_adam(2048, flag, lists, 1e-3, 0.9, 0.999, 1e-8, 1, 1, 1, 0.01)
 
+eager = [[t.clone() for t in part] for part in lists]
 print(has_kernel(name, "CPU"))
 step()
 print(has_kernel(name, "CPU"))
 with profile() as prof:
     step()
 print(sorted({e.key for e in prof.key_averages() if e.key.startswith("aten::")}))
+for _ in range(2):  # the same two steps in eager mode, on the kernels now loaded
+    amp_C.multi_tensor_adam(2048, flag, eager, 1e-3, 0.9, 0.999, 1e-8, 1, 1, 1, 0.01)
+print(all(torch.equal(a, b) for x, y in zip(lists, eager) for a, b in zip(x, y)))
 """
 
 
@@ -161,7 +165,8 @@ def test_a_compiled_graph_loads_and_runs_the_cpu_kernels(
         timeout=600,
     )
     assert result.returncode == 0, result.stderr
-    before, after, aten_ops = result.stdout.strip().splitlines()[-3:]
+    before, after, aten_ops, same = result.stdout.strip().splitlines()[-4:]
     assert (before, after) == ("False", "True")
     # The C++ kernel calls no ATen op; the reference computes the step with ATen ops.
     assert aten_ops == "[]", aten_ops
+    assert same == "True"  # the compiled steps gave the eager kernel's bits
