@@ -11,6 +11,9 @@ checked in test_normalization_cuda.py.
 from __future__ import annotations
 
 import inspect
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -309,6 +312,37 @@ def test_inductor_decomposes_the_norm_ops_on_the_cpu(rms: bool, dtype: torch.dty
         else:
             scale = float(b.abs().max())
             torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * scale)
+
+
+# A fresh process that compiles a model without a norm first (Inductor then has made and
+# cached its decomposition table) and a model with both norms after it.
+_NORMS_COMPILED_SECOND = """
+import torch
+from torch.profiler import profile
+from amp_fused_ops import FusedLayerNorm, FusedRMSNorm
+
+torch.compile(torch.nn.Linear(4, 4))(torch.randn(2, 4)).sum().backward()
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), FusedLayerNorm(16), FusedRMSNorm(16))
+compiled = torch.compile(model)
+x = torch.randn(4, 8)
+compiled(x).sum().backward()
+with profile() as prof:
+    compiled(x).sum().backward()
+print(sorted(e.key for e in prof.key_averages() if e.key.startswith("amp_fused_ops::")))
+"""
+
+
+def test_inductor_decomposes_the_norms_compiled_after_another_model() -> None:
+    env = {**os.environ, "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", _NORMS_COMPILED_SECOND],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_torch_compile_under_autocast_matches_eager():

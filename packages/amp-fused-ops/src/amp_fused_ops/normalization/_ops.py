@@ -388,12 +388,24 @@ def _backward_decomposition(grad_out: Tensor, *args: Any) -> Any:
 
 @torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]
 def _register_inductor_decompositions() -> bool:
-    """Give Inductor the decompositions above (once; run while Dynamo traces a norm)."""
+    """Give Inductor the decompositions above (once; run while Dynamo traces a norm).
+
+    Inductor picks its table per compile from ``decompositions`` and a merged copy of it that
+    it caches on first use: both get the ops, whichever was made first.
+    """
     from torch._inductor import decomposition  # imported by torch.compile already
 
-    table = decomposition.decompositions
-    table.setdefault(torch.ops.amp_fused_ops.norm_forward.default, _forward_decomposition)
-    table.setdefault(torch.ops.amp_fused_ops.norm_backward.default, _backward_decomposition)
+    ours = {
+        torch.ops.amp_fused_ops.norm_forward.default: _forward_decomposition,
+        torch.ops.amp_fused_ops.norm_backward.default: _backward_decomposition,
+    }
+    tables = [decomposition.decompositions]
+    merged = getattr(decomposition, "fast_random_decomps", None)
+    if merged is not None:
+        tables.append(merged())
+    for table in tables:
+        for op, function in ours.items():
+            table.setdefault(op, function)
     return True
 
 
