@@ -42,6 +42,7 @@ import contextlib
 import datetime
 import json
 import math
+import os
 import platform
 import sys
 from collections.abc import Callable, Sequence
@@ -100,7 +101,13 @@ class AtenOps(TorchDispatchMode):
         super().__init__()
         self.count = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         out = func(*args, **(kwargs or {}))
         name = func._schema.name
         if name.startswith("aten::") and name.split("::")[-1] not in _NO_KERNEL:
@@ -281,6 +288,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"--scale {args.scale} must divide --chunk-size {args.chunk_size}")
         return 2
     torch.set_num_threads(1)
+    # As on a GPU, an op without a CUDA kernel takes the reference, not the C++ CPU kernels.
+    os.environ.setdefault("AMP_FUSED_OPS_DISABLE", "cpu")
     shapes = gpt_shapes(args.layers, args.hidden, args.vocab, args.context)
     previous = multi_tensor_applier.chunk_size
     multi_tensor_applier.chunk_size = args.chunk_size // args.scale
