@@ -7,10 +7,10 @@
 //   argument. One launch covers every chunk of up to MaxTensors<Depth> tensors, one block per
 //   chunk; a block finds its tensor by a binary search over the first-block indices. Apex's
 //   layout named the tensor and chunk of every block instead, which capped a launch at 320
-//   blocks as well (fewer than an H100's 132 SMs hold at once, and a launch per 20M
-//   elements at 2048 * 32 elements per chunk); here the grid is bounded only by CUDA's
-//   2**31 - 1 blocks. Zero-size tensors take a slot and no block. (This layout is compiled
-//   with nvcc and tested on the emulator; it has not run on a GPU yet.)
+//   blocks as well (a launch per 20M elements at 2048 * 32 elements per chunk, each with its
+//   own tail of idle SMs); here the grid is bounded only by CUDA's 2**31 - 1 blocks.
+//   Zero-size tensors take a slot and no block. (This layout is compiled with nvcc and
+//   tested on the emulator; it has not run on a GPU yet.)
 // - One generic kernel (multi_tensor_kernel) runs one op functor per element: it loads the
 //   element of every list the functor reads into float registers (not the lists it only
 //   writes), calls the functor (fp32 math), and stores the lists the functor writes. The kernel is templated on the storage dtype of each list,
@@ -468,8 +468,8 @@ __global__ void __launch_bounds__(kBlockSize)
 // Launches multi_tensor_kernel<Op, Ts...> over `lists` (already checked): one launch per batch
 // of MaxTensors<Depth> consecutive tensors, one block per chunk of the batch. A zero-size tensor
 // takes a slot of its batch and no block (its first_block equals the next tensor's, and
-// tensor_of_block picks the last of equal entries); a batch of zero-size tensors only launches
-// nothing. `partials`, when the op reduces, holds Op::kReduce floats per chunk of the call.
+// tensor_of_block picks the last of equal entries); a batch of zero-size tensors only is not
+// launched. `partials`, when the op reduces, holds Op::kReduce floats per chunk of the call.
 template <typename Op, typename... Ts>
 void multi_tensor_apply(int64_t chunk_size, const at::Tensor& noop_flag, const TensorLists& lists,
                         const Op& op, float* partials = nullptr) {
