@@ -181,6 +181,7 @@ def test_counters_count_launches_and_global_bytes(selftest):
     selftest.vector_copy(x, out)
     counts = _emulation.counters()
     assert counts.launches == 1
+    assert counts.blocks == 2  # 1024 floats, 4 per thread, 128 threads per block
     assert counts.bytes_read == counts.bytes_written == 4096
     assert counts.vector_bytes_read == counts.vector_bytes_written == 4096
 
@@ -210,6 +211,36 @@ def _counted(run) -> _emulation.Counters:
     _emulation.reset_counters()
     run()
     return _emulation.counters()
+
+
+def test_a_launch_is_not_cut_by_its_block_count():
+    # One tensor of 400 chunks: one launch of 400 blocks (the metadata names where each tensor's
+    # blocks begin, not the chunk of every block, so the grid is not bounded by its size).
+    x = torch.arange(400, dtype=torch.float32)
+    out = torch.full((400,), float("nan"))
+    flag = torch.zeros(1, dtype=torch.int32)
+    counts = _counted(lambda: extension().multi_tensor_scale(1, flag, [[x], [out]], 0.5))
+    torch.testing.assert_close(out, x * 0.5, rtol=0, atol=0)
+    assert (counts.launches, counts.blocks) == (1, 400)
+
+
+def test_count_launches_only_counts_as_a_full_run_and_runs_nothing():
+    xs = [torch.arange(n, dtype=torch.float32) for n in (5, 1, 40, 7)]
+    outs = [torch.full_like(x, float("nan")) for x in xs]
+    flag = torch.zeros(1, dtype=torch.int32)
+
+    def step() -> None:
+        extension().multi_tensor_scale(3, flag, [xs, outs], 0.5)
+        extension().multi_tensor_l2norm(3, flag, [xs], True)
+
+    with _emulation.count_launches_only():
+        counted = _counted(step)
+    assert all(out.isnan().all() for out in outs)  # nothing ran
+    full = _counted(step)
+    for x, out in zip(xs, outs, strict=True):
+        torch.testing.assert_close(out, x * 0.5, rtol=0, atol=0)
+    assert (counted.launches, counted.blocks) == (full.launches, full.blocks)
+    assert counted.blocks > 0 and counted.bytes_read == counted.bytes_written == 0
 
 
 def test_scale_reads_its_inputs_only():

@@ -2,9 +2,15 @@
 //
 // Design (Apex's multi_tensor_apply, written our own way):
 // - The host checks the tensor lists once (check_tensor_lists), cuts every tensor into chunks
-//   of `chunk_size` elements and packs the addresses of a batch of tensors, and which chunk
-//   each block works on, into a TensorListMetadata passed by value as a kernel argument. One
-//   launch covers up to kMaxBlocks chunks of up to MaxTensors<Depth> tensors.
+//   of `chunk_size` elements and packs the addresses and sizes of a batch of tensors, and the
+//   index of each tensor's first block, into a TensorListMetadata passed by value as a kernel
+//   argument. One launch covers every chunk of up to MaxTensors<Depth> tensors, one block per
+//   chunk; a block finds its tensor by a binary search over the first-block indices. Apex's
+//   layout named the tensor and chunk of every block instead, which capped a launch at 320
+//   blocks as well (a launch per 20M elements at 2048 * 32 elements per chunk, each with its
+//   own tail of idle SMs); here the grid is bounded only by CUDA's 2**31 - 1 blocks.
+//   Zero-size tensors take a slot and no block. (This layout is compiled with nvcc and
+//   tested on the emulator; it has not run on a GPU yet.)
 // - One generic kernel (multi_tensor_kernel) runs one op functor per element: it loads the
 //   element of every list the functor reads into float registers (not the lists it only
 //   writes), calls the functor (fp32 math), and stores the lists the functor writes. The kernel is templated on the storage dtype of each list,
@@ -40,50 +46,86 @@ namespace cuda {
 using TensorLists = std::vector<std::vector<at::Tensor>>;
 
 constexpr int kBlockSize = 512;
-constexpr int kMaxBlocks = 320;  // chunks per launch
 constexpr int kVectorBytes = 16;
+// CUDA's limit on the parameters of a kernel (4 KiB before CUDA 12.1 and before Volta), and the
+// part of it the metadata may take: the rest holds the op functor, chunk_size, the noop flag
+// and the partials pointer (multi_tensor_apply checks the sum for each op).
+constexpr size_t kMaxKernelArgBytes = 4096;
+constexpr size_t kMaxMetadataBytes = 3584;
+// Blocks of one launch: CUDA's limit on gridDim.x.
+constexpr int64_t kMaxGridBlocks = (int64_t{1} << 31) - 1;
 
-// Tensors per launch by list depth: the metadata must stay under the 4 KiB kernel-argument
-// limit of older toolkits (static_assert below).
+// Tensors per launch by list depth: as many as fit kMaxMetadataBytes at 8 bytes per address,
+// 8 per size and 4 per first-block index (static_assert below).
 template <int Depth>
 struct MaxTensors;
 template <>
 struct MaxTensors<1> {
-  static constexpr int value = 110;
+  static constexpr int value = 178;
 };
 template <>
 struct MaxTensors<2> {
-  static constexpr int value = 64;
+  static constexpr int value = 127;
 };
 template <>
 struct MaxTensors<3> {
-  static constexpr int value = 48;
+  static constexpr int value = 99;
 };
 template <>
 struct MaxTensors<4> {
-  static constexpr int value = 36;
+  static constexpr int value = 81;
 };
 template <>
 struct MaxTensors<5> {
-  static constexpr int value = 30;
+  static constexpr int value = 68;
 };
 
-// What one launch needs to know: the tensors of this batch and the chunk of each block.
+// What one launch needs to know: the tensors of this batch and where each one's blocks begin.
 template <int Depth>
 struct TensorListMetadata {
   void* addresses[Depth][MaxTensors<Depth>::value];
   int64_t sizes[MaxTensors<Depth>::value];
-  unsigned char block_to_tensor[kMaxBlocks];
-  int block_to_chunk[kMaxBlocks];
+  int first_block[MaxTensors<Depth>::value];  // block of each tensor's chunk 0, increasing
+  int tensors;          // tensors of this batch
   int start_tensor;     // index (in the caller's lists) of this batch's tensor 0
   int64_t first_chunk;  // index (among all chunks of the call) of this launch's block 0
 };
 
-static_assert(sizeof(TensorListMetadata<1>) <= 3584, "metadata too large for a kernel arg");
-static_assert(sizeof(TensorListMetadata<2>) <= 3584, "metadata too large for a kernel arg");
-static_assert(sizeof(TensorListMetadata<3>) <= 3584, "metadata too large for a kernel arg");
-static_assert(sizeof(TensorListMetadata<4>) <= 3584, "metadata too large for a kernel arg");
-static_assert(sizeof(TensorListMetadata<5>) <= 3584, "metadata too large for a kernel arg");
+static_assert(sizeof(TensorListMetadata<1>) <= kMaxMetadataBytes, "metadata too large");
+static_assert(sizeof(TensorListMetadata<2>) <= kMaxMetadataBytes, "metadata too large");
+static_assert(sizeof(TensorListMetadata<3>) <= kMaxMetadataBytes, "metadata too large");
+static_assert(sizeof(TensorListMetadata<4>) <= kMaxMetadataBytes, "metadata too large");
+static_assert(sizeof(TensorListMetadata<5>) <= kMaxMetadataBytes, "metadata too large");
+// One more tensor would not fit: the counts above are the most the budget allows.
+static_assert(sizeof(TensorListMetadata<1>) + 20 > kMaxMetadataBytes, "room for more tensors");
+static_assert(sizeof(TensorListMetadata<2>) + 28 > kMaxMetadataBytes, "room for more tensors");
+static_assert(sizeof(TensorListMetadata<3>) + 36 > kMaxMetadataBytes, "room for more tensors");
+static_assert(sizeof(TensorListMetadata<4>) + 44 > kMaxMetadataBytes, "room for more tensors");
+static_assert(sizeof(TensorListMetadata<5>) + 52 > kMaxMetadataBytes, "room for more tensors");
+
+// The smallest power of two >= n (n >= 1).
+constexpr int ceil_pow2(int n) { return n <= 1 ? 1 : 2 * ceil_pow2((n + 1) / 2); }
+static_assert(ceil_pow2(1) == 1 && ceil_pow2(68) == 128 && ceil_pow2(128) == 128 &&
+                  ceil_pow2(129) == 256 && ceil_pow2(178) == 256,
+              "ceil_pow2");
+
+// The batch tensor of block `block`: the last tensor whose first block is <= block (the last
+// of equal entries, so a zero-size tensor, which shares the next tensor's first block, is never
+// chosen). A binary search with a fixed number of steps (8 for 178 tensors), unrolled into
+// selects: a loop with a data-dependent trip count raised the kernels' register use, and made
+// ptxas spill in some instantiations, on sm_90.
+template <int Depth>
+__device__ __forceinline__ int tensor_of_block(const TensorListMetadata<Depth>& meta, int block) {
+  int found = 0;  // first_block[0] == 0 <= block
+#pragma unroll
+  for (int step = ceil_pow2(MaxTensors<Depth>::value) / 2; step > 0; step /= 2) {
+    const int next = found + step;
+    if (next < meta.tensors && meta.first_block[next] <= block) {
+      found = next;
+    }
+  }
+  return found;
+}
 
 // ---------------------------------------------------------------------------------------
 // Host-side checks
@@ -392,8 +434,9 @@ __global__ void __launch_bounds__(kBlockSize)
   static_assert((~LoadMask<Op>::value & ~Op::kStores & ((1u << Depth) - 1u)) == 0,
                 "every list is read or written (a list an op neither loads nor stores)");
   using Index = std::index_sequence_for<Ts...>;
-  const int local = meta.block_to_tensor[blockIdx.x];
-  const int64_t begin = static_cast<int64_t>(meta.block_to_chunk[blockIdx.x]) * chunk_size;
+  const int block = static_cast<int>(blockIdx.x);
+  const int local = tensor_of_block(meta, block);
+  const int64_t begin = static_cast<int64_t>(block - meta.first_block[local]) * chunk_size;
   const int64_t left = meta.sizes[local] - begin;
   const int64_t n = left < chunk_size ? left : chunk_size;
 
@@ -422,97 +465,80 @@ __global__ void __launch_bounds__(kBlockSize)
   }
 }
 
-// Launches multi_tensor_kernel<Op, Ts...> over `lists` (already checked), in batches.
-// `partials`, when the op reduces, holds Op::kReduce floats per chunk of the call.
+// Launches multi_tensor_kernel<Op, Ts...> over `lists` (already checked): one launch per batch
+// of MaxTensors<Depth> consecutive tensors, one block per chunk of the batch. A zero-size tensor
+// takes a slot of its batch and no block (its first_block equals the next tensor's, and
+// tensor_of_block picks the last of equal entries); a batch of zero-size tensors only is not
+// launched. `partials`, when the op reduces, holds Op::kReduce floats per chunk of the call.
 template <typename Op, typename... Ts>
 void multi_tensor_apply(int64_t chunk_size, const at::Tensor& noop_flag, const TensorLists& lists,
                         const Op& op, float* partials = nullptr) {
   constexpr int Depth = sizeof...(Ts);
   static_assert(Depth >= 1 && Depth <= 5, "multi_tensor_apply supports 1 to 5 lists");
+  static_assert(sizeof(TensorListMetadata<Depth>) + sizeof(Op) + 3 * sizeof(void*) <=
+                    kMaxKernelArgBytes,
+                "the kernel's parameters exceed CUDA's 4 KiB: make the op functor smaller");
   TORCH_INTERNAL_ASSERT(lists.size() == static_cast<size_t>(Depth));
   const size_t n = lists[0].size();
   if (n == 0) {
     return;
   }
+  // Every block index of a launch, and so every chunk index of a tensor, fits an int and
+  // CUDA's grid: checked once for the whole call.
+  const int64_t total_chunks = chunk_offsets(lists[0], chunk_size).back();
+  TORCH_CHECK_VALUE(total_chunks <= kMaxGridBlocks, "multi_tensor_apply: ", total_chunks,
+                    " chunks of ", chunk_size, " elements exceed CUDA's ", kMaxGridBlocks,
+                    " blocks per launch; use a larger chunk_size");
   const c10::cuda::CUDAGuard guard(noop_flag.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   int* noop = noop_flag.data_ptr<int>();
 
   TensorListMetadata<Depth> meta{};
-  int tensors = 0;  // in the current batch
-  int blocks = 0;   // in the current launch
+  int blocks = 0;  // in the current launch
   int64_t chunks_done = 0;
-  meta.start_tensor = 0;
-  meta.first_chunk = 0;
   auto launch = [&]() {
-    multi_tensor_kernel<Op, Ts...>
-        <<<blocks, kBlockSize, 0, stream>>>(chunk_size, noop, meta, op, partials);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (blocks > 0) {
+      multi_tensor_kernel<Op, Ts...>
+          <<<blocks, kBlockSize, 0, stream>>>(chunk_size, noop, meta, op, partials);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
     chunks_done += blocks;
     blocks = 0;
+    meta.tensors = 0;
   };
   for (size_t t = 0; t < n; ++t) {
-    const int64_t numel = lists[0][t].numel();
-    if (tensors == 0) {
+    if (meta.tensors == 0) {
       meta.start_tensor = static_cast<int>(t);
+      meta.first_chunk = chunks_done;
     }
-    if (numel == 0) {
-      // Owns no chunk; keep indices consecutive by closing the batch around it.
-      if (tensors > 0) {
-        if (blocks > 0) {
-          launch();
-        }
-        tensors = 0;
-      }
-      continue;
-    }
+    const int local = meta.tensors++;
+    const int64_t numel = lists[0][t].numel();
     for (int l = 0; l < Depth; ++l) {
-      meta.addresses[l][tensors] = lists[l][t].data_ptr();
+      meta.addresses[l][local] = lists[l][t].data_ptr();
     }
-    meta.sizes[tensors] = numel;
-    ++tensors;
-    const int64_t chunks = (numel + chunk_size - 1) / chunk_size;
-    for (int64_t c = 0; c < chunks; ++c) {
-      if (blocks == 0) {
-        meta.first_chunk = chunks_done;
-      }
-      meta.block_to_tensor[blocks] = static_cast<unsigned char>(tensors - 1);
-      meta.block_to_chunk[blocks] = static_cast<int>(c);
-      ++blocks;
-      const bool blocks_full = blocks == kMaxBlocks;
-      const bool tensors_full = tensors == MaxTensors<Depth>::value;
-      const bool last_chunk = c == chunks - 1;
-      if (blocks_full || (tensors_full && last_chunk)) {
-        launch();
-        if (last_chunk) {
-          tensors = 0;  // the next tensor starts a new batch
-        } else {
-          // The current tensor continues in the next launch as the batch's tensor 0.
-          for (int l = 0; l < Depth; ++l) {
-            meta.addresses[l][0] = meta.addresses[l][tensors - 1];
-          }
-          meta.sizes[0] = meta.sizes[tensors - 1];
-          meta.start_tensor = static_cast<int>(t);
-          tensors = 1;
-        }
-      }
+    meta.sizes[local] = numel;
+    meta.first_block[local] = blocks;
+    blocks += static_cast<int>((numel + chunk_size - 1) / chunk_size);
+    if (meta.tensors == MaxTensors<Depth>::value) {
+      launch();
     }
   }
-  if (blocks > 0) {
-    launch();
-  }
+  launch();
 }
 
 // ---------------------------------------------------------------------------------------
 // Per-tensor and total results from the per-chunk partials
 // ---------------------------------------------------------------------------------------
 
-constexpr int kMaxSegments = 256;
+// Segments per reduction launch: as many as the 4 KiB of kernel parameters hold.
+constexpr int kMaxSegments = 1000;
 
 struct Segments {
   int begin[kMaxSegments + 1];  // chunk ranges [begin[s], begin[s + 1])
   int first;                    // output index of segment 0
 };
+// segment_reduce_kernel's parameters: the segments and six scalars and pointers.
+static_assert(sizeof(Segments) + 64 <= kMaxKernelArgBytes, "Segments too large for a kernel arg");
 
 // out[first + s] = reduce(partials[c * stride + component] for c in segment s), optionally
 // its square root; raises the noop flag when a result is inf or nan (if noop is given).

@@ -112,6 +112,7 @@ std::mutex& launch_mutex() {
 // --- counters -------------------------------------------------------------------------------
 
 Counters g_counters{};
+bool g_count_only = false;  // launches are checked and counted, their blocks not run
 bool g_counting = false;  // true while a fiber runs (host code is not counted)
 uintptr_t g_stack_lo = 0, g_stack_hi = 0;  // the fibers' stacks
 uintptr_t g_home_lo = 0, g_home_hi = 0;    // the launching thread's stack
@@ -420,6 +421,10 @@ void run(const LaunchConfig& config, const std::function<void()>& body, const ch
          "H100's maximum is 227 KiB)");
   }
   ++g_counters.launches;
+  g_counters.blocks += static_cast<int64_t>(g.x * g.y * g.z);
+  if (g_count_only) {
+    return;
+  }
   find_module_range();
   find_shared_section();
   schedule_seed();
@@ -645,6 +650,8 @@ const cudaDeviceProp* device_properties() {
 
 Counters counters() { return g_counters; }
 void reset_counters() { g_counters = Counters{}; }
+void set_count_only(bool on) { g_count_only = on; }
+bool count_only() { return g_count_only; }
 
 void capture_begin() {
   const std::lock_guard<std::mutex> lock(launch_mutex());
@@ -912,7 +919,8 @@ extern "C" void __ubsan_handle_type_mismatch_v1_abort(TypeMismatchData* data,
 namespace {
 std::vector<int64_t> counters_op() {
   const amp_emu::Counters c = amp_emu::counters();
-  return {c.launches, c.bytes_read, c.bytes_written, c.vector_bytes_read, c.vector_bytes_written};
+  return {c.launches,          c.bytes_read,           c.bytes_written,
+          c.vector_bytes_read, c.vector_bytes_written, c.blocks};
 }
 int64_t schedule_seed_op() { return static_cast<int64_t>(amp_emu::schedule_seed()); }
 void set_schedule_seed_op(int64_t seed) {
@@ -935,6 +943,8 @@ TORCH_LIBRARY(amp_emu, m) {
   m.def("counters", &counters_op);
   m.def("counting", &counting_op);
   m.def("reset_counters", &amp_emu::reset_counters);
+  m.def("set_count_only", &amp_emu::set_count_only);
+  m.def("count_only", &amp_emu::count_only);
   m.def("capture_begin", &amp_emu::capture_begin);
   m.def("capture_end", &amp_emu::capture_end);
   m.def("replay", &amp_emu::replay);

@@ -181,6 +181,7 @@ const cudaDeviceProp* device_properties();
 // Counters of the launches since the last reset (see amp_emu_runtime.cpp).
 struct Counters {
   int64_t launches;
+  int64_t blocks;  // blocks of every launch (grid x * y * z)
   int64_t bytes_read;
   int64_t bytes_written;
   int64_t vector_bytes_read;

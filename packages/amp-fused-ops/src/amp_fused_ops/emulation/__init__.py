@@ -2,9 +2,9 @@
 
 The ``.cu`` sources of amp-fused-ops, unchanged, compiled as C++ for the CPU with a header
 that emulates CUDA's threads, warps, barriers and launches (docs/design.rst, "Testing CUDA
-code"). Two builds: ``"counting"`` counts every global-memory byte and launch and raises on
-misaligned vector accesses; ``"asan"`` runs under AddressSanitizer and UBSan (the process must
-preload libasan: :func:`asan_environment`). Not a path for users' tensors::
+code"). Two builds: ``"counting"`` counts every launch, thread block and global-memory byte
+and raises on misaligned vector accesses; ``"asan"`` runs under AddressSanitizer and UBSan (the
+process must preload libasan: :func:`asan_environment`). Not a path for users' tensors::
 
     from amp_fused_ops import emulation
 
@@ -22,6 +22,7 @@ from amp_fused_ops.emulation._kernels import (
     amp_C_on_emulated_kernels,
     asan_environment,
     build_directory,
+    count_launches_only,
     counters,
     load,
     reset_counters,
@@ -31,6 +32,7 @@ __all__ = [
     "load",
     "asan_environment",
     "build_directory",
+    "count_launches_only",
     "counters",
     "reset_counters",
     "Counters",

@@ -50,6 +50,7 @@ __all__ = [
     "Graph",
     "asan_environment",
     "build_directory",
+    "count_launches_only",
     "counters",
     "load",
     "reset_counters",
@@ -110,6 +111,8 @@ class Counters(NamedTuple):
     bytes_written: int
     vector_bytes_read: int
     vector_bytes_written: int
+    blocks: int
+    """Thread blocks of all launches (each launch adds its grid's x * y * z)."""
 
 
 def source_dirs() -> tuple[Path, Path]:
@@ -287,6 +290,30 @@ def reset_counters() -> None:
     import torch
 
     torch.ops.amp_emu.reset_counters()
+
+
+@contextlib.contextmanager
+def count_launches_only() -> Iterator[None]:
+    """Inside the block, emulated launches are checked and counted but their threads do not run.
+
+    The launch and block counters advance as in a full run; nothing is read or written, so the
+    kernels' outputs are left as they were (not computed). For counting the launches of steps
+    too large to emulate thread by thread; valid where the host's launch sequence does not
+    depend on kernel results (no host read of a flag or a norm decides a later launch).
+
+    Example:
+        >>> with emulation.count_launches_only():  # doctest: +SKIP
+        ...     optimizer.step()
+        >>> emulation.counters().blocks  # doctest: +SKIP
+    """
+    import torch
+
+    previous = bool(torch.ops.amp_emu.count_only())
+    torch.ops.amp_emu.set_count_only(True)
+    try:
+        yield
+    finally:
+        torch.ops.amp_emu.set_count_only(previous)
 
 
 @contextlib.contextmanager
