@@ -10,7 +10,9 @@ variants built from the same seed:
   ``torch.compile(optimizer.step)``.
 
 Rounds alternate the variants. Goal (the toolkit's ops are native to the compiler stack): the
-compiled step with our ops is no slower than the compiled step with torch's.
+compiled step with our ops is no slower than the compiled step with torch's. Every run compiles
+afresh (Inductor's caches off): a graph cached by an older version of the toolkit would
+otherwise be what is timed.
 
     python benchmarks/bench_compiled_step.py            # CPU
     python benchmarks/bench_compiled_step.py --device cuda
@@ -26,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch._inductor.config as inductor_config
 from torch import nn
 
 from _common import (
@@ -98,6 +101,7 @@ def main() -> None:
         print("bench_compiled_step: CUDA is not available; nothing timed on cuda.")
         return
     torch.set_num_threads(args.threads or default_threads())
+    inductor_config.force_disable_caches = True  # compile afresh (see above)
     device = torch.device(args.device)
     names = {
         "torch eager": (False, False),
