@@ -259,12 +259,21 @@ struct alignas(sizeof(T) * N) Vec {
   T v[N];
 };
 
-// Elements per thread and vector step: 16 bytes of the narrowest dtype.
-template <typename... Ts>
+// Bytes of the narrowest list a thread moves per vector step: kVectorBytes, unless the op
+// declares `static constexpr int kVectorBytes` (fewer live registers for an op of many lists).
+template <typename Op, typename = void>
+struct VectorBytes : std::integral_constant<int, kVectorBytes> {};
+template <typename Op>
+struct VectorBytes<Op, std::void_t<decltype(Op::kVectorBytes)>>
+    : std::integral_constant<int, Op::kVectorBytes> {};
+
+// Elements per thread and vector step: VectorBytes of the narrowest dtype.
+template <typename Op, typename... Ts>
 constexpr int vector_width() {
-  size_t smallest = kVectorBytes;
+  constexpr size_t bytes = VectorBytes<Op>::value;
+  size_t smallest = bytes;
   ((smallest = sizeof(Ts) < smallest ? sizeof(Ts) : smallest), ...);
-  return static_cast<int>(kVectorBytes / smallest);
+  return static_cast<int>(bytes / smallest);
 }
 
 template <typename T, int N>
@@ -391,7 +400,7 @@ __device__ __forceinline__ void run_chunk(void* const (&p)[sizeof...(Ts)], int64
                                           int64_t begin, const Op& op, float (&acc)[2],
                                           bool& nonfinite, std::index_sequence<I...>) {
   constexpr int Depth = sizeof...(Ts);
-  constexpr int N = vector_width<Ts...>();
+  constexpr int N = vector_width<Op, Ts...>();
   const bool all_aligned = (aligned<Ts, N>(p[I]) && ...);
   int64_t vector_end = 0;
   if (all_aligned) {

@@ -22,6 +22,9 @@ namespace cuda {
 namespace {
 
 struct LambStage1ApexOp {
+  // Five lists: 8-byte vectors keep its registers under the 64 of two blocks per SM (with 16,
+  // sm_120 spilled).
+  static constexpr int kVectorBytes = 8;
   static constexpr unsigned kStores = 0b11100;
   static constexpr unsigned kLoads = 0b01111;  // the updates are only written
   static constexpr int kReduce = 0;
