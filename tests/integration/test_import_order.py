@@ -263,3 +263,22 @@ def test_each_module_imports_first() -> None:
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+
+
+_COMPILER_STACK = """
+import sys
+import amp_core, amp_fused_ops, amp_legacy_fp16, amp_optimizers, amp_parallel  # noqa: F401
+print(sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules))
+"""
+
+
+def test_importing_the_packages_leaves_the_compiler_stack_unloaded() -> None:
+    """torch._dynamo and torch._inductor take seconds to import: only torch.compile loads them
+    (a decorator from torch.compiler, applied at import time, once loaded torch._dynamo)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, SOURCES))}
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILER_STACK],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"

@@ -386,7 +386,6 @@ def _backward_decomposition(grad_out: Tensor, *args: Any) -> Any:
     return _backward_with_aten(grad_out, *args)
 
 
-@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]
 def _register_inductor_decompositions() -> bool:
     """Give Inductor the decompositions above (once; run while Dynamo traces a norm).
 
@@ -407,6 +406,12 @@ def _register_inductor_decompositions() -> bool:
         for op, function in ours.items():
             table.setdefault(op, function)
     return True
+
+
+# Dynamo runs a function so marked once while it traces and uses its result as a constant: what
+# torch.compiler.assume_constant_result does. Marked here directly, because that decorator
+# imports torch._dynamo, which importing this package must not (it takes seconds).
+_register_inductor_decompositions._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def prepare_compile() -> None:
