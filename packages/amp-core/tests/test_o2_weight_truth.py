@@ -239,11 +239,23 @@ def _edit(kind, weight):
             weight.copy_(torch.linspace(-1, 1, weight.numel()).reshape(weight.shape))
         elif kind == "row":
             weight[0].fill_(0.5)
+        # Through `.data`, whose version counter is not the param's (Apex-era idioms).
+        elif kind == "data.fill_":
+            weight.data.fill_(0.25)
+        elif kind == "init(data)":
+            nn.init.constant_(weight.data, -0.125)
+        elif kind == "data.copy_":
+            weight.data.copy_(torch.linspace(-1, 1, weight.numel()).reshape(weight.shape))
+        elif kind == "data[0]":
+            weight.data[0] = 0.5
         else:
             raise AssertionError(kind)
 
 
-@pytest.mark.parametrize("kind", ["zeros_", "fill_", "copy_", "row"])
+DATA_EDITS = ["data.fill_", "init(data)", "data.copy_", "data[0]"]
+
+
+@pytest.mark.parametrize("kind", ["zeros_", "fill_", "copy_", "row", *DATA_EDITS])
 @pytest.mark.parametrize("opt_cls", OPTIMIZERS)
 @pytest.mark.parametrize("half", HALF_DTYPES)
 @pytest.mark.parametrize("opt_level", LEVELS)
@@ -263,7 +275,7 @@ def test_an_in_place_edit_after_initialize_is_kept_and_exported(opt_level, half,
     exported = model.state_dict()
     edited = reference[2].weight.detach()
     torch.testing.assert_close(exported["2.weight"], edited.float(), **_tol(opt_level, half))
-    if kind == "row":
+    if kind in ("row", "data[0]"):
         assert torch.equal(exported["2.weight"][1:], before["2.weight"][1:])
         assert torch.equal(exported["2.weight"][0], edited[0].float())
     # Not reverted by the next step, which starts from the edited weight.

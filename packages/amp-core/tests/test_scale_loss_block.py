@@ -127,8 +127,9 @@ def _weights(model: nn.Module) -> list[torch.Tensor]:
 def test_a_failed_micro_batch_leaves_the_other_micro_batches_gradients(
     opt_level, kind, half, where
 ):
-    """Gradient accumulation over four micro-batches, the third fails inside the block: the step
-    gets exactly the gradients of the three others, as plain PyTorch would."""
+    """Gradient accumulation over four micro-batches, the third fails inside a block entered
+    with ``restore_on_error=True``: the step gets exactly the gradients of the three others, as
+    plain PyTorch would."""
     model, opt, ref, ref_opt = _setup(opt_level, half, kind)
     trip = model[2]
     state = optimizer_state(opt)
@@ -143,7 +144,7 @@ def test_a_failed_micro_batch_leaves_the_other_micro_batches_gradients(
         stage = state.stage
         with pytest.raises(Boom):
             trip.armed = where == "in_backward"
-            with amp.scale_loss(_loss(model, seed), opt) as scaled:
+            with amp.scale_loss(_loss(model, seed), opt, restore_on_error=True) as scaled:
                 if where == "before_backward":
                     raise Boom("bad batch before backward")
                 scaled.backward()
@@ -171,7 +172,8 @@ def test_a_failed_micro_batch_between_delayed_unscales(opt_level, kind, half):
     for seed in range(4):
         trip.armed = seed == 1
         if trip.armed:
-            with pytest.raises(Boom), amp.scale_loss(_loss(model, seed), opt) as scaled:
+            block = amp.scale_loss(_loss(model, seed), opt, restore_on_error=True)
+            with pytest.raises(Boom), block as scaled:
                 scaled.backward()
             continue
         with amp.scale_loss(_loss(model, seed), opt, delay_unscale=seed < 3) as scaled:
@@ -180,6 +182,63 @@ def test_a_failed_micro_batch_between_delayed_unscales(opt_level, kind, half):
     for seed in (0, 2, 3):
         _loss(ref, seed).backward()
     _check_close(_grads(opt), [p.grad for p in ref.parameters()], _tol(opt_level, half))
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["unscaled", "delay_unscale"])
+@pytest.mark.parametrize("half", HALF_DTYPES)
+@pytest.mark.parametrize("opt_level, kind", OPTIMIZERS)
+def test_a_failed_block_after_others_refuses_the_step_until_zero_grad(opt_level, kind, half, delay):
+    """Without ``restore_on_error``, a backward that fails after earlier micro-batches leaves
+    their gradients mixed with part of its own: ``step()`` and the next block refuse with the
+    fix, and ``zero_grad()`` starts over cleanly."""
+    model, opt, ref, ref_opt = _setup(opt_level, half, kind)
+    trip = model[2]
+    before = _weights(model)
+    with amp.scale_loss(_loss(model, 0), opt, delay_unscale=delay) as scaled:
+        scaled.backward()
+    trip.armed = True
+    with pytest.raises(Boom), amp.scale_loss(_loss(model, 1), opt) as scaled:
+        scaled.backward()
+    trip.armed = False
+    with pytest.raises(RuntimeError, match=r"optimizer\.step\(\) got .* interrupted .*zero_grad"):
+        opt.step()
+    with (
+        pytest.raises(RuntimeError, match=r"amp\.scale_loss got .* restore_on_error=True"),
+        amp.scale_loss(_loss(model, 2), opt) as scaled,
+    ):
+        scaled.backward()
+    _check_close(_weights(model), before, dict(rtol=0, atol=0))  # nothing stepped
+    opt.zero_grad()
+    with amp.scale_loss(_loss(model, 2), opt) as scaled:
+        scaled.backward()
+    ref_opt.zero_grad()
+    _loss(ref, 2).backward()
+    _check_close(_grads(opt), [p.grad for p in ref.parameters()], _tol(opt_level, half))
+    opt.step()
+    ref_opt.step()
+    _check_close(_weights(model), _weights(ref), _tol(opt_level, half))
+
+
+@pytest.mark.parametrize("half", HALF_DTYPES)
+@pytest.mark.parametrize("opt_level, kind", OPTIMIZERS)
+def test_a_failed_first_block_leaves_no_gradient(opt_level, kind, half):
+    """With no gradient in place at the entry, a failed block drops what its backward made
+    (no copy needed): the next micro-batches accumulate as if it never ran."""
+    model, opt, ref, ref_opt = _setup(opt_level, half, kind)
+    trip = model[2]
+    trip.armed = True
+    with pytest.raises(Boom), amp.scale_loss(_loss(model, 0), opt) as scaled:
+        scaled.backward()
+    trip.armed = False
+    assert all(p.grad is None for p in amp.master_params(opt))
+    for seed in (1, 2):
+        with amp.scale_loss(_loss(model, seed), opt) as scaled:
+            scaled.backward()
+        _loss(ref, seed).backward()
+    _check_close(_grads(opt), [p.grad for p in ref.parameters()], _tol(opt_level, half))
+    opt.step()
+    ref_opt.step()
+    _check_close(_weights(model), _weights(ref), _tol(opt_level, half))
 
 
 @pytest.mark.parametrize("fails", [False, True], ids=["block_ends", "block_fails"])
@@ -284,12 +343,12 @@ def test_nested_blocks_for_one_optimizer_are_refused(opt_level, kind, half, inne
         scaled.backward()
     with (
         pytest.raises(RuntimeError, match=r"already inside another.*Leave the first block"),
-        amp.scale_loss(_loss(model, 1), opt, loss_id=0) as outer,
+        amp.scale_loss(_loss(model, 1), opt, loss_id=0, restore_on_error=True) as outer,
     ):
         outer.backward(retain_graph=True)
         with amp.scale_loss(_loss(model, 2), opt, loss_id=inner_loss_id) as inner:
             inner.backward()
-    # The refusal left the gradients of before the outer block.
+    # The refusal left the gradients of before the outer block (restored).
     _loss(ref, 0).backward()
     _check_close(_grads(opt), [p.grad for p in ref.parameters()], _tol(opt_level, half))
 
@@ -362,3 +421,29 @@ def test_a_delayed_backward_after_an_unscaled_one_keeps_the_unscaled_gradients(
             scaled.backward()
         _loss(ref, seed).backward()
     _check_close(_grads(opt), [p.grad for p in ref.parameters()], _tol(opt_level, half))
+
+
+# ------------------------------------------------------------ amp.close() and the block
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["unscaled", "delay_unscale"])
+@pytest.mark.parametrize("half", HALF_DTYPES)
+@pytest.mark.parametrize("opt_level, kind", OPTIMIZERS)
+def test_close_inside_the_block_is_refused_and_after_it_leaves_unscaled_grads(
+    opt_level, kind, half, delay
+):
+    """``amp.close()`` inside the block would leave gradients multiplied by the loss scale for
+    a plain step: refused with the fix, nothing changed. After the block (also one that delayed
+    its unscale) the plain step that follows close() takes the plain PyTorch step."""
+    model, opt, ref, ref_opt = _setup(opt_level, half, kind)
+    with amp.scale_loss(_loss(model, 0), opt, delay_unscale=delay) as scaled:
+        scaled.backward()
+        with pytest.raises(RuntimeError, match=r"amp\.close\(\) was called inside .*after the"):
+            amp.close()
+        assert optimizer_state(opt) is not None  # still amp's
+    amp.close()
+    ref_opt.zero_grad()
+    _loss(ref, 0).backward()
+    for got, want in zip(model.parameters(), ref.parameters(), strict=True):
+        assert got.grad is not None
+        torch.testing.assert_close(got.grad.float(), want.grad, **_tol(opt_level, half))

@@ -146,7 +146,7 @@ def _step(world: World, bad_microbatch: str | None = None) -> None:
             bad_loss = F.mse_loss(world.model(bad_x).float(), bad_y)
             with (
                 pytest.raises(RuntimeError, match="bad batch"),
-                amp.scale_loss(bad_loss, world.opt) as scaled,
+                amp.scale_loss(bad_loss, world.opt, restore_on_error=True) as scaled,
             ):
                 if bad_microbatch == "after":
                     scaled.backward()

@@ -49,6 +49,8 @@ def scale_loss(
     model: Any = None,
     delay_unscale: bool = False,
     delay_overflow_check: bool = False,
+    *,
+    restore_on_error: bool = False,
 ) -> Iterator[torch.Tensor]:
     """Yield ``loss * loss_scale`` for ``backward()``; unscale the gradients on exit.
 
@@ -57,16 +59,26 @@ def scale_loss(
     scale, a gradient holding an inf or a nan (before or after unscaling) makes the next
     ``optimizer.step()`` a no-op; a dynamic scale is lowered too (not below its floor).
 
-    Inside the block the backward's gradients arrive alone: the gradients accumulated by
-    earlier backwards of the step are held aside and added back on exit.
+    The gradients stay where PyTorch puts them: the backward adds to the gradients that
+    earlier backwards of the step accumulated (multiplied by the loss scale at the block's
+    entry; under O2 the masters' gradients move back into the model's half gradients, scaled),
+    so a data-parallel wrapper that all-reduces ``.grad`` during this backward
+    (``DistributedDataParallel`` after ``no_sync()``, FSDP2) reduces the whole accumulated
+    gradient, and every rank ends with the same one. ``docs/distributed.rst`` shows
+    gradient accumulation with each wrapper. A dynamic scale is updated once per step, at
+    ``optimizer.step()`` (or ``zero_grad()``, or when it is read), with the overflow of every
+    block since the last update, so that ranks agree on it.
 
     * **An exception in the block** (raised by the backward, e.g. out of memory, or by the
-      code in the block) propagates, and leaves the gradients of the optimizer(s) as they
-      were before the block: those the failed backward made are dropped, those held aside
-      are put back, and the step is where it was. (Entering the block first unscales into
-      place the gradients a fused O2 step left pending, as :func:`master_params` does, and
-      those a ``delay_unscale`` backward of another ``loss_id`` left scaled: that stays.) A
-      loop that skips a bad micro-batch keeps accumulating the others exactly.
+      code in the block) propagates. Where no gradient was in place when the block started
+      (the first backward after ``zero_grad()``), those the failed backward made are dropped
+      and the step is where it was. With ``restore_on_error=True``, the gradients accumulated
+      before the block are copied at its entry and put back. Otherwise they hold part of the
+      failed backward: ``optimizer.step()`` and the next ``amp.scale_loss`` then raise
+      ``RuntimeError`` until ``optimizer.zero_grad()`` drops them. (Entering the block first
+      unscales into place the gradients a fused O2 step left pending, as
+      :func:`master_params` does, and those a ``delay_unscale`` backward of another
+      ``loss_id`` left scaled: that stays.)
     * **optimizer.step()** of an optimizer passed here is refused inside the block
       (``RuntimeError``: the gradients are not unscaled yet); call it after the block.
       Stepping another optimizer inside the block is fine.
@@ -85,6 +97,9 @@ def scale_loss(
         delay_unscale: Leave the gradients scaled (gradient accumulation, several
             backward passes): the last ``scale_loss`` before ``step()`` must not delay.
         delay_overflow_check: Unscale, but neither update the scale nor skip a step.
+        restore_on_error: Copy the gradients already accumulated at the block's entry, so
+            that an exception in the block restores them exactly (a loop that skips a bad
+            micro-batch then keeps the others); costs one copy of them per block.
 
     Raises:
         RuntimeError: before ``amp.initialize``, for an optimizer it did not return, or for an
@@ -125,9 +140,13 @@ def scale_loss(
     unit = not owner.props.master_weights and scaler.is_unit_static
     for state in states:  # every refusal before any state changes
         state.check_block_entry()
-    scale = None if unit else scaler.scale_tensor(loss.device)
+    # A copy: the backward keeps the factor, and a scale update during the block (a step of
+    # the same loss's other optimizer) changes the scaler's tensor in place.
+    scale = None if unit else scaler.scale_tensor(loss.device).clone()
     for state in states:
-        state.begin_backward(scaler, delay_unscale=delay_unscale, unit=unit)
+        state.begin_backward(
+            scaler, delay_unscale=delay_unscale, unit=unit, restore=restore_on_error
+        )
     scaled = loss.float() if scale is None else loss.float() * scale
     # The backward runs without O1's casts, as under Apex (whose casts were Python-level
     # patches of the forward functions) and as after a torch.autocast block: backward ops run
@@ -195,7 +214,7 @@ def _finish_backward(
         )
     if not (delay_unscale or deferred):
         if not delay_overflow_check:
-            scaler.update_(found_inf)
+            scaler.note_update_(found_inf)  # applied at the step (see note_update_)
         if check:
             for state in states:
                 state.note_overflow_check(loss_id, found_inf)

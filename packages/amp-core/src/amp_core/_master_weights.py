@@ -47,13 +47,72 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 T = TypeVar("T")
 
 
-_Stamp = tuple[int, int, torch.dtype]
+_Stamp = tuple[int, int, torch.dtype, int]
+
+# How many times a watched param's ``.data`` was taken (in the param's ``__dict__``).
+_DATA_TAKEN = "_amp_data_taken"
+_get_data = torch._C.TensorBase.data.__get__  # type: ignore[attr-defined]
+_set_data = torch._C.TensorBase.data.__set__  # type: ignore[attr-defined]
 
 
 def _stamp(param: Tensor) -> _Stamp:
-    """What changes when a tensor is written in place or its ``.data`` is replaced, and the
-    dtype it had then."""
-    return param._version, param.data_ptr(), param.dtype
+    """What changes when a tensor is written in place, its ``.data`` is replaced or taken
+    (``p.data`` is a tensor with a version counter of its own: an edit through it moves no
+    counter of the param), and the dtype it had then."""
+    return param._version, param.data_ptr(), param.dtype, param.__dict__.get(_DATA_TAKEN, 0)
+
+
+class _WatchedData:
+    """Mixed into the class of a half param that has a master: ``.data`` is counted, so that
+    an edit through it (``p.data.fill_(0)``, ``nn.init.normal_(p.data)``, a weight clip
+    ``p.data.clamp_(-c, c)``) is seen by :meth:`MasterWeights.take_model_edits`, which then
+    compares that param's values with its master."""
+
+    @property
+    def data(self) -> Tensor:
+        self.__dict__[_DATA_TAKEN] = self.__dict__.get(_DATA_TAKEN, 0) + 1
+        return _get_data(self)
+
+    @data.setter
+    def data(self, value: Tensor) -> None:
+        self.__dict__[_DATA_TAKEN] = self.__dict__.get(_DATA_TAKEN, 0) + 1
+        _set_data(self, value)
+
+    def __repr__(self) -> str:
+        watched = type(self)
+        self.__class__ = _unwatched_class(watched)
+        try:
+            return repr(self)
+        finally:
+            self.__class__ = watched
+
+
+_watched_classes: dict[type, type] = {}
+
+
+def _watch(param: Tensor) -> None:
+    """Count ``param.data`` (an ``nn.Parameter`` of any class; other tensors are left)."""
+    cls = type(param)
+    if not isinstance(param, torch.nn.Parameter) or issubclass(cls, _WatchedData):
+        return
+    watched = _watched_classes.get(cls)
+    if watched is None:
+        # Named as the class it watches: `type(p).__name__` and the repr stay the same.
+        watched = type(cls.__name__, (_WatchedData, cls), {"__module__": cls.__module__})
+        _watched_classes[cls] = watched
+    param.__class__ = watched
+
+
+def _unwatched_class(cls: type) -> type:
+    return next(c for c in cls.__mro__[1:] if not issubclass(c, _WatchedData))
+
+
+def _unwatch(param: Tensor) -> None:
+    """Give ``param`` its class back (``amp.close()``)."""
+    cls = type(param)
+    if issubclass(cls, _WatchedData):
+        param.__class__ = _unwatched_class(cls)
+        param.__dict__.pop(_DATA_TAKEN, None)
 
 
 class GradUnscaler(Protocol):
@@ -112,6 +171,7 @@ class MasterWeights:
 
     def add_pair(self, model_param: Tensor, master: Tensor) -> None:
         """Record a master made elsewhere (by a fused master-weight optimizer)."""
+        _watch(model_param)
         self.model_params.append(model_param)
         self.masters.append(master)
         self._versions.append(_stamp(model_param))
@@ -317,11 +377,17 @@ class MasterWeights:
         left here.
         """
         self.take_model_edits(strict=False)
+        for param in self.model_params:
+            _unwatch(param)
         by_master = {id(m): p for p, m in self.pairs()}
         with torch.no_grad():
             for param, master in self.pairs():
                 if param.dtype in HALF_DTYPES and param.shape == master.shape:
                     param.data = master.detach().clone()
+                # The unscaled gradient goes with the value (a plain step reads it).
+                grad = master.grad
+                if grad is not None and (param.dtype, param.shape) == (grad.dtype, grad.shape):
+                    param.grad = grad.detach()
         for group in optimizer.param_groups:
             params = group["params"]
             for index, held in enumerate(params):
@@ -424,5 +490,7 @@ def fused_master_step(
     found_inf = torch.zeros((), dtype=torch.float32, device=inv_scale.device)
     optimizer.amp_fused_master_step(inv_scale, found_inf)
     if scaler is not None:
-        scaler.update_(found_inf)
+        # With the updates earlier blocks of this step left pending, once.
+        scaler.note_update_(found_inf)
+        scaler.flush_update_()
     return found_inf, inv_scale

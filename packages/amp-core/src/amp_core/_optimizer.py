@@ -60,7 +60,7 @@ from torch import nn
 
 from ._fused_master import supports_fused_master_weights
 from ._master_weights import MasterWeights, read_overflow
-from ._scaler import LossScaler, coalesce_half_sparse_grads
+from ._scaler import LossScaler, coalesce_half_sparse_grads, scale_grads_
 from ._state import class_method, restore_method
 from ._step_paths import Deferred, FusedPath, OrdinaryPath, StepOutcome, StepPath
 
@@ -82,34 +82,37 @@ class Stage(enum.Enum):
     DEFERRED = "deferred"
     UNSCALED = "unscaled"
     STEPPED = "stepped"
+    INTERRUPTED = "interrupted"
     CLOSED = "closed"
 
 
 @dataclass(frozen=True)
 class Accumulation:
-    """At ACCUMULATING: the scaler whose scale the held gradients carry, and how to finish."""
+    """At ACCUMULATING: the scaler whose scale the gradients carry, and how to finish."""
 
     scaler: LossScaler
     loss_id: int
     check: bool  # check the gradients for inf/nan when they are unscaled
     update: bool  # update the scale then (not with delay_overflow_check)
+    version: int  # the scaler's update count when the gradients took its scale
+
+    def carries(self, scaler: LossScaler) -> bool:
+        """Whether the gradients carry the current scale of ``scaler`` (known on the host)."""
+        return scaler is self.scaler and scaler.version == self.version
 
 
 @dataclass(frozen=True)
 class Block:
-    """At BACKWARD: the stage before the ``amp.scale_loss`` block and the gradients held aside.
-
-    ``grads[i]`` is what ``params[i].grad`` held at the block's entry (or ``None`` after a
-    ``zero_grad`` in the block); an exception in the block puts them back.
-    """
+    """At BACKWARD: the stage before the ``amp.scale_loss`` block and what an exception in
+    the block can restore."""
 
     prior: Stage
     accumulation: Accumulation | None
-    params: list[torch.Tensor]
-    grads: list[torch.Tensor | None]
-    # The held grads are added back at the exit (ACCUMULATING before, or a unit scale); else
-    # the direct params' ones are set aside in the MasterWeights and the model's are stale.
-    merge: bool
+    held: bool  # gradients were in place at the entry (the backward adds to them)
+    # Their copies (``restore_on_error=True``), in the order of ``_all_params``; else None.
+    saved: list[torch.Tensor | None] | None
+    # The fused step's pending gradients the block adds to (DEFERRED before it), or None.
+    deferred: Deferred | None = None
 
 
 def _add_grad(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
@@ -209,6 +212,18 @@ class OptimizerAmpState:
                 "optimizer returned by the latest amp.initialize."
             )
 
+    def require_not_interrupted(self, call: str) -> None:
+        """Refuse ``call`` while the gradients hold part of a backward an exception stopped."""
+        if self.stage is Stage.INTERRUPTED:
+            raise RuntimeError(
+                f"{call} got a {type(self.optimizer).__name__} whose gradients hold part of a "
+                "backward that an exception interrupted inside `with amp.scale_loss(...)`, "
+                "added to the gradients accumulated before it (and scaled): they are not a "
+                "gradient of anything. Call optimizer.zero_grad() to drop them, or pass "
+                "restore_on_error=True to amp.scale_loss to have such an exception restore the "
+                "accumulated gradients (at the cost of a copy of them per block)."
+            )
+
     # -- what others read ----------------------------------------------------------------------
 
     @property
@@ -242,6 +257,7 @@ class OptimizerAmpState:
     def check_block_entry(self) -> None:
         """Refuse an ``amp.scale_loss`` block inside another one for this optimizer."""
         self.require_open("amp.scale_loss")
+        self.require_not_interrupted("amp.scale_loss")
         if self.stage is Stage.BACKWARD:
             raise RuntimeError(
                 f"amp.scale_loss was entered for a {type(self.optimizer).__name__} that is "
@@ -252,58 +268,112 @@ class OptimizerAmpState:
                 "scaled.backward()`, then the same for loss1."
             )
 
-    def begin_backward(self, scaler: LossScaler, *, delay_unscale: bool, unit: bool) -> None:
-        """At ``scale_loss`` entry: bring earlier grads into place, then hold them aside so that
-        the new ones arrive alone (BACKWARD).
+    def begin_backward(
+        self, scaler: LossScaler, *, delay_unscale: bool, unit: bool, restore: bool = False
+    ) -> None:
+        """At ``scale_loss`` entry: bring the gradients in place to the block's scale (BACKWARD).
 
-        Grads a ``delay_unscale`` backward left scaled by another loss scaler are unscaled by
-        their own scale first. With ``unit`` (a static scale of one, no masters) nothing is
-        scaled: every held grad is added back at the exit.
+        The gradients stay where a data-parallel wrapper reduces them: the backward adds to
+        them, so a wrapper that all-reduces ``.grad`` during this backward reduces the whole
+        accumulated gradient. Gradients already in place are multiplied by this block's scale
+        (unless a ``delay_unscale`` backward of the same scale left them so), and unscaled fp32
+        master gradients move back into the model's half gradients, scaled, so that the exit
+        unscales the sum once. Gradients a ``delay_unscale`` backward left scaled by another
+        loss scaler are unscaled by their own scale first, and pending fused-step gradients are
+        unscaled into place (both as ``master_params`` would).
+
+        Args:
+            scaler: The block's loss scaler.
+            delay_unscale: Unused here (the exit decides); kept for symmetry with the exit.
+            unit: Nothing is scaled (a static scale of one, no masters).
+            restore: Copy the gradients in place, so that an exception in the block restores
+                them exactly (otherwise, see :meth:`abort_backward`).
         """
+        del delay_unscale
         self.check_block_entry()
-        self.materialize()  # DEFERRED -> UNSCALED
+        deferred = self._deferred
+        if deferred is not None and (deferred.scaler, deferred.version) == (scaler, scaler.version):
+            # The pending gradients carry this block's scale: the backward adds to them, and
+            # the fused step checks and unscales the sum (its scale update is owed to the step
+            # in any case, see LossScaler.note_update_).
+            carried = Accumulation(scaler, deferred.loss_id, deferred.check, True, deferred.version)
+            self._enter(Stage.ACCUMULATING, accumulation=carried)
+        else:
+            deferred = None
+            self.materialize()  # DEFERRED -> UNSCALED
         self.settle_stale_grads()  # STEPPED -> READY
         accumulation = self._accumulation
-        if accumulation is not None and accumulation.scaler is not scaler:
+        if accumulation is not None and not accumulation.carries(scaler):
             self._finish_accumulation(accumulation)  # ACCUMULATING -> UNSCALED
             accumulation = None
-        params = [*self.direct_params, *self.model_params]
-        grads = [p.grad for p in params]
-        merge = unit or self.stage is Stage.ACCUMULATING
-        if merge:
-            for p in params:
-                p.grad = None
-        else:
-            # The direct params' unscaled grads wait in the MasterWeights (added back when the
-            # new ones are unscaled); the model's half grads are stale (dropped at the exit).
-            self.weights.set_aside_grads()
-            self.weights.drop_model_grads()
-        self._enter(Stage.BACKWARD, block=Block(self.stage, accumulation, params, grads, merge))
+        held = self._has_grads()
+        saved = self._copy_grads() if restore and held else None
+        if held and not unit:
+            self._scale_grads_in_place(scaler, scaled=accumulation is not None)
+        block = Block(self.stage, accumulation, held, saved, deferred)
+        self._enter(Stage.BACKWARD, block=block)
+
+    def _all_params(self) -> list[torch.Tensor]:
+        return [*self.direct_params, *self.model_params, *self.masters]
+
+    def _has_grads(self) -> bool:
+        return any(p.grad is not None for p in self._all_params())
+
+    def _copy_grads(self) -> list[torch.Tensor | None]:
+        with torch.no_grad():
+            return [None if p.grad is None else p.grad.clone() for p in self._all_params()]
+
+    def _scale_grads_in_place(self, scaler: LossScaler, *, scaled: bool) -> None:
+        """Multiply the gradients in place by the scale of ``scaler`` (the direct params'
+        unless ``scaled`` says they carry it already) and move the masters' unscaled gradients
+        into the model's half gradients, scaled (exact for a power-of-two scale)."""
+        # amp's own arithmetic, outside the O1 policy.
+        with torch.no_grad(), torch._C._DisableAutocast():
+            if not scaled:
+                direct = [p.grad for p in self.direct_params if p.grad is not None]
+                scale_grads_(direct, scaler)
+            for param, master in self.weights.pairs():
+                grad = master.grad
+                if grad is None:
+                    continue
+                master.grad = None
+                scale = scaler.scale_tensor(scaler.device or grad.device).to(grad.device)
+                moved = (grad * scale).to(device=param.device, dtype=param.dtype)
+                param.grad = moved if param.grad is None else param.grad.add_(moved)
 
     def abort_backward(self) -> None:
-        """After an exception in the ``scale_loss`` block: drop the grads the failed backward
-        made, put the held ones back and return to the stage before the block."""
+        """After an exception in the ``scale_loss`` block.
+
+        Where no gradient was in place at the entry, the failed backward's are dropped and the
+        stage goes back to what it was: nothing is lost. Where the block was entered with
+        ``restore_on_error=True``, the gradients copied at the entry are put back. Otherwise
+        the gradients hold the earlier ones plus part of the failed backward, scaled: the
+        optimizer is then INTERRUPTED, and ``step()`` and ``scale_loss`` refuse until
+        ``zero_grad()`` drops them.
+        """
         block = self._block
         if self.stage is not Stage.BACKWARD or block is None:
             return  # closed meanwhile
-        if not block.merge:
-            self.weights.drop_set_aside_grads()  # they are in block.grads as well
-        for p in [*self.direct_params, *self.model_params]:
-            p.grad = None  # a param added in the block had none before
-        for p, grad in zip(block.params, block.grads, strict=True):
-            p.grad = grad
-        self._enter(block.prior, accumulation=block.accumulation)
+        params = self._all_params()
+        if not block.held:
+            for p in params:
+                p.grad = None
+            self._enter(block.prior if block.accumulation is None else Stage.READY)
+        elif block.saved is not None:
+            for p, grad in zip(params, block.saved, strict=True):
+                p.grad = grad
+            if block.deferred is not None:
+                self._enter(Stage.DEFERRED, deferred=block.deferred)
+            else:
+                self._enter(block.prior, accumulation=block.accumulation)
+        else:
+            self._enter(Stage.INTERRUPTED)
 
     def _take_block(self) -> Block | None:
-        """At the exit of the block: its record, with the held grads added back where they
-        belong with the new ones (None when the optimizer was closed in the block)."""
+        """At the exit of the block: its record (None when the optimizer was closed in it)."""
         block = self._block
         if self.stage is not Stage.BACKWARD or block is None:
             return None
-        if block.merge:
-            for p, old in zip(block.params, block.grads, strict=True):
-                if old is not None:
-                    p.grad = old if p.grad is None else _add_grad(p.grad, old)
         return block
 
     def end_backward(
@@ -329,11 +399,13 @@ class OptimizerAmpState:
             return False
         if delay_unscale:
             self._enter(
-                Stage.ACCUMULATING, accumulation=Accumulation(scaler, loss_id, check, update)
+                Stage.ACCUMULATING,
+                accumulation=Accumulation(scaler, loss_id, check, update, scaler.version),
             )
             return False
         if defer_loss_id is not None and self.path.may_defer():
-            self._enter(Stage.DEFERRED, deferred=Deferred(scaler, defer_loss_id, check))
+            deferred = Deferred(scaler, defer_loss_id, check, scaler.version)
+            self._enter(Stage.DEFERRED, deferred=deferred)
             return True
         self._unscale_into_place(scaler, found_inf, check)
         return False
@@ -348,7 +420,7 @@ class OptimizerAmpState:
         if block is None:
             return
         if delay_unscale:
-            self._enter(block.prior, accumulation=block.accumulation)
+            self._enter(block.prior)
             return
         if check:
             coalesce_half_sparse_grads(self.direct_params)
@@ -362,7 +434,7 @@ class OptimizerAmpState:
         found_inf = torch.zeros((), dtype=torch.float32, device=accumulation.scaler.device)
         self._unscale_into_place(accumulation.scaler, found_inf, accumulation.check)
         if accumulation.update:
-            accumulation.scaler.update_(found_inf)
+            accumulation.scaler.note_update_(found_inf)
         if accumulation.check:
             self.note_overflow_check(accumulation.loss_id, found_inf)
 
@@ -384,7 +456,7 @@ class OptimizerAmpState:
             return
         found_inf = torch.zeros((), dtype=torch.float32, device=deferred.scaler.device)
         self._unscale_into_place(deferred.scaler, found_inf, deferred.check)
-        deferred.scaler.update_(found_inf)
+        deferred.scaler.note_update_(found_inf)
         if deferred.check:
             self.note_overflow_check(deferred.loss_id, found_inf)
 
@@ -401,6 +473,7 @@ class OptimizerAmpState:
     # -- step, zero_grad, add_param_group --------------------------------------------------
 
     def _step(self, closure: Callable[[], Any] | None = None) -> Any:
+        self.require_not_interrupted("optimizer.step()")
         if self.stage is Stage.BACKWARD:
             raise RuntimeError(
                 "optimizer.step() was called inside `with amp.scale_loss(...)`: until the block "
@@ -428,6 +501,7 @@ class OptimizerAmpState:
         outcome = self.path.step(
             self._original_step, closure, self._deferred, checks, self._read_overflow
         )
+        self.session.flush_scale_updates()
         self._finish_step(outcome)
         return outcome.result
 
@@ -477,6 +551,11 @@ class OptimizerAmpState:
     def _zero_grad(self, set_to_none: bool = True) -> None:
         if self.stage is Stage.BACKWARD:
             self._drop_held_grads()
+        elif self.stage is Stage.INTERRUPTED:
+            for master in self.masters:
+                master.grad = None
+            self._checks = []
+            self._enter(Stage.READY)
         elif self.fused:
             # A deferred backward still owes its scale update; its grads are then dropped,
             # with the overflow flags noted for them.
@@ -487,27 +566,25 @@ class OptimizerAmpState:
             self._enter(Stage.READY)
         elif self.stage is Stage.ACCUMULATING:
             self._enter(Stage.READY)
-        # Grads set aside before a delay_unscale backward belong to the same step.
-        self.weights.drop_set_aside_grads()
         self._original_zero_grad(set_to_none=set_to_none)
         # Model grads in flight (accumulated with delay_unscale) belong to the same step.
         self.weights.drop_model_grads()
+        self.session.flush_scale_updates()
 
     def _drop_held_grads(self) -> None:
-        """``zero_grad`` inside a ``scale_loss`` block: the held grads are dropped too (an
-        exception in the block then leaves none), as are the masters' of the fused path."""
+        """``zero_grad`` inside a ``scale_loss`` block: every gradient is dropped, the earlier
+        ones too (an exception in the block then leaves none)."""
         block = self._block
         assert block is not None
         prior = block.prior
+        for master in self.masters:
+            master.grad = None
         if self.fused:
-            for master in self.masters:
-                master.grad = None
             self._checks = []
             prior = Stage.READY
         elif prior is Stage.ACCUMULATING:
             prior = Stage.READY
-        grads: list[torch.Tensor | None] = [None] * len(block.params)
-        self._enter(Stage.BACKWARD, block=Block(prior, None, block.params, grads, block.merge))
+        self._enter(Stage.BACKWARD, block=Block(prior, None, False, None))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """``optimizer.add_param_group`` after ``amp.initialize``: the new group is treated as
@@ -527,6 +604,37 @@ class OptimizerAmpState:
         self._original_add_param_group(param_group)
         # The models find the new masters here (ModelAmpState.masters looks them up).
         self.path.adopt_groups([self.optimizer.param_groups[-1]], {})
+
+    def check_closable(self) -> None:
+        """Refuse ``amp.close()`` inside a ``scale_loss`` block of this optimizer."""
+        if self.stage is Stage.BACKWARD:
+            raise RuntimeError(
+                "amp.close() was called inside `with amp.scale_loss(...)`: the block's "
+                "gradients are still multiplied by the loss scale (unscaled only when the "
+                "block exits), and a plain step() after close() would apply them that many "
+                "times too large. Call amp.close() after the with block."
+            )
+
+    def settle_for_close(self) -> None:
+        """Before ``amp.close()``: leave the gradients unscaled in place, as a plain step()
+        reads them (a ``delay_unscale`` accumulation is finished, pending fused-step
+        gradients unscaled; the partial gradients of an interrupted block are dropped)."""
+        if self.stage is Stage.CLOSED:
+            return
+        if self.stage is Stage.INTERRUPTED:
+            logger.warning(
+                "amp.close() drops the gradients of %s: an exception interrupted the backward "
+                "that was adding to them inside amp.scale_loss.",
+                type(self.optimizer).__name__,
+            )
+            for p in self._all_params():
+                p.grad = None
+            self._enter(Stage.READY)
+        self.materialize()
+        self.settle_stale_grads()
+        if self._accumulation is not None:
+            self._finish_accumulation(self._accumulation)
+        self.session.flush_scale_updates()
 
     def remove(self) -> None:
         """Restore ``step``, ``zero_grad`` and ``add_param_group`` (master weights stay in the

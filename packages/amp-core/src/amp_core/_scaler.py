@@ -135,6 +135,18 @@ def _dense_parts(grads: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return parts
 
 
+def scale_grads_(grads: Iterable[torch.Tensor], scaler: LossScaler) -> None:
+    """Multiply ``grads`` in place by the current scale of ``scaler`` (DTensor gradients
+    through their local shards, sparse COO ones through their values)."""
+    local, _ = local_grads(grads)
+    groups: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    for g in _dense_parts(local):
+        groups[g.device].append(g)
+    for device, group in groups.items():
+        scale = scaler.scale_tensor(scaler.device or device).to(device, non_blocking=True)
+        torch._foreach_mul_(group, scale)
+
+
 def coalesce_half_sparse_grads(params: Iterable[torch.Tensor]) -> None:
     """Coalesce the half-precision sparse gradients of ``params`` in place of the old ones.
 
@@ -224,6 +236,11 @@ class LossScaler:
         self._pending: tuple[float, int] | None = None  # from load_state_dict before first use
         self._static_unskipped = 0  # a static scale's step count lives on the host
         self._static_inv: torch.Tensor | None = None  # 1/scale of a static scale, once made
+        # Overflow flags of blocks whose update waits for the step (note_update_), summed.
+        self._pending_inf: torch.Tensor | None = None
+        # How many times the device scale may have changed: gradients that took the scale
+        # at one count carry the current scale while the count is the same.
+        self.version = 0
 
     # -- device state -----------------------------------------------------------------------
 
@@ -361,6 +378,26 @@ class LossScaler:
             else:
                 param.grad.add_(stashed)
 
+    def note_update_(self, found_inf: torch.Tensor) -> None:
+        """Remember an update owed for ``found_inf``; :meth:`flush_update_` applies the updates
+        owed, once, with the overflow of any of them.
+
+        ``amp.scale_loss`` updates the scale once per step (as torch's ``GradScaler``), not at
+        each block's exit as Apex did: under a data-parallel wrapper, a block whose
+        gradients were not all-reduced (``no_sync()``) sees only its rank's overflow, and an
+        update then would give the ranks different scales. Their flags are added to the
+        gradients of the block the wrapper reduces, which every rank then checks alike.
+        """
+        flag = found_inf.detach().clone()
+        pending = self._pending_inf
+        self._pending_inf = flag if pending is None else pending.add_(flag.to(pending.device))
+
+    def flush_update_(self) -> None:
+        """Apply the update owed by :meth:`note_update_` calls, if any (no host sync)."""
+        pending, self._pending_inf = self._pending_inf, None
+        if pending is not None:
+            self.update_(pending)
+
     def update_(self, found_inf: torch.Tensor) -> None:
         """Apex's update, on the device: backoff on overflow (not below the floor), growth after
         the window (not above the ceiling).
@@ -370,6 +407,7 @@ class LossScaler:
         if not self.dynamic:
             self._static_unskipped += 1
             return
+        self.version += 1
         scale = self.scale_tensor(found_inf.device)
         assert self._unskipped is not None
         torch._amp_update_scale_(
@@ -388,8 +426,9 @@ class LossScaler:
     def loss_scale(self) -> float:
         """The current scale as a Python float.
 
-        .. note:: Reads the device tensor: a host sync.
+        .. note:: Reads the device tensor: a host sync. Applies a pending update first.
         """
+        self.flush_update_()
         if not self.dynamic:
             return self._initial_scale  # kept on the host too: no sync
         if self._scale is None:
@@ -400,6 +439,7 @@ class LossScaler:
 
     def unskipped(self) -> int:
         """Steps since the last overflow or growth. Host sync, as :meth:`loss_scale`."""
+        self.flush_update_()
         if not self.dynamic:
             return self._static_unskipped
         if self._unskipped is None:
@@ -478,6 +518,8 @@ class LossScaler:
             self._static_unskipped = unskipped
             self._static_inv = None
         self._low_hint = scale
+        self._pending_inf = None  # updates owed to the scale that is replaced
+        self.version += 1
         if self._scale is None:
             self._pending = (scale, unskipped)
         else:

@@ -151,6 +151,12 @@ class AmpSession:
     casting: O1Casting | None = None
     verbosity: int = 1
 
+    def flush_scale_updates(self) -> None:
+        """Apply the scale updates the session's ``scale_loss`` blocks left pending (at a
+        step: see :meth:`LossScaler.note_update_`)."""
+        for scaler in self.scalers:
+            scaler.flush_update_()
+
     def casting_off(self) -> None:
         """Told by the session's O1 casting that it was switched off."""
         self.casting = None
@@ -200,7 +206,19 @@ class AmpRegistry:
 
     def close(self) -> None:
         """Undo every patch: the O1 casting, and the amp states of every model and optimizer
-        still alive (their wrappers and hooks, then ``_amp_state``); no session remains."""
+        still alive (their wrappers and hooks, then ``_amp_state``); no session remains.
+
+        Raises:
+            RuntimeError: inside a ``scale_loss`` block (nothing is changed then).
+        """
+        from ._optimizer import OptimizerAmpState  # (imports this module)
+
+        records: list[Any] = [r() for r, _ in self._records]
+        optimizers = [r for r in records if isinstance(r, OptimizerAmpState)]
+        for optimizer in optimizers:  # every refusal before any change
+            optimizer.check_closable()
+        for optimizer in optimizers:
+            optimizer.settle_for_close()
         self.switch_off_casting()  # tells its owner (a session, a legacy handle)
         for record_ref, obj_ref in self._records:
             record, obj = record_ref(), obj_ref()

@@ -53,6 +53,7 @@ class Deferred:
     scaler: LossScaler
     loss_id: int
     check: bool
+    version: int  # the scaler's update count when the gradients took its scale
 
 
 @dataclass
