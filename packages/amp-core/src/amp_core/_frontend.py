@@ -11,6 +11,7 @@ from torch import nn
 
 from ._apex_state import apex_state
 from ._casting import O1Casting
+from ._fused_master import check_amp_initialize
 from ._messages import show_setup
 from ._model import ModelAmpState, model_state
 from ._opt_levels import OptLevel, Properties, resolve_properties
@@ -96,6 +97,14 @@ def _check_inputs(models: list[nn.Module], optimizers: list[torch.optim.Optimize
                 "to amp.initialize."
             )
         seen.add(id(optimizer))
+
+
+def _check_optimizers(optimizers: Sequence[Any], props: Properties) -> None:
+    """Ask each optimizer that can refuse this call (``amp_check_initialize``, see
+    :func:`~amp_core._fused_master.check_amp_initialize`) whether it accepts it, before
+    anything is changed."""
+    for optimizer in optimizers:
+        check_amp_initialize(optimizer, master_weights=props.master_weights, cast=props.model_cast)
 
 
 def _warn_if_not_fp32(models: Sequence[nn.Module]) -> None:
@@ -196,11 +205,16 @@ def initialize(
         The models and optimizers in the form they were given: ``model`` or ``[models]`` alone
         when ``optimizers`` is ``None``, else ``(models, optimizers)``.
 
+    Every refusal comes before the first change: after an error the models, the optimizers and
+    the previous call are as they were, and a call with fixed arguments works.
+
     Raises:
         RuntimeError: for an unknown opt level, an override Apex refuses for that level, a
             wrapped (DDP) model, or an optimizer that was initialized before.
         TypeError: when models / optimizers are not modules / optimizers.
-        ValueError: for a malformed value.
+        ValueError: for a malformed value, or an optimizer that cannot step what the level
+            makes (its ``amp_check_initialize`` refuses: a stochastically rounding FusedAdam or
+            FusedSGD at O2, or cast to a dtype other than bfloat16).
 
     Example:
         >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
@@ -252,11 +266,15 @@ def initialize(
         registry.replace(AmpSession(props, verbosity=verbosity))
         return result()
 
+    # Every refusal comes before the first change: a refused call leaves the models, the
+    # optimizers and the previous call's session as they were, and a retry with fixed
+    # arguments works.
     _check_inputs(model_list, optimizer_list)
     model_cast = props.model_cast
     if props.master_weights or model_cast not in (None, torch.float32):
         refuse_sharded_cast(model_list, props.opt_level.value, model_cast)
     device_types = _device_types(model_list)
+    _check_optimizers(optimizer_list, props)
 
     session = AmpSession(props, verbosity=verbosity)
     registry.replace(session)  # switches off the previous session's O1 casting
