@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from _amp_optimizers_helpers import SPECS, OptimizerSpec, loss_of, make_params, two_groups
-from amp_optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
+from amp_optimizers import (
+    FusedAdagrad,
+    FusedAdam,
+    FusedLAMB,
+    FusedMixedPrecisionLamb,
+    FusedNovoGrad,
+    FusedSGD,
+)
 
 ALL = [FusedAdam, FusedSGD, FusedAdagrad, FusedLAMB, FusedNovoGrad]
 WITH_BETAS = [FusedAdam, FusedLAMB, FusedNovoGrad]
@@ -61,8 +68,46 @@ def test_bad_betas(cls: type[torch.optim.Optimizer], betas: tuple[float, ...], m
 
 
 def test_sgd_needs_a_learning_rate() -> None:
-    with pytest.raises(ValueError, match=r"FusedSGD: lr is required"):
+    with pytest.raises(
+        ValueError, match=r"FusedSGD: lr is required, e\.g\. FusedSGD\(params, lr=0\.1\)"
+    ):
         FusedSGD([torch.nn.Parameter(torch.zeros(2))])
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(2))], "lr": 0.1}]
+    groups.append({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    with pytest.raises(
+        ValueError, match=r"unless every param group .*; param groups \[1\] have none"
+    ):
+        FusedSGD(groups, momentum=0.5)
+    groups[1]["lr"] = -1.0
+    with pytest.raises(ValueError, match=r"invalid learning rate of param group 1 -1\.0"):
+        FusedSGD(groups)
+
+
+def _per_group_run(cls: type[torch.optim.Optimizer], **kwargs: Any) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(4))]
+    groups = [{"params": [params[0]], "lr": 0.25}, {"params": [params[1]], "lr": 0.5}]
+    opt = cls(groups, **kwargs)
+    for step in range(2):
+        opt.zero_grad()
+        sum((p * p).sum() * (step + 1) for p in params).backward()
+        opt.step()
+    return [p.detach().clone() for p in params]
+
+
+@pytest.mark.parametrize("cls", [*ALL, FusedMixedPrecisionLamb], ids=lambda c: c.__name__)
+def test_lr_given_per_param_group_only(cls: type[torch.optim.Optimizer]) -> None:
+    # Apex's multi-model tests build FusedSGD([{'params': ..., 'lr': 0.25}, ...], momentum=...).
+    momentum = {"momentum": 0.125} if cls is FusedSGD else {}
+    only_groups = _per_group_run(cls, **momentum)
+    # The groups' own lr is what steps: a default lr changes nothing.
+    with_default = _per_group_run(cls, lr=0.125, **momentum)
+    for actual, expected in zip(only_groups, with_default, strict=True):
+        assert torch.equal(actual, expected)
+    if cls is FusedSGD:  # the same steps as torch's SGD with these groups
+        reference = _per_group_run(torch.optim.SGD, **momentum)
+        for actual, expected in zip(only_groups, reference, strict=True):
+            torch.testing.assert_close(actual, expected)
 
 
 def test_sgd_negative_momentum() -> None:

@@ -21,9 +21,11 @@ latest ``amp.initialize`` call at the moment they are made. It is a view, not a 
 * ``handle``: ``_deactivate()`` switches the O1 casting off (what Apex's tests call it for),
   ``is_active()`` says whether it is on.
 * ``verbosity``, ``min_loss_scale``, ``max_loss_scale``: the latest call's values.
-* ``allow_incoming_model_not_fp32`` and ``hard_override`` may be set (Apex's tests do); they
-  change nothing, since ``amp.initialize`` already accepts a model that is not float32 (with a
-  warning) and raises on every real error.
+* ``allow_incoming_model_not_fp32`` and ``hard_override`` may be set (Apex's tests do).
+  ``amp.initialize`` accepts a model with half params either way (Apex refused one unless
+  ``allow_incoming_model_not_fp32``); the flag declares them intended and silences the warning
+  about them (docs/opt_levels.rst, "Models that arrive in half precision").
+  ``hard_override`` changes nothing: amp_core raises on every real error.
 
 Anything else raises ``AttributeError`` that names what to use instead.
 """

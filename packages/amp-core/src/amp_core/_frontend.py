@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
+from ._apex_state import apex_state
 from ._casting import O1Casting
+from ._fused_master import check_amp_initialize
 from ._messages import show_setup
 from ._model import ModelAmpState, model_state
 from ._opt_levels import OptLevel, Properties, resolve_properties
@@ -97,6 +99,14 @@ def _check_inputs(models: list[nn.Module], optimizers: list[torch.optim.Optimize
         seen.add(id(optimizer))
 
 
+def _check_optimizers(optimizers: Sequence[Any], props: Properties) -> None:
+    """Ask each optimizer that can refuse this call (``amp_check_initialize``, see
+    :func:`~amp_core._fused_master.check_amp_initialize`) whether it accepts it, before
+    anything is changed."""
+    for optimizer in optimizers:
+        check_amp_initialize(optimizer, master_weights=props.master_weights, cast=props.model_cast)
+
+
 def _warn_if_not_fp32(models: Sequence[nn.Module]) -> None:
     for model in models:
         for name, param in model.named_parameters():
@@ -138,7 +148,7 @@ def initialize(
     optimizers: Any = None,
     enabled: bool = True,
     opt_level: str = "O1",
-    cast_model_type: torch.dtype | None = None,
+    cast_model_type: torch.dtype | Literal[False] | None = None,
     patch_torch_functions: bool | None = None,
     keep_batchnorm_fp32: bool | str | None = None,
     master_weights: bool | None = None,
@@ -173,7 +183,9 @@ def initialize(
         enabled: ``False`` returns the inputs untouched and makes every amp call a no-op.
         opt_level: ``"O0"``, ``"O1"``, ``"O2"`` or ``"O3"`` (the letter O).
         cast_model_type: dtype the model is cast to (O2/O3): ``torch.float16`` or
-            ``torch.bfloat16``.
+            ``torch.bfloat16``; or ``False`` (any level, as in Apex): do not cast the models,
+            whose params and buffers keep the dtypes they arrived in (see docs/opt_levels.rst,
+            "Models that arrive in half precision").
         patch_torch_functions: Cast ops per Apex's policy (O1 only).
         keep_batchnorm_fp32: Keep batchnorm in fp32 when the model is cast.
         master_weights: Step fp32 master copies of half params (O2/O3).
@@ -193,10 +205,16 @@ def initialize(
         The models and optimizers in the form they were given: ``model`` or ``[models]`` alone
         when ``optimizers`` is ``None``, else ``(models, optimizers)``.
 
+    Every refusal comes before the first change: after an error the models, the optimizers and
+    the previous call are as they were, and a call with fixed arguments works.
+
     Raises:
         RuntimeError: for an unknown opt level, an override Apex refuses for that level, a
             wrapped (DDP) model, or an optimizer that was initialized before.
         TypeError: when models / optimizers are not modules / optimizers.
+        ValueError: for a malformed value, or an optimizer that cannot step what the level
+            makes (its ``amp_check_initialize`` refuses: a stochastically rounding FusedAdam or
+            FusedSGD at O2, or cast to a dtype other than bfloat16).
 
     Example:
         >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
@@ -248,10 +266,16 @@ def initialize(
         registry.replace(AmpSession(props, verbosity=verbosity))
         return result()
 
+    # Every refusal comes before the first change: a refused call leaves the models, the
+    # optimizers and the previous call's session as they were, and a retry with fixed
+    # arguments works.
     _check_inputs(model_list, optimizer_list)
-    if props.master_weights or props.cast_model_type not in (None, torch.float32):
-        refuse_sharded_cast(model_list, props.opt_level.value, props.cast_model_type)
+    model_cast = props.model_cast
+    if props.master_weights or model_cast not in (None, torch.float32):
+        refuse_sharded_cast(model_list, props.opt_level.value, model_cast)
     device_types = _device_types(model_list)
+    _check_optimizers(optimizer_list, props)
+
     session = AmpSession(props, verbosity=verbosity)
     registry.replace(session)  # switches off the previous session's O1 casting
 
@@ -260,11 +284,11 @@ def initialize(
 
     # Models: plan the cast, remember full-precision values for the masters, then cast.
     output_dtype = props.cast_model_outputs
-    if props.cast_model_type is not None and output_dtype is None:
+    if model_cast is not None and output_dtype is None:
         output_dtype = torch.float32
     model_states = []
     fp32_sources: dict[nn.Parameter, torch.Tensor] = {}
-    if props.cast_model_type is not None and verbosity > 0:
+    if model_cast is not None and verbosity > 0 and not apex_state.allow_incoming_model_not_fp32:
         _warn_if_not_fp32(model_list)
     for model in model_list:
         previous = model_state(model)
@@ -272,7 +296,7 @@ def initialize(
             previous.remove()
         state = ModelAmpState(
             model,
-            props.cast_model_type,
+            model_cast,
             props.keep_batchnorm_fp32,
             output_dtype,
             fresh_cast_cache=props.patch_torch_functions,

@@ -24,16 +24,20 @@ starts the next step clean.
 The protocol is opt-in by type (an optimizer without these three methods gets the ordinary O2
 path) and reversible (:meth:`amp_disable_fused_master_weights`, called when amp's wrapping of
 the optimizer is removed).
+
+Any optimizer (fused master weights or not) may also refuse an ``amp.initialize`` call it could
+not step, before amp changes anything, by defining ``amp_check_initialize`` (see
+:func:`check_amp_initialize`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["FusedMasterWeightOptimizer", "supports_fused_master_weights"]
+__all__ = ["FusedMasterWeightOptimizer", "check_amp_initialize", "supports_fused_master_weights"]
 
 
 @runtime_checkable
@@ -72,3 +76,22 @@ class FusedMasterWeightOptimizer(Protocol):
 def supports_fused_master_weights(optimizer: object) -> bool:
     """Whether ``optimizer`` implements :class:`FusedMasterWeightOptimizer`."""
     return isinstance(optimizer, FusedMasterWeightOptimizer)
+
+
+def check_amp_initialize(optimizer: Any, *, master_weights: bool, cast: torch.dtype | None) -> None:
+    """Let ``optimizer`` refuse an ``amp.initialize`` call before amp changes anything.
+
+    An optimizer (or the optimizer that a wrapper such as LARC holds as ``.optim``) may define
+    ``amp_check_initialize(*, master_weights, cast)`` and raise there, with the fix, when it
+    could not step what the call would make: ``amp_optimizers``' bfloat16 stochastic rounding
+    refuses float32 master weights and a model cast to a dtype other than bfloat16.
+
+    Args:
+        optimizer: An optimizer passed to ``amp.initialize``.
+        master_weights: Whether the call keeps float32 masters of the half params (O2).
+        cast: The dtype the call casts the models to, or ``None`` for no cast.
+    """
+    for candidate in (optimizer, getattr(optimizer, "optim", None)):
+        check = getattr(candidate, "amp_check_initialize", None)
+        if callable(check):
+            check(master_weights=master_weights, cast=cast)

@@ -65,7 +65,9 @@ class Properties:
         enabled: ``False`` makes every amp call a no-op.
         opt_level: The level the presets came from.
         half_dtype: The low-precision dtype (``torch.float16`` or ``torch.bfloat16``).
-        cast_model_type: dtype the model is cast to (O2/O3), or ``None`` / ``torch.float32``.
+        cast_model_type: dtype the model is cast to (O2/O3), ``torch.float32`` (O0), or
+            ``None`` / ``False``: the model keeps the dtypes it arrived with (``None`` is O1's
+            preset, ``False`` is Apex's override for "do not cast"; see :attr:`model_cast`).
         patch_torch_functions: Whether ops are cast per Apex's O1 policy.
         keep_batchnorm_fp32: Whether batchnorm stays fp32 when the model is cast.
         master_weights: Whether the optimizer steps fp32 master copies of half params.
@@ -78,7 +80,7 @@ class Properties:
     enabled: bool
     opt_level: OptLevel
     half_dtype: torch.dtype
-    cast_model_type: torch.dtype | None
+    cast_model_type: torch.dtype | Literal[False] | None
     patch_torch_functions: bool
     keep_batchnorm_fp32: bool | None
     master_weights: bool
@@ -94,8 +96,7 @@ class Properties:
         if not isinstance(self.opt_level, OptLevel):
             raise TypeError(f"opt_level must be an OptLevel, got {self.opt_level!r}.")
         _check_half_dtype("half_dtype", self.half_dtype)
-        if self.cast_model_type not in (None, torch.float32):
-            _check_half_dtype("cast_model_type", self.cast_model_type)
+        _check_cast_model_type(self.cast_model_type)
         for name in ("patch_torch_functions", "master_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}.")
@@ -112,6 +113,14 @@ class Properties:
         config = self.scaler_config()  # checks min_loss_scale and max_loss_scale
         object.__setattr__(self, "min_loss_scale", config.min_loss_scale)
         object.__setattr__(self, "max_loss_scale", config.max_loss_scale)
+
+    @property
+    def model_cast(self) -> torch.dtype | None:
+        """The dtype ``amp.initialize`` casts the models to, or ``None`` when it leaves their
+        dtypes alone (``cast_model_type`` ``None`` or ``False``): then it does not cast their
+        inputs or (unless ``cast_model_outputs``) outputs, and their ``state_dict()`` holds
+        their own tensors, as Apex's ``if properties.cast_model_type:``."""
+        return self.cast_model_type if self.cast_model_type is not False else None
 
     @property
     def dynamic(self) -> bool:
@@ -199,6 +208,16 @@ def _parse_loss_scale(value: Any) -> LossScaleSpec:
     return scale
 
 
+def _check_cast_model_type(value: Any) -> None:
+    # ``is`` for False: 0 and 0.0 compare equal to it.
+    if value is None or value is False or value is torch.float32 or value in _HALF_DTYPES:
+        return
+    raise ValueError(
+        f"cast_model_type must be torch.float16, torch.bfloat16, torch.float32, or False (do "
+        f"not cast the model), got {value!r}."
+    )
+
+
 def _check_half_dtype(name: str, dtype: Any) -> torch.dtype:
     if dtype not in _HALF_DTYPES:
         raise ValueError(f"{name} must be torch.float16 or torch.bfloat16, got {dtype!r}.")
@@ -230,15 +249,16 @@ def resolve_properties(
 
     for name, value in overrides.items():
         if name == "cast_model_type":
-            if level is OptLevel.O1 and value is not torch.float32:
+            # False ("do not cast the model") is accepted at every level, O1 included, as by
+            # Apex's Properties; Apex's multi-model tests pass it for half models.
+            if level is OptLevel.O1 and value is not torch.float32 and value is not False:
                 raise RuntimeError(
                     "O1 inserts casts around Torch functions rather than model weights, so "
                     "with O1, the model weights themselves should remain FP32. If you wish "
                     "to cast the model to a different type, use opt_level='O2' or 'O3'. "
                     f"cast_model_type was {value}"
                 )
-            if value is not torch.float32:
-                _check_half_dtype("cast_model_type", value)
+            _check_cast_model_type(value)
             values[name] = value
         elif name == "patch_torch_functions":
             flag = _parse_bool(name, value)

@@ -337,6 +337,37 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         super().__setstate__(state)
         self.invalidate_step_plans()  # also gives an optimizer pickled without plans its own
 
+    def amp_check_initialize(self, *, master_weights: bool, cast: torch.dtype | None) -> None:
+        """Refuse an ``amp.initialize`` call this optimizer could not step; amp calls it before
+        it changes anything, so the models and the optimizer are left as they were.
+
+        A param group with ``bf16_stochastic_round=True`` rounds its bfloat16 params itself: it
+        cannot step float32 master weights (O2, ``master_weights=True``) nor params cast to
+        another dtype (O0's float32, an fp16 O3).
+
+        Raises:
+            ValueError: naming the group, the call's setting and the fix.
+        """
+        name = type(self).__name__
+        for index, group in enumerate(self.param_groups):
+            if not group.get("bf16_stochastic_round", False):
+                continue
+            if master_weights:
+                raise ValueError(
+                    f"{name}: param group {index} has bf16_stochastic_round=True, which rounds "
+                    "the bfloat16 params themselves and cannot be combined with the float32 "
+                    "master weights of amp.initialize (opt_level O2 or master_weights=True); "
+                    "use opt_level='O3' with half_dtype=torch.bfloat16 (or O1), or "
+                    "bf16_stochastic_round=False. Nothing was changed."
+                )
+            if cast is not None and cast is not torch.bfloat16:
+                raise ValueError(
+                    f"{name}: param group {index} has bf16_stochastic_round=True, which needs "
+                    f"bfloat16 params, and amp.initialize would cast the model to {cast}; "
+                    "pass half_dtype=torch.bfloat16 (or cast_model_type=False to keep the "
+                    "model's dtypes), or bf16_stochastic_round=False. Nothing was changed."
+                )
+
     def invalidate_step_plans(self) -> None:
         """Forget every cached :class:`StepPlan` (the next step rebuilds them)."""
         self._plans = {}

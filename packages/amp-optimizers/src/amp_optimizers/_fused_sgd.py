@@ -34,6 +34,23 @@ from ._stochastic_round import (
 __all__ = ["FusedSGD"]
 
 
+def _groups_with_own_lr(params: Iterable[Any]) -> list[Any]:
+    """``params`` as a list, checked to give every param group its own ``"lr"`` (for a
+    ``FusedSGD`` built without ``lr=``); each one must be a number >= 0."""
+    listed: list[Any] = [params] if isinstance(params, Tensor) else list(params)
+    without = [i for i, g in enumerate(listed) if not isinstance(g, dict) or "lr" not in g]
+    if not listed or without:
+        groups = bool(listed) and all(isinstance(g, dict) for g in listed)
+        raise ValueError(
+            "FusedSGD: lr is required, e.g. FusedSGD(params, lr=0.1), unless every param group "
+            "gives its own, e.g. FusedSGD([{'params': ..., 'lr': 0.1}])"
+            + (f"; param groups {without} have none" if groups else "")
+        )
+    for i, group in enumerate(listed):
+        check_nonnegative("FusedSGD", f"learning rate of param group {i}", group["lr"])
+    return listed
+
+
 class FusedSGD(FusedOptimizerBase):
     """SGD with momentum, one multi-tensor launch per ``(device, dtype)`` (Apex's ``FusedSGD``).
 
@@ -43,7 +60,8 @@ class FusedSGD(FusedOptimizerBase):
 
     Args:
         params: Iterable of params or param-group dicts.
-        lr: Learning rate (required).
+        lr: Learning rate. Required unless every param group gives its own ``"lr"`` (Apex's
+            ``lr=required``, as ``torch.optim.SGD`` had it).
         momentum: Momentum factor.
         dampening: Dampening of the gradient in the momentum update.
         weight_decay: Weight decay (L2 penalty).
@@ -62,7 +80,8 @@ class FusedSGD(FusedOptimizerBase):
             default generator). Saved in ``state_dict()``: a resumed run continues bit for bit.
 
     Raises:
-        ValueError: A missing or negative ``lr``, negative ``momentum`` or ``weight_decay``,
+        ValueError: A missing ``lr`` (no ``lr=`` and a param group without its own), a
+            negative ``lr``, negative ``momentum`` or ``weight_decay``,
             Nesterov without momentum or with dampening, or ``bf16_stochastic_round=True``
             with params that are not bfloat16 (or with amp O2's float32 master params).
 
@@ -92,8 +111,9 @@ class FusedSGD(FusedOptimizerBase):
         stochastic_round_seed: int | None = None,
     ) -> None:
         if lr is required:
-            raise ValueError("FusedSGD: lr is required, e.g. FusedSGD(params, lr=0.1)")
-        check_nonnegative("FusedSGD", "learning rate", lr)
+            params = _groups_with_own_lr(params)
+        else:
+            check_nonnegative("FusedSGD", "learning rate", lr)
         check_nonnegative("FusedSGD", "momentum value", momentum)
         check_nonnegative("FusedSGD", "weight_decay value", weight_decay)
         if nesterov and (momentum <= 0 or dampening != 0):
