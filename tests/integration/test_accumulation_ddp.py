@@ -234,6 +234,37 @@ def _run_overflow(wrapper: str, level: str, delay: bool) -> Any:
     return {"scale_before": scale, "state": state, "before": before, "after": after}
 
 
+def _apex_docs_example(use_amp: bool) -> list[torch.Tensor]:
+    """Apex's documented accumulation loop ("Gradient accumulation across iterations"), two
+    steps of three micro-batches, under torch's DDP with ``no_sync()`` for the micro-batches
+    that only accumulate; with amp O1 (float16) or plain PyTorch."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    if use_amp:
+        model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+    wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    iters_to_accumulate = MICRO
+    micro_batches = _data(dist.get_rank()) + _data(dist.get_rank() + WORLD)
+    for i, (x, y) in enumerate(micro_batches, start=1):
+        step_now = i % iters_to_accumulate == 0
+        with contextlib.nullcontext() if step_now else wrapped.no_sync():
+            loss = F.mse_loss(wrapped(x).float(), y) / iters_to_accumulate
+            if not use_amp:
+                loss.backward()
+            elif step_now:
+                with amp.scale_loss(loss, optimizer) as scaled_loss:
+                    scaled_loss.backward()
+            else:
+                with amp.scale_loss(loss, optimizer, delay_unscale=True) as scaled_loss:
+                    scaled_loss.backward()
+        if step_now:
+            optimizer.step()
+            optimizer.zero_grad()
+    weights = [p.detach().float().clone() for p in model.parameters()]
+    amp.close()
+    return weights
+
+
 def exit_passed_rank() -> NoReturn:
     """End a spawned Gloo rank whose checks passed, without interpreter shutdown (a Gloo
     thread can abort it while DTensor's caches keep the process group alive, PyTorch issue
@@ -258,6 +289,8 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         for case in _overflow_cases():
             results[repr(("overflow", *case))] = _run_overflow(*case)
             dist.barrier()
+        results["apex-docs amp"] = _apex_docs_example(use_amp=True)
+        results["apex-docs plain"] = _apex_docs_example(use_amp=False)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -328,3 +361,17 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(
             failures.append(f"{name}: the ranks' scalers differ: {per_rank[0]['state']}, "
                             f"{per_rank[1]['state']}")  # fmt: skip
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_apex_documented_accumulation_loop_matches_plain_ddp(
+    world_results: list[dict[str, Any]],
+) -> None:
+    """Apex's documented loop, two steps under torch's DDP: every rank holds the weights plain
+    PyTorch DDP trains on the same data (O1 float16 tolerance)."""
+    amp_weights = [results["apex-docs amp"] for results in world_results]
+    plain = world_results[0]["apex-docs plain"]
+    for w0, w1 in zip(*amp_weights, strict=True):
+        assert torch.equal(w0, w1), "the ranks' weights differ"
+    for got, want in zip(amp_weights[0], plain, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3)
