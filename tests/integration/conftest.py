@@ -12,10 +12,6 @@ import pytest
 
 from amp_core import amp
 
-# Apex's own test files, which test_apex_l0_run_amp.py runs under the Apex runner (they import
-# `apex`, which only the runner provides).
-collect_ignore = ["apex_scripts/apex_l0_run_amp"]
-
 
 @pytest.fixture(autouse=True)
 def _amp_closed_after_each_test() -> Iterator[None]:

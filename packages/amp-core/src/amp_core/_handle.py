@@ -186,12 +186,20 @@ def _finish_backward(
     delay_unscale: bool,
     delay_overflow_check: bool,
 ) -> None:
-    """``scale_loss`` exit: unscale (or defer), update the scale, note the overflow flags."""
-    found_inf = torch.zeros((), dtype=torch.float32, device=device)
+    """``scale_loss`` exit: unscale (or defer), update the scale, note the overflow flags.
+
+    Each optimizer checks its own gradients; the block overflowed where the gradients of any of
+    them overflowed, save those already known to hold an inf from an earlier block of the step
+    (the backward adds to them): a block skips the steps of all its optimizers when its own
+    backward overflowed, as in Apex, and an earlier block's overflow skips only the optimizers
+    of that block.
+    """
+    flags = [torch.zeros((), dtype=torch.float32, device=device) for _ in states]
     if unit:
-        for state in states:
-            state.end_unit_backward(scaler, found_inf, check=check, delay_unscale=delay_unscale)
+        for state, flag in zip(states, flags, strict=True):
+            state.end_unit_backward(scaler, flag, check=check, delay_unscale=delay_unscale)
         if check and not delay_unscale:
+            found_inf = _block_overflow(states, flags)
             for state in states:
                 state.note_overflow_check(loss_id, found_inf)
         return
@@ -199,11 +207,11 @@ def _finish_backward(
     # step unscales, checks and updates the scale (see _fused_master).
     defer_loss_id = loss_id if len(states) == 1 and not delay_overflow_check else None
     deferred = False
-    for state in states:
+    for state, flag in zip(states, flags, strict=True):
         deferred = (
             state.end_backward(
                 scaler,
-                found_inf,
+                flag,
                 loss_id=loss_id,
                 check=check,
                 update=not delay_overflow_check,
@@ -213,11 +221,20 @@ def _finish_backward(
             or deferred
         )
     if not (delay_unscale or deferred):
+        found_inf = _block_overflow(states, flags)
         if not delay_overflow_check:
             scaler.note_update_(found_inf)  # applied at the step (see note_update_)
         if check:
             for state in states:
                 state.note_overflow_check(loss_id, found_inf)
+
+
+def _block_overflow(states: list[OptimizerAmpState], flags: list[torch.Tensor]) -> torch.Tensor:
+    """The block's overflow flag from each optimizer's (see :func:`_finish_backward`)."""
+    found_inf = states[0].new_overflow(flags[0])
+    for state, flag in zip(states[1:], flags[1:], strict=True):
+        found_inf = found_inf + state.new_overflow(flag).to(found_inf.device)
+    return found_inf
 
 
 def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:

@@ -11,8 +11,8 @@ Each optimizer is at one :class:`Stage` of its step, changed only by :meth:`_ent
 stage          meaning                                                left by
 =============  =====================================================  ==========================
 READY          no gradient of a scaled backward is in flight          a backward
-BACKWARD       inside ``amp.scale_loss``: the backward's grads        the block's exit; an
-               arrive alone, the earlier ones are held aside          exception in the block
+BACKWARD       inside ``amp.scale_loss``: the backward adds to the    the block's exit; an
+               grads in place, which carry the block's scale          exception in the block
 ACCUMULATING   ``scale_loss(delay_unscale=True)`` left grads scaled   a backward; zero_grad
 DEFERRED       (fused path) grads wait scaled for the fused step      a backward; step; zero_grad;
                                                                       ``amp.master_params``
@@ -20,17 +20,22 @@ UNSCALED       grads unscaled into place, overflow flags noted        a backward
                                                                       zero_grad (fused)
 STEPPED        (fused path) the step read grads that stay scaled      a backward; step; zero_grad;
                                                                       ``amp.master_params``
+INTERRUPTED    an exception stopped a backward that added to grads    zero_grad
+               in place (step and scale_loss refuse)
 CLOSED         :meth:`remove` undid amp's wrapping                    (final)
 =============  =====================================================  ==========================
 
-A backward (``amp.scale_loss`` entry) first brings DEFERRED and STEPPED grads into place
-(UNSCALED, READY), and unscales ACCUMULATING grads of another loss scaler by their own scale
-(UNSCALED), then enters BACKWARD. Its exit goes to ACCUMULATING (``delay_unscale``), DEFERRED
-(fused path) or UNSCALED, the held grads added back; with a static scale of one and no master
+The gradients stay where autograd (and a data-parallel wrapper) put them. A backward
+(``amp.scale_loss`` entry) first brings STEPPED grads and DEFERRED ones of another scale into
+place (READY, UNSCALED), and unscales ACCUMULATING grads of another loss scaler by their own
+scale (UNSCALED); then the grads in place are multiplied by the block's scale (the masters'
+move into the model's half grads) unless they carry it already (ACCUMULATING, DEFERRED of the
+same scale), and it enters BACKWARD. Its exit goes to ACCUMULATING (``delay_unscale``),
+DEFERRED (fused path) or UNSCALED, unscaling the sum; with a static scale of one and no master
 weights, a ``delay_unscale`` exit goes back to the stage before the block. An exception in the
-block goes back to the stage before it (after that first step), with the grads as they were:
-those the failed backward made are dropped, the held ones are put back. ``zero_grad`` in the
-block drops the held grads too.
+block drops the grads when there were none at its entry, puts back the copies
+``restore_on_error=True`` took, or else leaves INTERRUPTED. ``zero_grad`` in the block drops
+every grad. Scale updates wait for the step (:meth:`LossScaler.note_update_`).
 
 ``step()`` at ACCUMULATING or BACKWARD, ``amp.scale_loss`` at BACKWARD (nested blocks for one
 optimizer) and at CLOSED are refused with the fix.
@@ -437,6 +442,17 @@ class OptimizerAmpState:
             accumulation.scaler.note_update_(found_inf)
         if accumulation.check:
             self.note_overflow_check(accumulation.loss_id, found_inf)
+
+    def new_overflow(self, found_inf: torch.Tensor) -> torch.Tensor:
+        """``found_inf`` of this optimizer's gradients at a block's exit, cleared where an
+        earlier block of the step already found an overflow in them (the inf is still there:
+        it is that block's, not this one's)."""
+        if not self._checks:
+            return found_inf
+        # amp's own arithmetic, outside the O1 policy.
+        with torch._C._DisableAutocast():
+            earlier = torch.stack([f.to(found_inf.device) for _, f in self._checks]).sum()
+            return found_inf * (earlier == 0)
 
     def note_overflow_check(self, loss_id: int, found_inf: torch.Tensor) -> None:
         """Remember an overflow flag that the next ``step()`` must honour."""
