@@ -89,8 +89,9 @@ def plan_run(
     plan = Plan(size, dict(step_seconds), batches_per_epoch)
     if plan.seconds() > seconds * 1.1:
         LOG.warning(
-            "this machine is slow for the demo: even the smallest run (%d epoch, %d rounds of "
-            "%d steps) takes about %.0f s, over the budget of %.0f s",
+            "this machine is slow for the demo (a load average far above its cores does "
+            "that): even the smallest run (%d epoch, %d rounds of %d steps) takes about %.0f s, "
+            "more than the %.0f s left of the time budget",
             plan.size.epochs,
             rounds,
             steps,
