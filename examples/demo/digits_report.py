@@ -129,6 +129,11 @@ def legend_labels(results: Sequence[LevelResult]) -> dict[str, str]:
     return labels
 
 
+def _ms(value: float) -> str:
+    """Milliseconds with 4 to 5 significant digits."""
+    return f"{value:.1f}" if value >= 100 else f"{value:.2f}"
+
+
 def _ratio(value: float, base: float) -> str:
     return f"{value / base:.2f}x" if base else "-"
 
@@ -156,7 +161,7 @@ def format_table(report: Report) -> str:
     if cuda:
         lines.append("cuda peak MiB: torch.cuda.max_memory_allocated over the timed steps")
     columns = (
-        f"{'level':<6}{'test acc %':>11}{'vs O0':>7}{'':<2}{'step ms':>9} {'[IQR]':<18}"
+        f"{'level':<6}{'test acc %':>11}{'vs O0':>7}{'':<2}{'step ms':>9} {'[IQR]':<20}"
         f"{'vs ' + report.baseline:>6} {'[IQR]':<16}{'':<7}{'held MiB':>9}{'vs':>7}"
         f"{'saved MiB':>10}{'vs':>7}{'peak MiB':>9}{'vs':>7}"
     )
@@ -166,13 +171,13 @@ def format_table(report: Report) -> str:
     for r in results:
         t = r.timing
         assert t is not None  # filled in by the timed rounds
-        iqr = f"[{t.step_ms.q1:.2f}, {t.step_ms.q3:.2f}]"
+        iqr = f"[{_ms(t.step_ms.q1)}, {_ms(t.step_ms.q3)}]"
         ratio_iqr = f"[{t.ratio.q1:.2f}, {t.ratio.q3:.2f}]"
         verdict = "" if r.level == report.baseline else t.verdict
         row = (
             f"{r.level:<6}{r.accuracy:>11.2f}{r.accuracy - base.accuracy:>+7.2f}"
             f"{' =' if r is not base and report.tie(r) else '':<2}"
-            f"{t.step_ms.median:>9.2f} {iqr:<18}{t.ratio.median:>6.2f} {ratio_iqr:<16}"
+            f"{_ms(t.step_ms.median):>9} {iqr:<20}{t.ratio.median:>6.2f} {ratio_iqr:<16}"
             f"{verdict:<7}{r.held.total / MIB:>9.2f}{_ratio(r.held.total, base.held.total):>7}"
             f"{r.saved_bytes / MIB:>10.2f}{_ratio(r.saved_bytes, base.saved_bytes):>7}"
             f"{r.step_peak_bytes / MIB:>9.2f}{_ratio(r.step_peak_bytes, base.step_peak_bytes):>7}"
@@ -215,6 +220,7 @@ def plot(report: Report, out: Path) -> None:
         ax_loss.plot(epochs, r.epoch_losses, label=labels[r.level], **style)
     ax_loss.set(xlabel="epoch", ylabel="mean training loss", yscale="log", title="loss")
     ax_loss.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
+    ax_loss.set_xlim(0.5, max(len(r.epoch_losses) for r in results) + 0.5)
     ax_loss.legend(title="level (test accuracy)", fontsize=9)
     for text, r in zip(ax_loss.get_legend().get_texts(), results, strict=True):
         tie = f" (tie with {report.baseline})" if r is not base and report.tie(r) else ""
@@ -291,7 +297,7 @@ def plot(report: Report, out: Path) -> None:
     fig.suptitle(_wrap(report.title(), 150), fontsize=10, y=0.99)
     fig.text(
         0.5,
-        0.925,
+        0.885,
         report.machine.verdict(),
         ha="center",
         fontsize=10,
@@ -303,7 +309,7 @@ def plot(report: Report, out: Path) -> None:
         note += f" Machine {report.load_note()}."
     note += "".join(f" Warning: {message}." for message in report.warnings)
     fig.text(0.5, 0.005, _wrap(note, 200), ha="center", va="bottom", fontsize=8)
-    fig.tight_layout(rect=(0, 0.13, 1, 0.91))
+    fig.tight_layout(rect=(0, 0.13, 1, 0.87))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=90)
     plt.close(fig)

@@ -24,7 +24,8 @@ Usage:
 
 Needs scikit-learn (the data set) and matplotlib (the plot): `nox -s demo` installs both.
 
-Exits with status 1 when O1 or O2 ends more than 1 accuracy point below O0.
+Exits with status 1 when O1 or O2 ends more than 1 accuracy point below O0, and more than
+the test set's resolution (a tie is no failure).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ from digits_plan import (
     Plan,
     Progress,
     Size,
+    accuracy_resolution,
     clock,
     load_warnings,
     plan_run,
@@ -93,7 +95,7 @@ BUDGET = {"cpu": 150.0, "cuda": 50.0}
 # Seconds kept for what follows the sized part: the accuracy, the memory step, the figure.
 RESERVE_SECONDS = 10.0
 # Calibration: one untimed step per level (one-time set-up), then this many timed ones.
-CALIBRATION_STEPS = 2
+CALIBRATION_STEPS = 1
 
 
 @dataclass(frozen=True)
@@ -608,16 +610,23 @@ def run_levels(
     return Outcome(list(results.values()), rounds, baseline, threads.pop(), plan)
 
 
-def accuracy_failures(results: Sequence[LevelResult]) -> list[str]:
-    """Messages for every checked level that ends too far below O0 (empty when all pass)."""
+def accuracy_failures(results: Sequence[LevelResult], n_test: int) -> list[str]:
+    """Messages for every checked level that ends too far below O0 (empty when all pass).
+
+    Too far: more than :data:`MAX_DROP_POINTS` below O0 and more than the test set can
+    resolve (``accuracy_resolution``: after a short run, with O0 far from 100 %, a few images
+    either way are noise, and a tie is no failure).
+    """
     baseline = next((r for r in results if r.level == "O0"), None)
     if baseline is None:
         return []
+    allowed = max(MAX_DROP_POINTS, accuracy_resolution(baseline.accuracy, n_test))
     return [
         f"{r.level} test accuracy {r.accuracy:.2f}% is {baseline.accuracy - r.accuracy:.2f} "
-        f"points below O0 ({baseline.accuracy:.2f}%); allowed: {MAX_DROP_POINTS}"
+        f"points below O0 ({baseline.accuracy:.2f}%); allowed: {allowed:.2f} (at least "
+        f"{MAX_DROP_POINTS}, and what {n_test} test images resolve)"
         for r in results
-        if r.level in CHECKED_LEVELS and baseline.accuracy - r.accuracy > MAX_DROP_POINTS
+        if r.level in CHECKED_LEVELS and baseline.accuracy - r.accuracy > allowed
     ]
 
 
@@ -728,7 +737,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.smoke:
         LOG.info("--smoke: %d epochs per level, accuracy not checked", report.epochs)
         return 0
-    failures = accuracy_failures(results)
+    failures = accuracy_failures(results, len(split.y_test))
     for message in failures:
         LOG.error(message)
     return 1 if failures else 0
