@@ -37,6 +37,7 @@ import importlib.util
 import logging
 import math
 import multiprocessing
+import os
 import sys
 import textwrap
 import time
@@ -213,7 +214,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--threads",
         type=int,
         default=None,
-        help="torch CPU threads per level (default: PyTorch's own choice)",
+        help="torch CPU threads per level (default: PyTorch's own choice; 1 when the load average "
+        "is at or above the number of cores)",
     )
     args = parser.parse_args(argv)
     if args.record and args.smoke:
@@ -653,23 +655,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             "the demo draws its figure with matplotlib, which is missing; install it with "
             "`pip install matplotlib`, or run `nox -s demo`"
         )
+    watch = LoadWatch()
+    watch.sample()
+    cores = os.cpu_count() or 1
     threads = args.threads or torch.get_num_threads()
+    busy = bool(watch.samples) and watch.samples[-1] >= cores
+    if args.threads is None and device.type == "cpu" and busy and threads > 1:
+        # Each parallel region of a step waits for a thread the scheduler has parked when
+        # other work holds the cores: one thread per level is then several times faster.
+        LOG.info(
+            "the machine is busy (load average %.1f on %d cores): one thread per level, "
+            "which is faster then (--threads sets it)",
+            watch.samples[-1],
+            cores,
+        )
+        threads = 1
+        config = dataclasses.replace(config, threads=1)
     machine = describe_machine(device, threads, config.half_dtype)
     say_what_to_expect(machine)
     if args.record:  # before minutes of training: the README has a place for this run
         digits_report.record_block(HERE / "README.md", machine.kind)
     if args.out is None:
         args.out = digits_report.record_figure(RECORD_DIR, machine)
-    watch = LoadWatch()
-    watch.sample()
-    cores = machine.cores
-    if args.threads is None and device.type == "cpu" and watch.samples[-1] >= cores and threads > 1:
-        LOG.info(
-            "the machine is busy (load average %.1f on %d cores): `--threads 1` is often "
-            "faster then, as each thread of a step waits less for a free core",
-            watch.samples[-1],
-            cores,
-        )
     budget = args.budget if args.budget is not None else BUDGET[device.type]
     if args.size is None:
         LOG.info(
