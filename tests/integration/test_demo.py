@@ -302,3 +302,35 @@ def test_hardware_says_whether_half_precision_is_native() -> None:
     gpu = _machine(device="cuda", name="NVIDIA H100", capability="9.0", native_half=True)
     assert gpu.kind == "cuda" and "compute capability 9.0" in gpu.describe()
     assert "tensor cores" in gpu.expectation()
+
+
+def test_table_states_the_hardware_and_marks_accuracy_ties(tmp_path: Path) -> None:
+    demo = _demo_module()
+    import digits_report
+    from digits_measure import HeldMemory, summarize_rounds
+
+    rounds = [{"O0": 0.1, "O1": 0.5, "O2": 0.52}, {"O0": 0.11, "O1": 0.55, "O2": 0.5}]
+    timing = summarize_rounds(rounds, "O0")
+    accuracy = {"O0": 98.89, "O1": 98.67, "O2": 97.33}  # O1: one image below; O2: seven
+    results = []
+    for level in ("O0", "O1", "O2"):
+        result = demo.LevelResult(level, accuracy[level], [0.5], [1.0], timing[level])
+        result.held = HeldMemory(1, 1, 1)
+        results.append(result)
+    report = digits_report.Report(
+        results=results, machine=_machine(), half_dtype="bfloat16", batch_size=128,
+        n_params=1000, n_test=450, epochs=1, rounds=rounds, steps=2, baseline="O0",
+        unresolved=[], load=(1.0, 2.5), warnings=["the machine's load changed"],
+        sizing="sized", seconds=10.0, figure=tmp_path / "demo.png",
+    )  # fmt: skip
+    table = digits_report.format_table(report)
+    assert "bfloat16 arithmetic on this CPU: NOT native" in table
+    assert "SLOWER than O0" in table
+    assert "warning: the machine's load changed" in table
+    rows = {line.split()[0]: line for line in table.splitlines() if line[:2] in ("O0", "O1", "O2")}
+    assert " -0.22 = " in rows["O1"], rows["O1"]  # within the test set's resolution: a tie
+    assert "=" not in rows["O2"], rows["O2"]  # 1.56 points: more than 450 images blur
+    assert demo.accuracy_failures(results, 450) == [
+        "O2 test accuracy 97.33% is 1.56 points below O0 (98.89%); allowed: 1.00 (at least "
+        "1.0, and what 450 test images resolve)"
+    ]
