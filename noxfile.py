@@ -661,11 +661,29 @@ def bench(session: nox.Session) -> None:
             )
 
 
+# Why a machine cannot run the gpu tests, printed by the session's interpreter: "" when it can.
+_GPU_CHECK = """
+try:
+    import torch
+except ImportError:
+    print("no torch is installed for this Python (gpu_tests uses the installed CUDA build)")
+else:
+    if torch.version.cuda is None:
+        print(f"torch {torch.__version__} is a CPU build")
+    elif not torch.cuda.is_available():
+        print(f"torch {torch.__version__} sees no CUDA device")
+"""
+
+
 @nox.session(venv_params=SYSTEM_SITE)
 def gpu_tests(session: nox.Session) -> None:
-    """Run the tests marked gpu under packages/ and tests/ with the installed CUDA torch."""
-    if not _cuda_available(session):
-        session.skip("CUDA not available")
+    """Run the tests marked gpu under packages/ and tests/ with the installed CUDA torch.
+
+    Skipped, with one line that says why, where there is no GPU (or no CUDA torch).
+    """
+    why = str(session.run("python", "-c", _GPU_CHECK, silent=True, log=False) or "").strip()
+    if why:
+        session.skip(f"no GPU here, nothing to run: {why.splitlines()[-1]}")
     _install(session, "pytest")
     # Import from the source folders, as on GPU machines without an index (docs/design.rst,
     # "Testing CUDA code"):

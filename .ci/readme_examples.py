@@ -1,13 +1,13 @@
-"""Run the ```python examples of a README, as a reader would paste them (`nox -s build`).
+"""Run the ```python examples of a README exactly as printed (`nox -s build`).
 
 Usage: python .ci/readme_examples.py packages/<name>/README.md
 
-The examples use the names a reader already has in a training script (``model``,
-``optimizer``, ``loader``, ``loss_fn``, ``Net``, ``x``, ``y``, ``inputs``, ``targets``); a
-small CPU setup defines them before each example, so every example starts from a fresh model
-and optimizer. The examples of one README share one namespace (a later one may use a name an
-earlier one imported). ``torch.distributed`` finds a one-rank world in the environment, as
-``torchrun --nproc-per-node 1`` would set it. Exits non-zero on the first example that raises.
+Each example runs alone, in a fresh namespace, with nothing defined before it: what a reader
+gets who pastes that one block into a new interpreter. An example that needs a model, an
+optimizer or data defines stand-ins for them where the reader sees them. The working
+directory is an empty temporary folder (an example may save a checkpoint). Only
+``torch.distributed`` finds a one-rank world in the environment, as ``torchrun
+--nproc-per-node 1`` would set it. Exits non-zero on the first example that raises.
 """
 
 from __future__ import annotations
@@ -17,33 +17,9 @@ import os
 import re
 import socket
 import sys
+import tempfile
 import traceback
 from pathlib import Path
-
-SETUP = """
-import torch
-import torch.nn.functional as F
-
-torch.manual_seed(0)
-
-
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.body = torch.nn.Sequential(
-            torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)
-        )
-
-    def forward(self, x):
-        return self.body(x)
-
-
-model = Net()
-optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-loader = [(torch.randn(8, 8), torch.randint(0, 4, (8,))) for _ in range(2)]
-inputs, targets = x, y = loader[0]
-loss_fn = F.cross_entropy
-"""
 
 
 def _free_port() -> int:
@@ -59,9 +35,12 @@ def main(readme: Path) -> int:
         return 0
     one_rank = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
     os.environ.update({**one_rank, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
-    namespace: dict[str, object] = {"__name__": "__readme__"}
+    readme = readme.resolve()
+    folder = tempfile.TemporaryDirectory(prefix="readme_examples_")
+    os.chdir(folder.name)
+    namespace: dict[str, object] = {}
     for number, code in enumerate(examples, start=1):
-        exec(compile(SETUP, "<setup>", "exec"), namespace)
+        namespace = {"__name__": "__main__"}  # a new interpreter's, nothing else
         try:
             exec(compile(code, f"{readme} example {number}", "exec"), namespace)
         except Exception:
@@ -79,6 +58,8 @@ def main(readme: Path) -> int:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    os.chdir(readme.parent)
+    folder.cleanup()
     return 0
 
 

@@ -1,26 +1,19 @@
-"""What the digits demo measures: step-time statistics, the memory a level holds, the machine.
+"""What the digits demo measures: step-time statistics and the memory a level holds.
 
 Kept apart from the training script so that each measurement can be read (and tested) alone.
 """
 
 from __future__ import annotations
 
-import os
-import platform
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import combinations
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-
-# CPU features that decide how fast bf16 / fp16 run, in the order the title lists them.
-CPU_FEATURES = ("amx_bf16", "amx_fp16", "avx512_bf16", "avx512_fp16", "avx512f", "avx2")
-
 
 # --------------------------------------------------------------------------- memory
 
@@ -208,72 +201,3 @@ def unresolved_pairs(rounds: Sequence[Mapping[str, float]]) -> list[tuple[str, s
         for a, b in combinations(list(rounds[0]), 2)
         if not Spread.of([r[a] / r[b] for r in rounds]).excludes_one()
     ]
-
-
-# --------------------------------------------------------------------------- machine
-
-
-@dataclass(frozen=True)
-class Machine:
-    """What the numbers were measured on."""
-
-    device: str  # "cpu" or "cuda"
-    name: str  # CPU model name or GPU name
-    features: tuple[str, ...]  # CPU flags from CPU_FEATURES that /proc/cpuinfo lists
-    capability: str  # torch.backends.cpu.get_cpu_capability(), or the CUDA compute capability
-    threads: int
-    cores: int
-    torch_version: str
-
-    def describe(self) -> str:
-        if self.device == "cuda":
-            return f"{self.name} (sm_{self.capability}), torch {self.torch_version}"
-        flags = " ".join(self.features) if self.features else "no bf16/AVX-512 flags"
-        return (
-            f"{self.name} [{flags}; torch kernels {self.capability}], "
-            f"{self.threads} of {self.cores} threads, torch {self.torch_version}"
-        )
-
-
-def _cpuinfo_field(name: str) -> str | None:
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.exists():
-        return None
-    for line in cpuinfo.read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == name:
-            return value.strip()
-    return None
-
-
-def describe_machine(device: torch.device, threads: int) -> Machine:
-    """The CPU model and its bf16-relevant flags (or the GPU), threads and torch version."""
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        return Machine(
-            "cuda",
-            torch.cuda.get_device_name(device),
-            (),
-            f"{major}{minor}",
-            threads,
-            os.cpu_count() or 1,
-            torch.__version__,
-        )
-    flags = set((_cpuinfo_field("flags") or "").split())
-    return Machine(
-        "cpu",
-        _cpuinfo_field("model name") or platform.processor() or platform.machine(),
-        tuple(f for f in CPU_FEATURES if f in flags),
-        torch.backends.cpu.get_cpu_capability(),
-        threads,
-        os.cpu_count() or 1,
-        torch.__version__,
-    )
-
-
-def load_average() -> float | None:
-    """The 1-minute load average, where the platform has one."""
-    try:
-        return os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return None

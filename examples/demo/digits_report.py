@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from digits_measure import Machine
+from digits_hardware import Machine
+from digits_plan import accuracy_resolution
 
 if TYPE_CHECKING:
     from train_digits import LevelResult
@@ -30,9 +31,9 @@ COLORS = {"O0": "#4c72b0", "O1": "#dd8452", "O2": "#55a868", "O3": "#c44e52"}
 MEMORY_COLORS = ("#8c8c8c", "#bcbd22", "#17becf", "#9467bd")
 # Two curves closer than this everywhere (relative) cannot be told apart on the plot.
 COINCIDE_RTOL = 1e-3
-# The README block that --record rewrites.
-RECORD_BEGIN = "<!-- recorded run: begin (written by train_digits.py --record) -->"
-RECORD_END = "<!-- recorded run: end -->"
+# The README block that --record rewrites, one per kind of hardware (Machine.kind).
+RECORD_BEGIN = "<!-- recorded run {kind}: begin (written by train_digits.py --record) -->"
+RECORD_END = "<!-- recorded run {kind}: end -->"
 NOISE_RULE = (
     "a ratio whose interquartile range over the rounds contains 1.0 is marked ~: "
     "the machine's noise is as large as the difference, so the two are not ranked"
@@ -48,12 +49,15 @@ class Report:
     half_dtype: str
     batch_size: int
     n_params: int
+    n_test: int  # images in the test split: the accuracy's resolution
     epochs: int
     rounds: list[dict[str, float]]  # per round: level -> seconds per step
     steps: int
     baseline: str
     unresolved: list[tuple[str, str]]  # pairs of levels the timing cannot rank
-    load: tuple[float | None, float | None]  # 1-minute load average before and after
+    load: tuple[float, float] | None  # lowest and highest 1-minute load average sampled
+    warnings: list[str]  # the machine changed under the run (digits_plan.load_warnings)
+    sizing: str  # how the run's size was chosen
     seconds: float  # wall time of the whole run
     figure: Path
     command: str = ""  # the arguments the run was started with
@@ -62,6 +66,23 @@ class Report:
         return (
             f"digits CNN ({self.n_params / 1e6:.1f} M params, batch {self.batch_size}), "
             f"amp O0-O3 in {self.half_dtype} on {self.machine.device}: {self.machine.describe()}"
+        )
+
+    def resolution(self) -> float:
+        """Accuracy differences (points) within this are ties: see ``accuracy_resolution``."""
+        base = next(r for r in self.results if r.level == self.baseline)
+        return accuracy_resolution(base.accuracy, self.n_test)
+
+    def tie(self, result: LevelResult) -> bool:
+        base = next(r for r in self.results if r.level == self.baseline)
+        return abs(result.accuracy - base.accuracy) <= self.resolution() + 1e-9
+
+    def accuracy_note(self) -> str:
+        image = 100.0 / self.n_test
+        return (
+            f"test acc: {self.n_test} test images, one image = {image:.2f} points; a difference "
+            f"to {self.baseline} within {self.resolution():.2f} points (the standard error of "
+            "an accuracy on this many images, at least one image) is a tie, marked ="
         )
 
     def timing_note(self) -> str:
@@ -82,10 +103,10 @@ class Report:
         return text
 
     def load_note(self) -> str:
-        before, after = self.load
-        if before is None or after is None:
+        if self.load is None:
             return ""
-        return f"load average {before:.1f} before, {after:.1f} after"
+        low, high = self.load
+        return f"load average {low:.1f} to {high:.1f} during the run"
 
 
 def coinciding(a: Sequence[float], b: Sequence[float], rtol: float = COINCIDE_RTOL) -> bool:
@@ -108,6 +129,11 @@ def legend_labels(results: Sequence[LevelResult]) -> dict[str, str]:
     return labels
 
 
+def _ms(value: float) -> str:
+    """Milliseconds with 4 to 5 significant digits."""
+    return f"{value:.1f}" if value >= 100 else f"{value:.2f}"
+
+
 def _ratio(value: float, base: float) -> str:
     return f"{value / base:.2f}x" if base else "-"
 
@@ -118,10 +144,12 @@ def format_table(report: Report) -> str:
     base = next(r for r in results if r.level == report.baseline)
     lines = [
         report.title(),
+        f"{report.machine.verdict()}. {report.machine.expectation()}",
         f"run: {report.epochs} epochs per level, then {len(report.rounds)} timed rounds of "
-        f"{report.steps} steps per level (order rotated each round, models warmed up); "
-        f"{report.seconds:.0f} s in all"
+        f"{report.steps} steps per level (order rotated each round, models warmed up; "
+        f"{report.sizing}); {report.seconds:.0f} s in all"
         + (f"; {report.load_note()}" if report.load_note() else ""),
+        report.accuracy_note(),
         f"step ms: median [IQR] over the rounds; vs {report.baseline}: median [IQR] of the "
         f"per-round ratio; {NOISE_RULE}",
         "held MiB: weights + gradients + optimizer state (amp's fp32 masters included), each "
@@ -133,7 +161,7 @@ def format_table(report: Report) -> str:
     if cuda:
         lines.append("cuda peak MiB: torch.cuda.max_memory_allocated over the timed steps")
     columns = (
-        f"{'level':<6}{'test acc %':>11}{'vs O0':>7}{'step ms':>9} {'[IQR]':<18}"
+        f"{'level':<6}{'test acc %':>11}{'vs O0':>7}{'':<2}{'step ms':>9} {'[IQR]':<20}"
         f"{'vs ' + report.baseline:>6} {'[IQR]':<16}{'':<7}{'held MiB':>9}{'vs':>7}"
         f"{'saved MiB':>10}{'vs':>7}{'peak MiB':>9}{'vs':>7}"
     )
@@ -143,12 +171,13 @@ def format_table(report: Report) -> str:
     for r in results:
         t = r.timing
         assert t is not None  # filled in by the timed rounds
-        iqr = f"[{t.step_ms.q1:.2f}, {t.step_ms.q3:.2f}]"
+        iqr = f"[{_ms(t.step_ms.q1)}, {_ms(t.step_ms.q3)}]"
         ratio_iqr = f"[{t.ratio.q1:.2f}, {t.ratio.q3:.2f}]"
         verdict = "" if r.level == report.baseline else t.verdict
         row = (
             f"{r.level:<6}{r.accuracy:>11.2f}{r.accuracy - base.accuracy:>+7.2f}"
-            f"{t.step_ms.median:>9.2f} {iqr:<18}{t.ratio.median:>6.2f} {ratio_iqr:<16}"
+            f"{' =' if r is not base and report.tie(r) else '':<2}"
+            f"{_ms(t.step_ms.median):>9} {iqr:<20}{t.ratio.median:>6.2f} {ratio_iqr:<16}"
             f"{verdict:<7}{r.held.total / MIB:>9.2f}{_ratio(r.held.total, base.held.total):>7}"
             f"{r.saved_bytes / MIB:>10.2f}{_ratio(r.saved_bytes, base.saved_bytes):>7}"
             f"{r.step_peak_bytes / MIB:>9.2f}{_ratio(r.step_peak_bytes, base.step_peak_bytes):>7}"
@@ -159,6 +188,7 @@ def format_table(report: Report) -> str:
         row += f"{r.loss_scale:>11g}{r.skipped:>8d}"
         lines.append(row)
     lines.append(report.timing_note())
+    lines += [f"warning: {message}" for message in report.warnings]
     figure = shown_path(report.figure)
     lines.append(f"figure: {figure} (numbers: {figure.with_suffix('.json')})")
     return "\n".join(lines)
@@ -181,7 +211,7 @@ def plot(report: Report, out: Path) -> None:
     results = report.results
     base = next(r for r in results if r.level == report.baseline)
     levels = [r.level for r in results]
-    fig, (ax_loss, ax_time, ax_mem) = plt.subplots(1, 3, figsize=(15, 4.9))
+    fig, (ax_loss, ax_time, ax_mem) = plt.subplots(1, 3, figsize=(15, 5.6))
 
     labels = legend_labels(results)
     for r in results:
@@ -190,9 +220,11 @@ def plot(report: Report, out: Path) -> None:
         ax_loss.plot(epochs, r.epoch_losses, label=labels[r.level], **style)
     ax_loss.set(xlabel="epoch", ylabel="mean training loss", yscale="log", title="loss")
     ax_loss.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
+    ax_loss.set_xlim(0.5, max(len(r.epoch_losses) for r in results) + 0.5)
     ax_loss.legend(title="level (test accuracy)", fontsize=9)
     for text, r in zip(ax_loss.get_legend().get_texts(), results, strict=True):
-        text.set_text(f"{text.get_text()}  {r.accuracy:.1f} %")
+        tie = f" (tie with {report.baseline})" if r is not base and report.tie(r) else ""
+        text.set_text(f"{text.get_text()}  {r.accuracy:.1f} %{tie}")
 
     timings = [r.timing for r in results]
     medians = [t.ratio.median for t in timings if t is not None]
@@ -262,12 +294,22 @@ def plot(report: Report, out: Path) -> None:
     ax_mem.set_ylim(0, top * 1.35)
     ax_mem.legend(fontsize=8, loc="upper left")
 
-    fig.suptitle(_wrap(report.title(), 150), fontsize=10)
-    note = report.timing_note()
+    fig.suptitle(_wrap(report.title(), 150), fontsize=10, y=0.99)
+    fig.text(
+        0.5,
+        0.885,
+        report.machine.verdict(),
+        ha="center",
+        fontsize=10,
+        fontweight="bold",
+        color="black" if report.machine.native_half else "#b00000",
+    )
+    note = f"{report.machine.expectation()} {report.timing_note()}"
     if report.load_note():
         note += f" Machine {report.load_note()}."
-    fig.text(0.5, 0.01, _wrap(note, 190), ha="center", va="bottom", fontsize=8.5)
-    fig.tight_layout(rect=(0, 0.06, 1, 0.95))
+    note += "".join(f" Warning: {message}." for message in report.warnings)
+    fig.text(0.5, 0.005, _wrap(note, 200), ha="center", va="bottom", fontsize=8)
+    fig.tight_layout(rect=(0, 0.13, 1, 0.87))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=90)
     plt.close(fig)
@@ -302,23 +344,40 @@ def write_json(report: Report, path: Path) -> None:
     LOG.info("numbers written to %s", path)
 
 
-def record(report: Report, readme: Path) -> None:
-    """Rewrite the README's block of recorded numbers with this run's table and machine."""
-    text = readme.read_text()
-    pattern = re.compile(re.escape(RECORD_BEGIN) + r".*?" + re.escape(RECORD_END), re.DOTALL)
-    if not pattern.search(text):
+def record_figure(directory: Path, machine: Machine) -> Path:
+    """Where ``--record`` writes the figure of a run on ``machine``: one per kind of hardware."""
+    return directory / f"demo-{machine.kind}.png"
+
+
+def record_block(readme: Path, kind: str) -> tuple[re.Pattern[str], str, str]:
+    """The README block for runs on ``kind`` hardware: (pattern, first line, last line).
+
+    Raises:
+        RuntimeError: the README has no such block (checked before the run starts).
+    """
+    begin, end = RECORD_BEGIN.format(kind=kind), RECORD_END.format(kind=kind)
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
+    if not pattern.search(readme.read_text()):
         raise RuntimeError(
-            f"{readme} has no block between {RECORD_BEGIN!r} and {RECORD_END!r} to rewrite; "
-            "add the two lines where the recorded run belongs"
+            f"{readme} has no block between {begin!r} and {end!r} to rewrite; "
+            "add the two lines where the recorded run on this kind of hardware belongs"
         )
+    return pattern, begin, end
+
+
+def record(report: Report, readme: Path) -> None:
+    """Rewrite the README's block of recorded numbers for this kind of hardware."""
+    pattern, begin, end = record_block(readme, report.machine.kind)
+    text = readme.read_text()
     figure = report.figure.resolve().relative_to(readme.parent.resolve()).as_posix()
+    env = "".join(f"{setting} " for setting in report.machine.held_to)
     block = "\n".join(
         [
-            RECORD_BEGIN,
-            f"![loss, step time and memory per opt level]({figure})",
+            begin,
+            f"![loss, step time and memory per opt level, {report.machine.kind}]({figure})",
             "",
-            f"Command: `nox -s demo -- {report.command}`"
-            f" (runs `python examples/demo/train_digits.py {report.command}`).",
+            f"Command: `{env}nox -s demo -- {report.command}`"
+            f" (runs `{env}python examples/demo/train_digits.py {report.command}`).",
             "",
             f"Machine: {report.machine.describe()}; {report.half_dtype}; "
             + (f"{report.load_note()}; " if report.load_note() else "")
@@ -327,7 +386,7 @@ def record(report: Report, readme: Path) -> None:
             "```text",
             format_table(report),
             "```",
-            RECORD_END,
+            end,
         ]
     )
     readme.write_text(pattern.sub(lambda _: block, text, count=1))

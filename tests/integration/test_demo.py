@@ -206,3 +206,131 @@ def test_plot_legend_says_which_curves_coincide() -> None:
     styles = digits_report.STYLES
     assert styles["O1"] != styles["O2"]
     assert len({(s["linestyle"], s["marker"]) for s in styles.values()}) == 4
+
+
+def test_run_is_sized_to_the_budget() -> None:
+    _demo_module()
+    from digits_plan import MIN_ROUNDS, Size, plan_run
+
+    full = Size(12, 15, 10)
+    # A CPU with native bf16: every level about 0.05 s a step; the full run fits in 120 s.
+    fast = plan_run({"O0": 0.06, "O1": 0.04, "O2": 0.04, "O3": 0.04}, seconds=120.0,
+                    batches_per_epoch=11, full=full)  # fmt: skip
+    assert fast.size == full
+    # Without native bf16, O1-O3 take a second a step: fewer epochs and rounds, within budget.
+    slow = plan_run({"O0": 0.1, "O1": 1.0, "O2": 1.0, "O3": 1.0}, seconds=120.0,
+                    batches_per_epoch=11, full=full)  # fmt: skip
+    assert slow.seconds() <= 120.0
+    assert 1 <= slow.size.epochs < full.epochs and slow.size.rounds >= MIN_ROUNDS
+    assert slow.training_seconds() == pytest.approx(slow.size.epochs * 11 * 3.1)
+    # Too slow even for the smallest run: the smallest run, not nothing.
+    tiny = plan_run({"O0": 5.0, "O1": 5.0}, seconds=10.0, batches_per_epoch=11, full=full)
+    assert tiny.size == Size(1, MIN_ROUNDS, 2)
+    with pytest.raises(ValueError, match="no time per step"):
+        plan_run({"O0": 0.0}, seconds=10.0, batches_per_epoch=11, full=full)
+
+
+def test_progress_estimates_the_time_left() -> None:
+    _demo_module()
+    import io
+
+    from digits_plan import Progress, clock
+
+    progress = Progress(total=100.0, stream=io.StringIO(), started=0.0)
+    progress.done = 25.0
+    assert clock(125.4) == "2:05"
+    line = progress.line("training, epoch 1/4")
+    assert line.startswith("[#######.......................]  25% training, epoch 1/4;"), line
+    assert "left" in line
+
+
+def test_load_changes_and_accuracy_ties_are_flagged() -> None:
+    _demo_module()
+    from digits_plan import accuracy_resolution, load_warnings
+
+    assert load_warnings((1.0, 1.4), 10.0, 11.0, cores=2) == []
+    (changed,) = load_warnings((1.0, 2.5), 10.0, 11.0, cores=4)
+    assert "load changed during the run (1-minute load average 1.0 to 2.5)" in changed
+    assert any("reached 4.0 on 2 cores" in w for w in load_warnings((3.5, 4.0), 10, 11, 2))
+    assert any("varied by 50%" in w for w in load_warnings(None, 10.0, 15.0, cores=2))
+    # 450 test images at 98.9 %: the standard error is 0.49 points, two images; one image
+    # (0.22 points) is always within the resolution.
+    assert accuracy_resolution(98.89, 450) == pytest.approx(0.49, abs=0.01)
+    assert accuracy_resolution(100.0, 450) == pytest.approx(100 / 450)
+    with pytest.raises(ValueError, match="at least one test image"):
+        accuracy_resolution(90.0, 0)
+
+
+def _machine(**changes: Any) -> Any:
+    _demo_module()
+    import dataclasses
+
+    from digits_hardware import Machine
+
+    base = Machine("cpu", "Some CPU", ("avx2",), "AVX2", (), False, "bfloat16", 2, 2, "2.13")
+    return dataclasses.replace(base, **changes)
+
+
+def test_hardware_says_whether_half_precision_is_native() -> None:
+    _demo_module()
+    from digits_hardware import held_below, native_cpu_half
+
+    amx = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
+    assert native_cpu_half(amx, "AVX512", (), "bfloat16")
+    assert not native_cpu_half(("avx512f", "avx2"), "AVX512", (), "bfloat16")
+    assert not native_cpu_half(("avx2",), "AVX2", (), "bfloat16")
+    assert not native_cpu_half(amx, "AVX512", (), "float16")  # no AMX-FP16
+    # Held to AVX2 by the environment: a CPU with AMX then runs as one without it.
+    held = held_below("AVX2", {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"})
+    assert held == ("ATEN_CPU_CAPABILITY=avx2", "ONEDNN_MAX_CPU_ISA=AVX2")
+    assert not native_cpu_half(amx, "AVX512", held, "bfloat16")
+    assert held_below("AVX512", {}) == ()
+
+    plain = _machine()
+    assert plain.kind == "cpu-no-native-bf16"
+    assert "NOT native" in plain.verdict()
+    assert "SLOWER than O0" in plain.expectation()
+    assert "neither AMX nor AVX512-BF16" in plain.expectation()
+    approximated = _machine(features=amx, held_to=held)
+    assert "holds PyTorch to ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2" in (
+        approximated.expectation()
+    )
+    assert "held to ATEN_CPU_CAPABILITY=avx2" in approximated.describe()
+    native = _machine(features=amx, capability="AVX512", native_half=True)
+    assert native.kind == "cpu-native-bf16"
+    assert "faster than O0" in native.expectation() and "SLOWER" not in native.expectation()
+    gpu = _machine(device="cuda", name="NVIDIA H100", capability="9.0", native_half=True)
+    assert gpu.kind == "cuda" and "compute capability 9.0" in gpu.describe()
+    assert "tensor cores" in gpu.expectation()
+
+
+def test_table_states_the_hardware_and_marks_accuracy_ties(tmp_path: Path) -> None:
+    demo = _demo_module()
+    import digits_report
+    from digits_measure import HeldMemory, summarize_rounds
+
+    rounds = [{"O0": 0.1, "O1": 0.5, "O2": 0.52}, {"O0": 0.11, "O1": 0.55, "O2": 0.5}]
+    timing = summarize_rounds(rounds, "O0")
+    accuracy = {"O0": 98.89, "O1": 98.67, "O2": 97.33}  # O1: one image below; O2: seven
+    results = []
+    for level in ("O0", "O1", "O2"):
+        result = demo.LevelResult(level, accuracy[level], [0.5], [1.0], timing[level])
+        result.held = HeldMemory(1, 1, 1)
+        results.append(result)
+    report = digits_report.Report(
+        results=results, machine=_machine(), half_dtype="bfloat16", batch_size=128,
+        n_params=1000, n_test=450, epochs=1, rounds=rounds, steps=2, baseline="O0",
+        unresolved=[], load=(1.0, 2.5), warnings=["the machine's load changed"],
+        sizing="sized", seconds=10.0, figure=tmp_path / "demo.png",
+    )  # fmt: skip
+    table = digits_report.format_table(report)
+    assert "bfloat16 arithmetic on this CPU: NOT native" in table
+    assert "SLOWER than O0" in table
+    assert "warning: the machine's load changed" in table
+    rows = {line.split()[0]: line for line in table.splitlines() if line[:2] in ("O0", "O1", "O2")}
+    assert " -0.22 = " in rows["O1"], rows["O1"]  # within the test set's resolution: a tie
+    assert "=" not in rows["O2"], rows["O2"]  # 1.56 points: more than 450 images blur
+    assert demo.accuracy_failures(results, 450) == [
+        "O2 test accuracy 97.33% is 1.56 points below O0 (98.89%); allowed: 1.00 (at least "
+        "1.0, and what 450 test images resolve)"
+    ]

@@ -15,6 +15,7 @@ import sys
 import types
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,14 +102,22 @@ def test_apex_fp16_utils_and_its_submodules(hook: None) -> None:
     assert not hasattr(fp16_utils, "amp")  # amp_legacy_fp16's own amp is not apex.fp16_utils'
 
 
-def test_a_missing_toolkit_package_names_the_pip_package(
+def test_a_missing_toolkit_package_names_the_documented_install_commands(
     hook: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # None in sys.modules makes `import amp_optimizers` fail as if it were not installed.
     monkeypatch.setitem(sys.modules, "amp_optimizers", None)
-    with pytest.raises(ModuleNotFoundError, match="pip install amp-optimizers") as info:
+    with pytest.raises(ModuleNotFoundError, match="not on PyPI yet") as info:
         importlib.import_module("apex.optimizers")
     assert info.value.name == "apex.optimizers"
+    # The commands README.md documents, not a bare `pip install` of an unpublished name.
+    message = str(info.value)
+    assert "pip install --find-links dist amp-optimizers " in message, message
+    git = 'pip install "amp-optimizers @ git+$REPO#subdirectory=packages/amp-optimizers"'
+    assert git in message, message
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    assert "pip install --find-links dist amp-optimizers\n" in readme
+    assert git in readme
     with pytest.raises(ImportError, match="amp-optimizers"):
         exec("from apex.optimizers import FusedAdam", {})
     assert "apex.optimizers" not in sys.modules

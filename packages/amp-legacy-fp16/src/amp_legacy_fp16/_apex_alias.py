@@ -157,9 +157,14 @@ def apex_initialize(*args: Any, **kwargs: Any) -> Any:
 
 
 def _missing(name: str, dist: str, exc: ImportError) -> ModuleNotFoundError:
+    # The install commands README.md documents: nothing is on PyPI yet, where a bare
+    # `pip install <dist>` fails (or could fetch an unrelated package of that name).
     err = ModuleNotFoundError(
         f"{name} is provided by the amp toolkit's {dist} package, which could not be imported "
-        f"({exc}); install it with: pip install {dist}",
+        f"({exc}). It is not on PyPI yet; install it from the toolkit's wheelhouse (`nox -s "
+        f"build` in a checkout writes dist/): pip install --find-links dist {dist}  or from "
+        f'git: pip install "{dist} @ git+$REPO#subdirectory=packages/{dist}" (README.md, '
+        '"Install")',
         name=name,
     )
     err.__cause__ = exc
