@@ -299,7 +299,7 @@ class FusedAdam(FusedOptimizerBase):
         )
         if not use_device_path:
             # Every group's layout (and its checks) before any group steps.
-            plans = [(g, *self.step_plan("FusedAdam", g, self._moments)) for g in self.param_groups]
+            plans = self.step_plans("FusedAdam", self._moments)
             for index, (group, plan, grads) in enumerate(plans):
                 if plan is not None:
                     self._plain_step(group, plan, grads, index)

@@ -166,9 +166,7 @@ class FusedSGD(FusedOptimizerBase):
         loss = self._run_closure(closure)
         self._fresh_buffers = set()
         # Every group's layout (and its checks) before any group steps.
-        plans = [
-            (g, *self.step_plan("FusedSGD", g, self._momentum_buffer)) for g in self.param_groups
-        ]
+        plans = self.step_plans("FusedSGD", self._momentum_buffer)
         for group_index, (group, plan, grads) in enumerate(plans):
             if plan is None:
                 continue
