@@ -157,6 +157,8 @@ class FusedAdam(FusedOptimizerBase):
         self.capturable = capturable
         self.master_weights = master_weights
         self._amp_master = False  # amp O2 switched the master-weight path on
+        # Under amp O2: each half param's master, as amp holds it (amp exports these).
+        self._amp_masters: dict[Tensor, Tensor] = {}
         for group in self.param_groups:
             self._check_stochastic_round(group)
         if capturable:
@@ -170,24 +172,33 @@ class FusedAdam(FusedOptimizerBase):
         """Apex's view of the float32 master weights: one ``{"params": [...]}`` per param group,
         holding each param's master (``state[p]["master_param"]``) or None where it has none
         (a float32 param, master weights off, or before the first step created it)."""
-        return [
-            {
-                "params": [
-                    self.state[p].get("master_param") if p in self.state else None
-                    for p in group["params"]
-                ]
-            }
-            for group in self.param_groups
-        ]
+        return [{"params": [self._master_of(p) for p in g["params"]]} for g in self.param_groups]
+
+    def _master_of(self, p: Tensor) -> Tensor | None:
+        """The master of ``p``: the one in its state, else the one amp O2 holds (if any)."""
+        state = self.state.get(p)
+        master = state.get("master_param") if state else None
+        if master is None and self._amp_master:
+            master = self._amp_masters.get(p)
+        return master
 
     def _state(self, p: Tensor, master_source: Tensor | None = None) -> dict[str, Any]:
+        """The state of ``p``, created where missing (as on its first step).
+
+        Under amp O2 the master of a half param is the one amp holds and exports: state
+        cleared or deleted by hand (``del optimizer.state[p]``) gets zero moments again, as
+        in torch.optim, but keeps that master, which is the weight itself, not a statistic.
+        """
         state = self.state[p]
         if "exp_avg" not in state:
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
         if self._uses_masters() and p.dtype in _HALF and "master_param" not in state:
-            source = p if master_source is None else master_source
-            state["master_param"] = source.detach().to(dtype=torch.float32, copy=True)
+            master = self._amp_masters.get(p) if self._amp_master else None
+            if master is None:
+                source = p if master_source is None else master_source
+                master = source.detach().to(dtype=torch.float32, copy=True)
+            state["master_param"] = master
         return state
 
     def state_dict(self) -> dict[str, Any]:
@@ -220,10 +231,10 @@ class FusedAdam(FusedOptimizerBase):
                 },
             }
         masters = {
-            id(p): self.state[p]["master_param"]
+            id(p): master
             for g in self.param_groups
             for p in g["params"]
-            if p in self.state and "master_param" in self.state[p]
+            if (master := self._master_of(p)) is not None
         }
         super().load_state_dict(state_dict)
         for group in self.param_groups:
@@ -462,12 +473,14 @@ class FusedAdam(FusedOptimizerBase):
                 if p.dtype in _HALF:
                     state = self._state(p, fp32_sources.get(p))
                     pairs.append((p, state["master_param"]))
+        self._amp_masters.update(pairs)
         return pairs
 
     def amp_disable_fused_master_weights(self) -> None:
         """Undo :meth:`amp_enable_fused_master_weights` (masters dropped unless
         ``master_weights=True`` was asked for at construction)."""
         self._amp_master = False
+        self._amp_masters = {}
         self.invalidate_step_plans()
         if not self.master_weights:
             for state in self.state.values():
@@ -490,7 +503,7 @@ class FusedAdam(FusedOptimizerBase):
         for group in self.param_groups:
             params = []
             for p in group["params"]:
-                master = self.state[p].get("master_param") if p in self.state else None
+                master = self._master_of(p)
                 has_master_grad = master is not None and master.grad is not None
                 if p.grad is not None or has_master_grad:
                     params.append(p)
@@ -568,7 +581,7 @@ def _raise_on_nonfinite_flag(found_inf: Tensor, grads: list[Tensor]) -> None:
 
 
 def _amp_grad(optimizer: FusedAdam, p: Tensor) -> Tensor:
-    master = optimizer.state[p].get("master_param") if p in optimizer.state else None
+    master = optimizer._master_of(p)
     if master is not None and master.grad is not None:
         return master.grad
     assert p.grad is not None
