@@ -507,6 +507,27 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         self._plans[id(group)] = plan
         return plan
 
+    def candidate_group(self, param_group: Any) -> dict[str, Any] | None:
+        """The group :meth:`add_param_group` would append for ``param_group``, to check it first.
+
+        A copy with the defaults filled in and ``"params"`` a list of tensors (named params
+        unpacked), as ``torch.optim.Optimizer.add_param_group`` makes it; an iterator of params
+        is read into a list in ``param_group`` itself (as torch would). ``None`` where torch
+        refuses the group on its own (not a dict, no params, params in a set): a subclass that
+        refuses groups checks the candidate, so that a refused group is never appended.
+        """
+        if not isinstance(param_group, dict) or "params" not in param_group:
+            return None
+        params = param_group["params"]
+        if isinstance(params, set):
+            return None
+        if isinstance(params, Tensor):
+            tensors = [params]
+        else:
+            param_group["params"] = params = list(params)
+            tensors = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]
+        return {**self.defaults, **param_group, "params": tensors}
+
     def noop_flag(self, device: torch.device) -> Tensor:
         """This optimizer's one-element int32 flag on ``device``, reset to 0."""
         flag = self._noop_flags.get(device)

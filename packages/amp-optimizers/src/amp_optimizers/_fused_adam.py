@@ -42,8 +42,11 @@ from ._stochastic_round import (
     SEED as _SR_SEED,
 )
 from ._stochastic_round import (
+    assign_default_seeds,
     check_stochastic_round_group,
+    distributed_world_size,
     launch_seed,
+    settle_default_seed,
     stochastic_round_options,
 )
 
@@ -80,9 +83,13 @@ class FusedAdam(FusedOptimizerBase):
             it is lost). A param-group option; the group's params must be bfloat16, and
             ``master_weights`` and ``capturable`` must be off. See the docs' "bfloat16
             training" page.
-        stochastic_round_seed: Seed of the rounding's random bits (default: drawn from torch's
-            default generator, so ``torch.manual_seed`` fixes it). Saved in ``state_dict()``
-            (param groups): a resumed run continues bit for bit.
+        stochastic_round_seed: Seed of the rounding's random bits. Default: drawn from torch's
+            default generator (one ``torch.randint`` call, so ``torch.manual_seed`` fixes it)
+            when the first param group with ``bf16_stochastic_round=True`` is added, and, under
+            ``torch.distributed``, replaced at the first step by rank 0's draw on every rank
+            (one broadcast over the default process group: every rank must step). Nothing is
+            drawn while no group rounds stochastically. Saved in ``state_dict()`` (param
+            groups): a resumed run continues bit for bit.
 
     Raises:
         RuntimeError: ``amsgrad=True``.
@@ -111,6 +118,9 @@ class FusedAdam(FusedOptimizerBase):
         """Whether ``torch.amp.GradScaler`` leaves the unscaling to ``step`` (Apex: only when
         capturable; here also with master weights, which it did not allow without)."""
         return bool(self.capturable or self.master_weights)
+
+    # A default stochastic_round_seed drawn on this rank, not yet agreed with the other ranks.
+    _sr_unagreed_seed: int | None = None
 
     # Apex's op handles (read by code built on Apex's optimizers): the amp_C ops by name.
     multi_tensor_adam = AmpCOp("multi_tensor_adam")
@@ -161,6 +171,7 @@ class FusedAdam(FusedOptimizerBase):
         self._amp_masters: dict[Tensor, Tensor] = {}
         for group in self.param_groups:
             self._check_stochastic_round(group)
+        self._sr_unagreed_seed = assign_default_seeds(self.defaults, self.param_groups)
         if capturable:
             for group in self.param_groups:
                 self._after_load_group(group)
@@ -253,10 +264,20 @@ class FusedAdam(FusedOptimizerBase):
 
         Args:
             param_group: The params and the hyperparameters that differ from the defaults.
+
+        Raises:
+            ValueError: The group asks for ``bf16_stochastic_round`` where it cannot apply (see
+                the class); the group is then not added.
         """
+        constructed = hasattr(self, "_amp_master")  # unset while the constructor adds groups
+        candidate = self.candidate_group(param_group) if constructed else None
+        if candidate is not None:
+            self._check_stochastic_round(candidate)
         super().add_param_group(param_group)
-        if hasattr(self, "_amp_master"):  # unset while the constructor adds its groups
-            self._check_stochastic_round(self.param_groups[-1])
+        if constructed:
+            drawn = assign_default_seeds(self.defaults, self.param_groups[-1:])
+            if drawn is not None:
+                self._sr_unagreed_seed = drawn
         if getattr(self, "capturable", False):
             self._after_load_group(self.param_groups[-1])
 
@@ -309,6 +330,8 @@ class FusedAdam(FusedOptimizerBase):
             or found_inf is not None
         )
         if not use_device_path:
+            if self._sr_unagreed_seed is not None and distributed_world_size() > 1:
+                self._settle_stochastic_round_seeds()
             # Every group's layout (and its checks) before any group steps.
             plans = self.step_plans("FusedAdam", self._moments)
             for index, (group, plan, grads) in enumerate(plans):
@@ -333,6 +356,11 @@ class FusedAdam(FusedOptimizerBase):
             unscale_grads_in_place(grads, grad_scale)
         return loss
 
+    def _settle_stochastic_round_seeds(self) -> None:
+        self._sr_unagreed_seed = settle_default_seed(
+            "FusedAdam", self.defaults, self.param_groups, self._sr_unagreed_seed
+        )
+
     def _moments(self, p: Tensor) -> tuple[Tensor, Tensor]:
         state = self._state(p)
         return state["exp_avg"], state["exp_avg_sq"]
@@ -350,6 +378,8 @@ class FusedAdam(FusedOptimizerBase):
             # count (step or step_tensor, so a compiled step does not recompile).
             rounding: tuple[int, ...] = ()
             if group.get(_SR_FLAG, False):
+                if group.get(_SR_SEED) is None:  # the option was switched on in the group by hand
+                    self._settle_stochastic_round_seeds()
                 launch = (group_index << 16) + bucket_index
                 rounding = (launch_seed(group[_SR_SEED], launch),)
             multi_tensor_applier(
