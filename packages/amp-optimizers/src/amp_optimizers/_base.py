@@ -289,20 +289,19 @@ class StateSnapshot:
 
     torch.optim reads ``optimizer.state[p][key]`` at every step; a plan holds the state tensors
     instead. The plans stay valid while this snapshot matches (:meth:`matches`): the same
-    ``state`` mapping, keyed by the same params in the same order, each per-param dict with as
-    many entries, and the same objects in them in the same order. So a state cleared or
-    replaced in any way (``state.clear()``, ``del state[p]``, ``state[p] = {}``,
-    ``state[p].clear()``, ``state[p]["exp_avg"] = t``, the state moved to another device and
-    back, a param's state moved to another param) rebuilds the plans, which re-create missing
-    state as the first step did. A per-param dict replaced by another that holds the same
-    tensors changes nothing a step reads, and is not looked at.
+    ``state`` mapping, keyed by the same params in the same order, and the same objects in its
+    per-param dicts, in the same order and as many. So a state cleared or replaced in any way
+    (``state.clear()``, ``del state[p]``, ``state[p] = {}``, ``state[p].clear()``,
+    ``state[p]["exp_avg"] = t``, the state moved to another device and back, a param's state
+    moved to another param) rebuilds the plans, which re-create missing state as the first
+    step did. A per-param dict replaced by another that holds the same tensors changes nothing
+    a step reads, and is not looked at.
 
-    The check reads no tensor and hashes no param: two C-level passes over the state (the
-    lengths of its dicts; its keys and values by identity).
+    The check reads no tensor and hashes no param: one C-level pass over the state's keys and
+    values, compared by identity.
     """
 
     mapping: Any
-    lengths: list[int]
     objects: list[Any]
 
     @classmethod
@@ -311,16 +310,14 @@ class StateSnapshot:
             objects = list(_state_objects(state))
         except TypeError:  # an entry that is not a dict: nothing is cached (never matches)
             objects = [object()]
-        return cls(state, list(map(len, state.values())), objects)
+        return cls(state, objects)
 
     def matches(self, state: Any) -> bool:
         """Whether ``state`` still holds exactly what it held when this snapshot was taken."""
-        if state is not self.mapping or len(state) != len(self.lengths):
+        if state is not self.mapping:
             return False
         try:
-            return list(map(len, state.values())) == self.lengths and all(
-                map(operator.is_, _state_objects(state), self.objects)
-            )
+            return all(map(operator.is_, _state_objects(state), self.objects))
         except TypeError:
             return False
 
