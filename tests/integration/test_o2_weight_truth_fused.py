@@ -178,3 +178,38 @@ def test_fused_adam_tied_weight_exports_its_master_under_both_names(half: torch.
     assert torch.equal(exported["emb.weight"], master.detach())
     assert torch.equal(exported["head.weight"], master.detach())
     _assert_close_states(exported, reference.state_dict(), "O2", half)
+
+
+def _reset_state(opt: FusedAdam, param: torch.Tensor, how: str) -> None:
+    if how == "del":
+        del opt.state[param]
+    elif how == "assign":
+        opt.state[param] = {}
+    else:
+        opt.state[param].clear()
+
+
+@pytest.mark.parametrize("how", ["del", "assign", "clear"])
+@pytest.mark.parametrize("half", HALF_DTYPES)
+def test_fused_adam_state_reset_keeps_the_master_amp_exports(half: torch.dtype, how: str) -> None:
+    """A param's optimizer state reset by hand (torch.optim re-creates it: zero moments) keeps
+    its master, which is the weight itself: the optimizer goes on stepping the master that amp
+    exports, and the model stays its rounded copy."""
+    model = _mlp()
+    model, opt = amp.initialize(model, _adam(model), opt_level="O2", half_dtype=half, verbosity=0)
+    for seed in range(2):
+        _amp_step(model, opt, seed)
+    weight = model[0].weight
+    master = opt.state[weight]["master_param"]
+    masters = [id(m) for m in amp.master_params(opt)]
+    assert id(master) in masters
+    _reset_state(opt, weight, how)
+    for seed in range(2, 5):
+        _amp_step(model, opt, seed)
+    exported = model.state_dict()
+    for name, p in model.named_parameters():
+        assert exported[name].dtype == torch.float32, name
+        assert torch.equal(exported[name].to(p.dtype), p.detach()), name
+    assert opt.state[weight]["master_param"] is master  # the one amp holds and exports
+    assert [id(m) for m in amp.master_params(opt)] == masters
+    assert torch.equal(exported["0.weight"], master.detach())

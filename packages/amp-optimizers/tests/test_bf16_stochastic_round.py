@@ -42,11 +42,12 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> 
         opt.step()
 
 
+@pytest.mark.parametrize("seed", [11, None], ids=["seeded", "default_seed"])
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_resume_from_checkpoint_continues_bitwise(name: str) -> None:
+def test_resume_from_checkpoint_continues_bitwise(name: str, seed: int | None) -> None:
     make = OPTIMIZERS[name]
     model = _model()
-    opt = make(model.parameters(), bf16_stochastic_round=True, stochastic_round_seed=11)
+    opt = make(model.parameters(), bf16_stochastic_round=True, stochastic_round_seed=seed)
     _train(model, opt, range(0, 4))
     saved_model = copy.deepcopy(model.state_dict())
     saved_opt = copy.deepcopy(opt.state_dict())
@@ -54,8 +55,15 @@ def test_resume_from_checkpoint_continues_bitwise(name: str) -> None:
 
     resumed = _model()
     resumed.load_state_dict(saved_model)
-    # Another seed at construction: the checkpoint's seed must win.
-    opt2 = make(resumed.parameters(), bf16_stochastic_round=True, stochastic_round_seed=999)
+    # Another seed at construction (given, or drawn from another global seed): the
+    # checkpoint's seed must win.
+    torch.manual_seed(999)
+    opt2 = make(resumed.parameters(), bf16_stochastic_round=True,
+                stochastic_round_seed=None if seed is None else 999)  # fmt: skip
+    assert (
+        opt2.param_groups[0]["stochastic_round_seed"]
+        != opt.param_groups[0]["stochastic_round_seed"]
+    )
     opt2.load_state_dict(saved_opt)
     _train(resumed, opt2, range(4, 9))
     for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
@@ -167,3 +175,58 @@ def test_default_seed_follows_torch_manual_seed() -> None:
         seeds[0]["param_groups"][0]["stochastic_round_seed"]
         == (seeds[1]["param_groups"][0]["stochastic_round_seed"])
     )
+
+
+def _fake_world(monkeypatch: pytest.MonkeyPatch, broadcast: Callable[..., Any]) -> None:
+    """torch.distributed as two initialized ranks whose broadcast is ``broadcast``."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "broadcast", broadcast)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_the_first_step_takes_rank_0s_default_seed(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under torch.distributed the drawn default seed is replaced by rank 0's at the first
+    step, once; a group's own seed is kept."""
+    calls = []
+
+    def broadcast(tensor: torch.Tensor, src: int) -> None:
+        calls.append(src)
+        tensor.fill_(42)  # rank 0's seed
+
+    _fake_world(monkeypatch, broadcast)
+    model = _model()
+    params = list(model.parameters())
+    opt = OPTIMIZERS[name]([{"params": params[:2]}, {"params": params[2:],
+                            "stochastic_round_seed": 7}], bf16_stochastic_round=True)  # fmt: skip
+    drawn = opt.param_groups[0]["stochastic_round_seed"]
+    assert drawn != 42
+    _train(model, opt, range(2))
+    assert calls == [0]
+    assert [g["stochastic_round_seed"] for g in opt.param_groups] == [42, 7]
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_default_seed_that_cannot_be_agreed_is_refused(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broadcast(tensor: torch.Tensor, src: int) -> None:
+        raise RuntimeError("no backend for cpu tensors")
+
+    _fake_world(monkeypatch, broadcast)
+    model = _model()
+    opt = OPTIMIZERS[name](model.parameters(), bf16_stochastic_round=True)
+    with pytest.raises(
+        RuntimeError,
+        match=rf"{name}: bf16_stochastic_round=True without a stochastic_round_seed .*\(no backend "
+        r"for cpu tensors\)\. Pass the same stochastic_round_seed=<int> on every rank",
+    ):
+        _train(model, opt, range(1))
+    # A seed given needs no agreement.
+    opt = OPTIMIZERS[name](model.parameters(), bf16_stochastic_round=True, stochastic_round_seed=3)
+    _train(model, opt, range(1))

@@ -151,6 +151,79 @@ def test_sparse_gradients_are_refused(cls: type[torch.optim.Optimizer]) -> None:
         opt.step()
 
 
+# --- add_param_group ----------------------------------------------------------------------
+
+BF16 = torch.bfloat16
+
+
+def _param(dtype: torch.dtype = torch.float32) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.ones(3, dtype=dtype))
+
+
+# (optimizer over its first params, the group it must refuse, the error) for every optimizer:
+# its own checks where it has some, torch's (a param in two groups) where it has none.
+REFUSED_GROUPS = [
+    pytest.param(
+        lambda ps: FusedAdam(ps, lr=0.1, bf16_stochastic_round=True), BF16,
+        lambda: {"params": [_param()]}, r"FusedAdam: bf16_stochastic_round=True needs bfloat16",
+        id="FusedAdam-rounding-float32",
+    ),
+    pytest.param(
+        lambda ps: FusedAdam(ps, lr=0.1, master_weights=True), BF16,
+        lambda: {"params": [_param(BF16)], "bf16_stochastic_round": True},
+        r"cannot be combined with float32 master weights", id="FusedAdam-rounding-masters",
+    ),
+    pytest.param(
+        lambda ps: FusedSGD(ps, lr=0.1, bf16_stochastic_round=True), BF16,
+        (lambda: {"params": (p for p in [_param(), _param(BF16)])}),  # an iterator, read once
+        r"FusedSGD: bf16_stochastic_round=True needs bfloat16 params, got \['torch.float32'\]",
+        id="FusedSGD-rounding-float32",
+    ),
+    pytest.param(
+        lambda ps: FusedMixedPrecisionLamb(ps, lr=1e-3), torch.float32,
+        lambda: {"params": [_param()], "lr": -1.0},
+        r"FusedMixedPrecisionLamb: invalid learning rate -1.0", id="FusedMixedPrecisionLamb-lr",
+    ),
+    pytest.param(
+        lambda ps: FusedMixedPrecisionLamb(ps, lr=1e-3), torch.float32,
+        lambda: {"params": [_param()], "step": 1.5},
+        r"FusedMixedPrecisionLamb: invalid step 1.5", id="FusedMixedPrecisionLamb-step",
+    ),
+    *(
+        pytest.param(
+            build, torch.float32, None, "appear in more than one parameter group", id=name
+        )
+        for name, build in [
+            ("FusedLAMB", lambda ps: FusedLAMB(ps, lr=1e-3)),
+            ("FusedNovoGrad", lambda ps: FusedNovoGrad(ps, lr=1e-3)),
+            ("FusedAdagrad", lambda ps: FusedAdagrad(ps, lr=1e-2)),
+        ]
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("build", "dtype", "bad_group", "match"), REFUSED_GROUPS)
+def test_a_refused_param_group_is_not_added(
+    build: Any, dtype: torch.dtype, bad_group: Any, match: str
+) -> None:
+    """As torch.optim: a group that add_param_group refuses is not appended, and the optimizer
+    goes on stepping its groups and accepts a valid one afterwards."""
+    first = _param(dtype)
+    opt = build([first])
+    group = {"params": [first]} if bad_group is None else bad_group()
+    with pytest.raises(ValueError, match=match):
+        opt.add_param_group(group)
+    assert len(opt.param_groups) == 1
+    assert opt.param_groups[0]["params"] == [first]
+    second = _param(dtype)
+    opt.add_param_group({"params": [second]})
+    for p in (first, second):
+        p.grad = torch.full_like(p, 0.5)
+    opt.step()
+    assert len(opt.param_groups) == 2
+    assert all((p != 1).all() for p in (first, second))
+
+
 # --- zero_grad ----------------------------------------------------------------------------
 
 

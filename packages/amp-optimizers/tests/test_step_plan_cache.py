@@ -130,6 +130,45 @@ def test_state_cleared(spec: OptimizerSpec) -> None:
     assert len(fused.state) == len(ACTIVE)
 
 
+def _change_state(optimizer: torch.optim.Optimizer, p: Tensor, how: str) -> None:
+    """Change the state of ``p`` as user code does (``how`` names the way)."""
+    state = optimizer.state
+    if how == "clear":
+        state[p].clear()
+    elif how == "replace":
+        state[p] = {}
+    elif how == "delete":
+        del state[p]
+    elif how == "tensors":  # e.g. state offloaded and brought back: new tensors, new values
+        for key, value in list(state[p].items()):
+            if isinstance(value, Tensor) and value.is_floating_point() and key != "step":
+                state[p][key] = value * 0.5
+    else:
+        raise AssertionError(how)
+
+
+# The cached optimizers, and those that read their state at every step (checked alike).
+STATE_SPECS = CACHED + [s for s in SPECS if s.name in ("adagrad", "novograd")]
+
+
+@pytest.mark.parametrize("how", ["clear", "replace", "delete", "tensors"])
+@pytest.mark.parametrize("spec", STATE_SPECS, ids=str)
+def test_state_of_one_param_changed(spec: OptimizerSpec, how: str) -> None:
+    """The step follows every change of ``optimizer.state[p]`` that torch.optim follows: state
+    cleared or removed is re-created (zero moments, a new momentum buffer), replaced tensors
+    are the ones stepped; ``state_dict()`` holds what the step uses."""
+    fused, params, reference, ref_params = _pair(spec)
+    _both(fused, params, reference, ref_params, range(3))
+    _change_state(fused, params[1], how)
+    _change_state(reference, ref_params[1], how)
+    _both(fused, params, reference, ref_params, range(3, 5))
+    assert max_abs_diff(params, ref_params) <= spec.atol
+    saved = fused.state_dict()["state"][1]
+    for key, value in reference.state[ref_params[1]].items():
+        if isinstance(value, Tensor) and value.is_floating_point() and key != "step":
+            torch.testing.assert_close(saved[key], value, rtol=0, atol=spec.atol)
+
+
 @pytest.mark.parametrize("spec", CACHED, ids=str)
 def test_sparse_gradient_refused_after_cached_steps(spec: OptimizerSpec) -> None:
     fused, params, _, _ = _pair(spec)

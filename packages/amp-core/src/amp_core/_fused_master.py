@@ -55,7 +55,12 @@ class FusedMasterWeightOptimizer(Protocol):
 
         Returns:
             ``(model_param, master)`` for every half param; each master is a float32 tensor
-            whose ``.grad`` the optimizer reads when amp sets it.
+            whose ``.grad`` the optimizer reads when amp sets it. These tensors stay the
+            masters until :meth:`amp_disable_fused_master_weights`: amp exports them as the
+            weights (the model's ``state_dict()``, ``amp.master_params``), so the optimizer
+            must step exactly them, also after its state was cleared, replaced or deleted by
+            hand (``del optimizer.state[p]`` resets the moments, not the weight) or loaded
+            (values copied into them, never new tensors).
         """
         ...
 

@@ -11,7 +11,7 @@ The algorithms live in their own modules; this one only holds the plumbing, writ
 * :class:`StepPlan` keeps what a step of one param group needs that does not depend on the
   tensor values (which params have a gradient, the buckets, the checked preconditions, the
   state tensors), so that a step with the same layout as the last one only gathers the
-  gradients; see :meth:`FusedOptimizerBase.step_plan` for when a plan is rebuilt.
+  gradients; see :meth:`FusedOptimizerBase.step_plans` for when a plan is rebuilt.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import math
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import chain, repeat
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ __all__ = [
     "AmpCOp",
     "FusedOptimizerBase",
     "PlanBucket",
+    "StateSnapshot",
     "StepPlan",
     "advance_step",
     "step_arguments",
@@ -274,6 +275,53 @@ class StepPlan:
     buckets: list[PlanBucket]
 
 
+_END = object()  # closes the sequence of a snapshot's objects, so that a length change shows
+
+
+def _state_objects(state: Any) -> Iterable[Any]:
+    """The params keyed in ``state``, then every value of every per-param dict, then the end."""
+    return chain(state.keys(), chain.from_iterable(map(dict.values, state.values())), (_END,))
+
+
+@dataclass(frozen=True)
+class StateSnapshot:
+    """What an optimizer's ``state`` held when its step plans were last built, by identity.
+
+    torch.optim reads ``optimizer.state[p][key]`` at every step; a plan holds the state tensors
+    instead. The plans stay valid while this snapshot matches (:meth:`matches`): the same
+    ``state`` mapping, keyed by the same params in the same order, and the same objects in its
+    per-param dicts, in the same order and as many. So a state cleared or replaced in any way
+    (``state.clear()``, ``del state[p]``, ``state[p] = {}``, ``state[p].clear()``,
+    ``state[p]["exp_avg"] = t``, the state moved to another device and back, a param's state
+    moved to another param) rebuilds the plans, which re-create missing state as the first
+    step did. A per-param dict replaced by another that holds the same tensors changes nothing
+    a step reads, and is not looked at.
+
+    The check reads no tensor and hashes no param: one C-level pass over the state's keys and
+    values, compared by identity.
+    """
+
+    mapping: Any
+    objects: list[Any]
+
+    @classmethod
+    def of(cls, state: Any) -> StateSnapshot:
+        try:
+            objects = list(_state_objects(state))
+        except TypeError:  # an entry that is not a dict: nothing is cached (never matches)
+            objects = [object()]
+        return cls(state, objects)
+
+    def matches(self, state: Any) -> bool:
+        """Whether ``state`` still holds exactly what it held when this snapshot was taken."""
+        if state is not self.mapping:
+            return False
+        try:
+            return all(map(operator.is_, _state_objects(state), self.objects))
+        except TypeError:
+            return False
+
+
 def _signature(
     params: list[Tensor],
 ) -> tuple[tuple[int, ...], tuple[torch.dtype, ...], tuple[torch.device, ...]]:
@@ -317,6 +365,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         self._noop_flags: dict[torch.device, Tensor] = {}
         self._plans: dict[int, StepPlan] = {}  # by id of the param group
         self._plan_generation = 0
+        self._state_snapshot: StateSnapshot | None = None  # what the plans were built from
         self._dummy_overflow_buf = self.noop_flag(first_param_device(self.param_groups))
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
@@ -372,6 +421,28 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         """Forget every cached :class:`StepPlan` (the next step rebuilds them)."""
         self._plans = {}
         self._plan_generation = getattr(self, "_plan_generation", 0) + 1
+        self._state_snapshot = None
+
+    def step_plans(
+        self, name: str, state_columns: Callable[[Tensor], Sequence[Tensor]]
+    ) -> list[tuple[dict[str, Any], StepPlan | None, list[Tensor]]]:
+        """``(group, plan, grads)`` of :meth:`step_plan` for every param group, in order.
+
+        First checks, once per step, that ``optimizer.state`` holds what the plans were built
+        from (:class:`StateSnapshot`): any change of the state that a ``torch.optim`` optimizer
+        would see at its next step (a per-param dict cleared, replaced or deleted, a state
+        tensor replaced) rebuilds every plan, and state that went missing is re-created by
+        ``state_columns``, as on the first step.
+        """
+        if torch.compiler.is_compiling():
+            return [(g, *self._traced_plan(name, g, state_columns)) for g in self.param_groups]
+        snapshot = self._state_snapshot
+        if snapshot is not None and snapshot.matches(self.state):
+            return [(g, *self.step_plan(name, g, state_columns)) for g in self.param_groups]
+        self.invalidate_step_plans()
+        plans = [(g, *self.step_plan(name, g, state_columns)) for g in self.param_groups]
+        self._state_snapshot = StateSnapshot.of(self.state)
+        return plans
 
     def step_plan(
         self,
@@ -387,8 +458,9 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         the layout changed: a param gained or lost its gradient, a param of the group was
         replaced, added or removed, a param's dtype or device changed (``p.data = ...``,
         ``module.half()``), the optimizer's ``state`` was replaced or gained or lost entries, or
-        :meth:`invalidate_step_plans` was called (``load_state_dict`` does). A state tensor
-        replaced in ``optimizer.state[p]`` by hand is not seen before one of those.
+        :meth:`invalidate_step_plans` was called (``load_state_dict`` does). A step calls it
+        through :meth:`step_plans`, which also rebuilds the plans when anything in the state
+        changed.
 
         Args:
             name: The optimizer's name, for the errors of :func:`params_with_grads`.
@@ -462,6 +534,27 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         self._plans = {k: v for k, v in self._plans.items() if k in live}
         self._plans[id(group)] = plan
         return plan
+
+    def candidate_group(self, param_group: Any) -> dict[str, Any] | None:
+        """The group :meth:`add_param_group` would append for ``param_group``, to check it first.
+
+        A copy with the defaults filled in and ``"params"`` a list of tensors (named params
+        unpacked), as ``torch.optim.Optimizer.add_param_group`` makes it; an iterator of params
+        is read into a list in ``param_group`` itself (as torch would). ``None`` where torch
+        refuses the group on its own (not a dict, no params, params in a set): a subclass that
+        refuses groups checks the candidate, so that a refused group is never appended.
+        """
+        if not isinstance(param_group, dict) or "params" not in param_group:
+            return None
+        params = param_group["params"]
+        if isinstance(params, set):
+            return None
+        if isinstance(params, Tensor):
+            tensors = [params]
+        else:
+            param_group["params"] = params = list(params)
+            tensors = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]
+        return {**self.defaults, **param_group, "params": tensors}
 
     def noop_flag(self, device: torch.device) -> Tensor:
         """This optimizer's one-element int32 flag on ``device``, reset to 0."""

@@ -42,8 +42,11 @@ from ._stochastic_round import (
     SEED as _SR_SEED,
 )
 from ._stochastic_round import (
+    assign_default_seeds,
     check_stochastic_round_group,
+    distributed_world_size,
     launch_seed,
+    settle_default_seed,
     stochastic_round_options,
 )
 
@@ -80,9 +83,13 @@ class FusedAdam(FusedOptimizerBase):
             it is lost). A param-group option; the group's params must be bfloat16, and
             ``master_weights`` and ``capturable`` must be off. See the docs' "bfloat16
             training" page.
-        stochastic_round_seed: Seed of the rounding's random bits (default: drawn from torch's
-            default generator, so ``torch.manual_seed`` fixes it). Saved in ``state_dict()``
-            (param groups): a resumed run continues bit for bit.
+        stochastic_round_seed: Seed of the rounding's random bits. Default: drawn from torch's
+            default generator (one ``torch.randint`` call, so ``torch.manual_seed`` fixes it)
+            when the first param group with ``bf16_stochastic_round=True`` is added, and, under
+            ``torch.distributed``, replaced at the first step by rank 0's draw on every rank
+            (one broadcast over the default process group: every rank must step). Nothing is
+            drawn while no group rounds stochastically. Saved in ``state_dict()`` (param
+            groups): a resumed run continues bit for bit.
 
     Raises:
         RuntimeError: ``amsgrad=True``.
@@ -111,6 +118,9 @@ class FusedAdam(FusedOptimizerBase):
         """Whether ``torch.amp.GradScaler`` leaves the unscaling to ``step`` (Apex: only when
         capturable; here also with master weights, which it did not allow without)."""
         return bool(self.capturable or self.master_weights)
+
+    # A default stochastic_round_seed drawn on this rank, not yet agreed with the other ranks.
+    _sr_unagreed_seed: int | None = None
 
     # Apex's op handles (read by code built on Apex's optimizers): the amp_C ops by name.
     multi_tensor_adam = AmpCOp("multi_tensor_adam")
@@ -157,8 +167,11 @@ class FusedAdam(FusedOptimizerBase):
         self.capturable = capturable
         self.master_weights = master_weights
         self._amp_master = False  # amp O2 switched the master-weight path on
+        # Under amp O2: each half param's master, as amp holds it (amp exports these).
+        self._amp_masters: dict[Tensor, Tensor] = {}
         for group in self.param_groups:
             self._check_stochastic_round(group)
+        self._sr_unagreed_seed = assign_default_seeds(self.defaults, self.param_groups)
         if capturable:
             for group in self.param_groups:
                 self._after_load_group(group)
@@ -170,24 +183,33 @@ class FusedAdam(FusedOptimizerBase):
         """Apex's view of the float32 master weights: one ``{"params": [...]}`` per param group,
         holding each param's master (``state[p]["master_param"]``) or None where it has none
         (a float32 param, master weights off, or before the first step created it)."""
-        return [
-            {
-                "params": [
-                    self.state[p].get("master_param") if p in self.state else None
-                    for p in group["params"]
-                ]
-            }
-            for group in self.param_groups
-        ]
+        return [{"params": [self._master_of(p) for p in g["params"]]} for g in self.param_groups]
+
+    def _master_of(self, p: Tensor) -> Tensor | None:
+        """The master of ``p``: the one in its state, else the one amp O2 holds (if any)."""
+        state = self.state.get(p)
+        master = state.get("master_param") if state else None
+        if master is None and self._amp_master:
+            master = self._amp_masters.get(p)
+        return master
 
     def _state(self, p: Tensor, master_source: Tensor | None = None) -> dict[str, Any]:
+        """The state of ``p``, created where missing (as on its first step).
+
+        Under amp O2 the master of a half param is the one amp holds and exports: state
+        cleared or deleted by hand (``del optimizer.state[p]``) gets zero moments again, as
+        in torch.optim, but keeps that master, which is the weight itself, not a statistic.
+        """
         state = self.state[p]
         if "exp_avg" not in state:
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
         if self._uses_masters() and p.dtype in _HALF and "master_param" not in state:
-            source = p if master_source is None else master_source
-            state["master_param"] = source.detach().to(dtype=torch.float32, copy=True)
+            master = self._amp_masters.get(p) if self._amp_master else None
+            if master is None:
+                source = p if master_source is None else master_source
+                master = source.detach().to(dtype=torch.float32, copy=True)
+            state["master_param"] = master
         return state
 
     def state_dict(self) -> dict[str, Any]:
@@ -220,10 +242,10 @@ class FusedAdam(FusedOptimizerBase):
                 },
             }
         masters = {
-            id(p): self.state[p]["master_param"]
+            id(p): master
             for g in self.param_groups
             for p in g["params"]
-            if p in self.state and "master_param" in self.state[p]
+            if (master := self._master_of(p)) is not None
         }
         super().load_state_dict(state_dict)
         for group in self.param_groups:
@@ -242,10 +264,20 @@ class FusedAdam(FusedOptimizerBase):
 
         Args:
             param_group: The params and the hyperparameters that differ from the defaults.
+
+        Raises:
+            ValueError: The group asks for ``bf16_stochastic_round`` where it cannot apply (see
+                the class); the group is then not added.
         """
+        constructed = hasattr(self, "_amp_master")  # unset while the constructor adds groups
+        candidate = self.candidate_group(param_group) if constructed else None
+        if candidate is not None:
+            self._check_stochastic_round(candidate)
         super().add_param_group(param_group)
-        if hasattr(self, "_amp_master"):  # unset while the constructor adds its groups
-            self._check_stochastic_round(self.param_groups[-1])
+        if constructed:
+            drawn = assign_default_seeds(self.defaults, self.param_groups[-1:])
+            if drawn is not None:
+                self._sr_unagreed_seed = drawn
         if getattr(self, "capturable", False):
             self._after_load_group(self.param_groups[-1])
 
@@ -298,8 +330,10 @@ class FusedAdam(FusedOptimizerBase):
             or found_inf is not None
         )
         if not use_device_path:
+            if self._sr_unagreed_seed is not None and distributed_world_size() > 1:
+                self._settle_stochastic_round_seeds()
             # Every group's layout (and its checks) before any group steps.
-            plans = [(g, *self.step_plan("FusedAdam", g, self._moments)) for g in self.param_groups]
+            plans = self.step_plans("FusedAdam", self._moments)
             for index, (group, plan, grads) in enumerate(plans):
                 if plan is not None:
                     self._plain_step(group, plan, grads, index)
@@ -322,6 +356,11 @@ class FusedAdam(FusedOptimizerBase):
             unscale_grads_in_place(grads, grad_scale)
         return loss
 
+    def _settle_stochastic_round_seeds(self) -> None:
+        self._sr_unagreed_seed = settle_default_seed(
+            "FusedAdam", self.defaults, self.param_groups, self._sr_unagreed_seed
+        )
+
     def _moments(self, p: Tensor) -> tuple[Tensor, Tensor]:
         state = self._state(p)
         return state["exp_avg"], state["exp_avg_sq"]
@@ -339,6 +378,8 @@ class FusedAdam(FusedOptimizerBase):
             # count (step or step_tensor, so a compiled step does not recompile).
             rounding: tuple[int, ...] = ()
             if group.get(_SR_FLAG, False):
+                if group.get(_SR_SEED) is None:  # the option was switched on in the group by hand
+                    self._settle_stochastic_round_seeds()
                 launch = (group_index << 16) + bucket_index
                 rounding = (launch_seed(group[_SR_SEED], launch),)
             multi_tensor_applier(
@@ -462,12 +503,14 @@ class FusedAdam(FusedOptimizerBase):
                 if p.dtype in _HALF:
                     state = self._state(p, fp32_sources.get(p))
                     pairs.append((p, state["master_param"]))
+        self._amp_masters.update(pairs)
         return pairs
 
     def amp_disable_fused_master_weights(self) -> None:
         """Undo :meth:`amp_enable_fused_master_weights` (masters dropped unless
         ``master_weights=True`` was asked for at construction)."""
         self._amp_master = False
+        self._amp_masters = {}
         self.invalidate_step_plans()
         if not self.master_weights:
             for state in self.state.values():
@@ -490,7 +533,7 @@ class FusedAdam(FusedOptimizerBase):
         for group in self.param_groups:
             params = []
             for p in group["params"]:
-                master = self.state[p].get("master_param") if p in self.state else None
+                master = self._master_of(p)
                 has_master_grad = master is not None and master.grad is not None
                 if p.grad is not None or has_master_grad:
                     params.append(p)
@@ -568,7 +611,7 @@ def _raise_on_nonfinite_flag(found_inf: Tensor, grads: list[Tensor]) -> None:
 
 
 def _amp_grad(optimizer: FusedAdam, p: Tensor) -> Tensor:
-    master = optimizer.state[p].get("master_param") if p in optimizer.state else None
+    master = optimizer._master_of(p)
     if master is not None and master.grad is not None:
         return master.grad
     assert p.grad is not None

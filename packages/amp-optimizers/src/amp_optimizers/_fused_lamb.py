@@ -224,7 +224,7 @@ class FusedLAMB(FusedOptimizerBase):
         """
         loss = self._run_closure(closure)
         # Every group's layout (and its checks) before any group steps.
-        plans = [(g, *self.step_plan("FusedLAMB", g, self._moments)) for g in self.param_groups]
+        plans = self.step_plans("FusedLAMB", self._moments)
         # The gradients by (device, dtype) in the order global_grad_norm would group them.
         by_key: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
         for _, plan, group_grads in plans:

@@ -32,6 +32,7 @@ from amp_fused_ops import amp_C, multi_tensor_applier
 from ._base import (
     AmpCOp,
     FusedOptimizerBase,
+    check_nonnegative,
     group_by_device_dtype,
     params_with_grads,
     unscale_grads_in_place,
@@ -166,7 +167,15 @@ class FusedMixedPrecisionLamb(FusedOptimizerBase):
         Args:
             param_group: The group, as for ``torch.optim.Optimizer.add_param_group``; a float
                 ``lr`` or int ``step`` is turned into a tensor.
+
+        Raises:
+            ValueError: An ``lr`` that is not a number >= 0 (or a one-element tensor holding
+                one), or a ``step`` that is not an int >= 0 (or a one-element tensor); the
+                group is then not added.
         """
+        candidate = self.candidate_group(param_group)
+        if candidate is not None:
+            _check_group_scalars(candidate)
         super().add_param_group(param_group)
         self._place_group_scalars(self.param_groups[-1])
 
@@ -274,6 +283,20 @@ class FusedMixedPrecisionLamb(FusedOptimizerBase):
             # model after the optimizer was built must reach the masters.
             master = state["master_param"] = p.detach().to(torch.float32, copy=True)
         return master
+
+
+def _check_group_scalars(group: dict[str, Any]) -> None:
+    """Raise ``ValueError`` unless the group's ``lr`` and ``step`` can become its tensors."""
+    check_nonnegative(_NAME, "learning rate", group["lr"])
+    step = group.get("step", 0)
+    if isinstance(step, Tensor):
+        if step.numel() != 1:
+            raise ValueError(
+                f"{_NAME}: invalid step of shape {tuple(step.shape)}; a tensor step must hold "
+                "one value, e.g. torch.tensor([0], dtype=torch.int32)"
+            )
+    elif isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"{_NAME}: invalid step {step!r}; it must be an int >= 0")
 
 
 def _lr_tensor(lr: float | Tensor) -> Tensor:

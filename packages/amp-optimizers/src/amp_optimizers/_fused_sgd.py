@@ -26,8 +26,11 @@ from ._stochastic_round import (
     SEED as _SR_SEED,
 )
 from ._stochastic_round import (
+    assign_default_seeds,
     check_stochastic_round_group,
+    distributed_world_size,
     launch_seed,
+    settle_default_seed,
     stochastic_round_options,
 )
 
@@ -76,8 +79,13 @@ class FusedSGD(FusedOptimizerBase):
             param-group option; the group's params must be bfloat16. The group counts its
             steps in ``"stochastic_round_step"``, which keys the random bits (an int, or a
             one-element CPU tensor once the step has run under ``torch.compile``).
-        stochastic_round_seed: Seed of the rounding's random bits (default: drawn from torch's
-            default generator). Saved in ``state_dict()``: a resumed run continues bit for bit.
+        stochastic_round_seed: Seed of the rounding's random bits. Default: drawn from torch's
+            default generator (one ``torch.randint`` call, so ``torch.manual_seed`` fixes it)
+            when the first param group with ``bf16_stochastic_round=True`` is added, and, under
+            ``torch.distributed``, replaced at the first step by rank 0's draw on every rank
+            (one broadcast over the default process group: every rank must step). Nothing is
+            drawn while no group rounds stochastically. Saved in ``state_dict()``: a resumed
+            run continues bit for bit.
 
     Raises:
         ValueError: A missing ``lr`` (no ``lr=`` and a param group without its own), a
@@ -91,6 +99,9 @@ class FusedSGD(FusedOptimizerBase):
         >>> model(torch.randn(2, 4)).sum().backward()
         >>> opt.step()
     """
+
+    # A default stochastic_round_seed drawn on this rank, not yet agreed with the other ranks.
+    _sr_unagreed_seed: int | None = None
 
     # Apex's op handles (read by code built on Apex's optimizers): the amp_C ops by name.
     multi_tensor_sgd = AmpCOp("multi_tensor_sgd")
@@ -138,15 +149,31 @@ class FusedSGD(FusedOptimizerBase):
         self.scale_set_by_backward = False
         self.set_grad_none = set_grad_none
         self._fresh_buffers: set[int] = set()  # ids of params given a buffer in this step
+        self._sr_unagreed_seed = assign_default_seeds(self.defaults, self.param_groups)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group (checked for ``bf16_stochastic_round``).
+        """Add a param group (checked for ``bf16_stochastic_round`` before it is added).
 
         Args:
             param_group: The params and the hyperparameters that differ from the defaults.
+
+        Raises:
+            ValueError: The group asks for ``bf16_stochastic_round`` with params that are not
+                bfloat16; the group is then not added.
         """
+        candidate = self.candidate_group(param_group)
+        if candidate is not None:
+            check_stochastic_round_group("FusedSGD", candidate, masters=False)
         super().add_param_group(param_group)
-        check_stochastic_round_group("FusedSGD", self.param_groups[-1], masters=False)
+        if hasattr(self, "_fresh_buffers"):  # unset while the constructor adds its groups
+            drawn = assign_default_seeds(self.defaults, self.param_groups[-1:])
+            if drawn is not None:
+                self._sr_unagreed_seed = drawn
+
+    def _settle_stochastic_round_seeds(self) -> None:
+        self._sr_unagreed_seed = settle_default_seed(
+            "FusedSGD", self.defaults, self.param_groups, self._sr_unagreed_seed
+        )
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -184,11 +211,11 @@ class FusedSGD(FusedOptimizerBase):
             The closure's loss, or None.
         """
         loss = self._run_closure(closure)
+        if self._sr_unagreed_seed is not None and distributed_world_size() > 1:
+            self._settle_stochastic_round_seeds()
         self._fresh_buffers = set()
         # Every group's layout (and its checks) before any group steps.
-        plans = [
-            (g, *self.step_plan("FusedSGD", g, self._momentum_buffer)) for g in self.param_groups
-        ]
+        plans = self.step_plans("FusedSGD", self._momentum_buffer)
         for group_index, (group, plan, grads) in enumerate(plans):
             if plan is None:
                 continue
@@ -210,6 +237,8 @@ class FusedSGD(FusedOptimizerBase):
             for launch_index, (first_run, device, (gs, ps, bufs)) in enumerate(launches):
                 sr_args: tuple[int | Tensor | None, ...] = ()
                 if rounding:
+                    if group.get(_SR_SEED) is None:  # the option was switched on by hand
+                        self._settle_stochastic_round_seeds()
                     seed = launch_seed(group[_SR_SEED], (group_index << 16) + launch_index)
                     sr_args = (seed, sr_step, sr_step_tensor)
                 multi_tensor_applier(
