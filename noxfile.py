@@ -382,6 +382,10 @@ def _pytest(session: nox.Session, package: str, marker: str, success_codes: list
     # such imports without running anything). The integration tests get all five.
     packages = PACKAGES if package == "integration" else _with_toolkit_requirements(package)
     _install_checkout(session, "pytest", "ninja", *extra, packages=packages)
+    # AMP_TEST_REPORTS: a folder for one JUnit report per session, whose test times
+    # .ci/slowest_tests.py lists (.ci/run does, after the tests).
+    reports = os.environ.get("AMP_TEST_REPORTS")
+    report = [f"--junitxml={Path(reports).resolve() / f'{package}.xml'}"] if reports else []
     session.run(
         "python",
         "-m",
@@ -389,6 +393,7 @@ def _pytest(session: nox.Session, package: str, marker: str, success_codes: list
         test_dir,
         "-m",
         marker,
+        *report,
         *session.posargs,
         success_codes=success_codes,
     )
