@@ -382,6 +382,10 @@ def _pytest(session: nox.Session, package: str, marker: str, success_codes: list
     # such imports without running anything). The integration tests get all five.
     packages = PACKAGES if package == "integration" else _with_toolkit_requirements(package)
     _install_checkout(session, "pytest", "ninja", *extra, packages=packages)
+    # AMP_TEST_REPORTS: a folder for one JUnit report per session, whose test times
+    # .ci/slowest_tests.py lists (.ci/run does, after the tests).
+    reports = os.environ.get("AMP_TEST_REPORTS")
+    report = [f"--junitxml={Path(reports).resolve() / f'{package}.xml'}"] if reports else []
     session.run(
         "python",
         "-m",
@@ -389,6 +393,7 @@ def _pytest(session: nox.Session, package: str, marker: str, success_codes: list
         test_dir,
         "-m",
         marker,
+        *report,
         *session.posargs,
         success_codes=success_codes,
     )
@@ -401,22 +406,26 @@ def tests(session: nox.Session, package: str) -> None:
 
     A package's session has that package and the toolkit packages it declares (dependencies
     and extras, transitively), no other; the integration session has all five.
-    ``AMP_SLOW_TESTS=1`` adds the slow tier to the same pytest run (what CI does): one
-    virtualenv per package instead of two (``slow_tests`` has its own), and the fixtures that
-    compile the C++ extension for real run once.
+    ``AMP_SLOW_TESTS=1`` adds the slow tier to the same pytest run (what CI does), except the
+    tests also marked ``extended`` (full-size runs, and the cases of a family beside the one
+    CI runs): one virtualenv per package instead of two (``slow_tests`` has its own), and the
+    fixtures that compile the C++ extension for real run once.
     """
     slow = os.environ.get("AMP_SLOW_TESTS", "")
     if slow not in ("", "0", "1"):
         session.error(f"AMP_SLOW_TESTS={slow!r}: expected 1 (add the slow tier), 0 or unset")
     # pytest exits with 5 when it collected no test: a failure here, every package has tests.
-    _pytest(session, package, "not gpu" if slow == "1" else "not gpu and not slow", [0])
+    # The slow tier's `extended` tests stay out (they are slow_tests' only).
+    marker = "not gpu and not extended" if slow == "1" else "not gpu and not slow"
+    _pytest(session, package, marker, [0])
 
 
 @nox.session
 @nox.parametrize("package", [*PACKAGES, "integration"])
 def slow_tests(session: nox.Session, package: str) -> None:
     """Run one package's CPU tests marked slow only (examples end to end, sweeps); CI runs them
-    within ``tests`` (``AMP_SLOW_TESTS=1``)."""
+    within ``tests`` (``AMP_SLOW_TESTS=1``), except those also marked ``extended``, which run
+    here only."""
     # Exit 5 (nothing collected) is fine: not every package has slow tests.
     _pytest(session, package, "slow and not gpu", success_codes=[0, 5])
 

@@ -12,8 +12,9 @@ average during the run and the date; the table between the ``<!-- timings:start 
 a figure cannot be edited in the README without the file (and the run it came from). ``--run``
 runs ``python -m nox -s <session>`` once per session, one after the other, sampling the load
 average every second. ``--from-ci-log`` reads the lines ``.ci/run: 'nox -s build' took 67 s``
-of a saved CI log, with the load average at the start and the end of the step (the machine
-is then the one running this script: run it there).
+of a saved CI log, with the load average at the start and the end of the step, and the machine
+from the ``CPU:`` line .ci/run prints first (cores, model, whether bfloat16 is native there:
+CI's time depends on it, see .ci/cpu_features.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import cpu_features  # .ci/, this script's folder
+
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / ".ci" / "timings.json"
 README = ROOT / "README.md"
@@ -41,18 +44,16 @@ CI_LINE = re.compile(
 )
 
 
-def machine() -> str:
-    """One line: CPU model, cores, OS, Python."""
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+def machine(cpu: str | None = None) -> str:
+    """One line: cores, CPU model and whether its bfloat16 is native, OS, Python.
+
+    ``cpu`` replaces the cores and the model: the ``CPU:`` line ``.ci/run`` printed.
+    """
+    if cpu is None:
+        model, flags = cpu_features.cpuinfo()
+        cpu = f"{os.cpu_count()} cores of {model} ({cpu_features.kind(flags)})"
     python = ".".join(map(str, sys.version_info[:2]))
-    return f"{os.cpu_count()} cores of {model}, {platform.system()}, Python {python}, no GPU"
+    return f"{cpu}, {platform.system()}, Python {python}, no GPU"
 
 
 class LoadSampler:
@@ -125,7 +126,10 @@ def run_sessions(data: dict[str, Any], sessions: list[str]) -> int:
 
 
 def read_ci_log(data: dict[str, Any], log: Path) -> None:
-    for line in log.read_text().splitlines():
+    lines = log.read_text().splitlines()
+    # The machine that ran CI, as .ci/run printed it first (.ci/cpu_features.py).
+    cpus = [line.removeprefix("CPU: ") for line in lines if line.startswith("CPU: ")]
+    for line in lines:
         match = CI_LINE.match(line)
         if match is None:
             continue
@@ -137,7 +141,7 @@ def read_ci_log(data: dict[str, Any], log: Path) -> None:
             seconds=int(match["s"]),
             time=None,
             source=f"printed by .ci/run ({log.name})",
-            machine=machine(),
+            machine=machine(cpus[0] if cpus else None),
             load=match["load"] or "not printed",
             date=datetime.date.fromtimestamp(log.stat().st_mtime).isoformat(),
         )
