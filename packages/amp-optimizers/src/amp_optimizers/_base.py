@@ -226,6 +226,10 @@ def first_param_device(param_groups: Iterable[dict[str, Any]]) -> torch.device:
     return torch.device("cpu")
 
 
+# Param-group keys that torch.compile writes into a traced step's groups (see
+# FusedOptimizerBase.state_dict); none of them is an option of a fused optimizer.
+_TRACE_WRITTEN_GROUP_KEYS = ("capturable",)
+
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
 _GRAD = operator.attrgetter("grad")
@@ -440,6 +444,22 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         else:
             flag.zero_()
         return flag
+
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.optim.Optimizer``'s state dict, without the keys a compiled step wrote.
+
+        ``torch.compile`` treats a traced ``step`` as that of a ``torch.optim`` optimizer and
+        writes ``capturable=True`` into every param group whose dict the step changed (e.g.
+        its step count). No fused optimizer has such a group option (``FusedAdam``'s
+        ``capturable`` is an attribute), and ``torch.optim.AdamW`` refuses to step CPU params of
+        a group so marked: the saved groups leave it out, so that a state dict saved after
+        compiled steps is the one eager steps would have saved.
+        """
+        state_dict = super().state_dict()
+        for group in state_dict["param_groups"]:
+            for key in _TRACE_WRITTEN_GROUP_KEYS:
+                group.pop(key, None)
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict saved by :meth:`state_dict`, keeping each saved tensor's dtype.

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from amp_fused_ops import amp_C, multi_tensor_applier, tensor_norms
 
@@ -73,7 +74,7 @@ class FusedNovoGrad(FusedOptimizerBase):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = 1e-3,
+        lr: float | Tensor = 1e-3,
         bias_correction: bool = True,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
