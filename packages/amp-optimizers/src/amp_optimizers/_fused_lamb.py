@@ -17,7 +17,9 @@ from ._base import (
     check_betas,
     check_nonnegative,
     group_by_device_dtype,
+    outside_graph,
     step_arguments,
+    step_outside_graph,
 )
 
 __all__ = ["FusedLAMB", "check_lamb_args", "global_grad_norm", "lamb_moments", "launch_lamb"]
@@ -222,6 +224,11 @@ class FusedLAMB(FusedOptimizerBase):
         Returns:
             The closure's loss, or None.
         """
+        if step_outside_graph(self.param_groups):
+            return outside_graph(self._step, closure)
+        return self._step(closure)
+
+    def _step(self, closure: Callable[[], Any] | None) -> Any:
         loss = self._run_closure(closure)
         # Every group's layout (and its checks) before any group steps.
         plans = [(g, *self.step_plan("FusedLAMB", g, self._moments)) for g in self.param_groups]

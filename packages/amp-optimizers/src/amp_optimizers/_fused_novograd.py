@@ -18,8 +18,10 @@ from ._base import (
     check_betas,
     check_nonnegative,
     group_by_device_dtype,
+    outside_graph,
     params_with_grads,
     step_arguments,
+    step_outside_graph,
 )
 
 __all__ = ["FusedNovoGrad"]
@@ -124,6 +126,11 @@ class FusedNovoGrad(FusedOptimizerBase):
         Returns:
             The closure's loss, or None.
         """
+        if step_outside_graph(self.param_groups):
+            return outside_graph(self._step, closure)
+        return self._step(closure)
+
+    def _step(self, closure: Callable[[], Any] | None) -> Any:
         loss = self._run_closure(closure)
         for group in self.param_groups:
             params = params_with_grads("FusedNovoGrad", group["params"])

@@ -46,6 +46,7 @@ from torch import Tensor
 from amp_fused_ops.ops._sharding import (
     agree_nonfinite,
     dtensor_type,
+    outside_graph,
     shard_groups,
     sharded_norms,
     to_local,
@@ -503,6 +504,10 @@ def apex_convention(
             raise ValueError(f"{name}: expected {layouts}, got {given}")
         if lr_at is not None:
             args, kwargs = _tensor_lr(name, *lr_at, args, kwargs)
+        if name in _SHARD_NORM_OPS and torch.compiler.is_compiling() and _any_dtensor(tensor_lists):
+            # The cross-rank reductions of a sharded step run outside the graph (see
+            # outside_graph), on the DTensors themselves.
+            return outside_graph(op, chunk_size, noop_flag, tensor_lists, *args, **kwargs)
         lists: list[Any] = [*tensor_lists, *([None] * (most - given))]
         lists, groups = _local_shards(name, lists)
         if groups is not None and name in _SHARD_NORM_OPS:
@@ -573,6 +578,13 @@ def _tensor_lr(
     else:
         kwargs = {**kwargs, "lr": 0.0}
     return args, {**kwargs, "lr_tensor": lr_tensor}
+
+
+def _any_dtensor(tensor_lists: Sequence[Sequence[Tensor] | None]) -> bool:
+    dtensor = dtensor_type()
+    return dtensor is not None and any(
+        type(t) is dtensor for part in tensor_lists if part is not None for t in part
+    )
 
 
 def _sharded_reference(
