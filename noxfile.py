@@ -789,6 +789,7 @@ EMULATION_TESTS = [
     "packages/amp-fused-ops/tests/test_overlap_checks.py",
     "packages/amp-fused-ops/tests/test_adam_semantics.py",
     "packages/amp-fused-ops/tests/test_step_tensor.py",
+    "packages/amp-fused-ops/tests/test_lr_tensor.py",
     "packages/amp-fused-ops/tests/test_cuda_kernels_stochastic_round.py",
     "packages/amp-fused-ops/tests/test_op_registry.py",
     "packages/amp-fused-ops/tests/test_multi_tensor_launches.py",

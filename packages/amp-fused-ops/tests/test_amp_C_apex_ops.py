@@ -122,15 +122,17 @@ def test_amp_C_has_every_apex_op_in_apex_argument_order() -> None:
         for ours, theirs in zip(params, apex_args, strict=False):
             assert ours[0] == theirs[0], (name, ours, theirs)
         # Ours may only add trailing optional arguments (step_tensor; bfloat16 stochastic
-        # rounding's sr_seed and sr_step, sgd's step_tensor after them), which Apex's calls
-        # omit.
+        # rounding's sr_seed and sr_step, sgd's step_tensor after them; lr_tensor last), which
+        # Apex's calls omit.
         extra = params[len(apex_args) :]
         allowed = (
             [],
-            ["step_tensor"],
+            ["lr_tensor"],
+            ["step_tensor", "lr_tensor"],
             ["sr_seed", "sr_step"],
-            ["step_tensor", "sr_seed", "sr_step"],
-            ["sr_seed", "sr_step", "step_tensor"],
+            ["step_tensor", "sr_seed", "sr_step", "lr_tensor"],
+            ["sr_seed", "sr_step", "step_tensor", "lr_tensor"],
+            ["step_tensor"],
         )
         assert extra in allowed, (name, extra)
         assert all(signature[p].default is None for p in extra), name

@@ -7,6 +7,7 @@ decision, ``lr`` and ``step`` on the device, so its step is one graph as well.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -136,3 +137,70 @@ def test_compiled_steps_equal_eager_steps(case: str) -> None:
         for key, value in group.items():
             if isinstance(value, Tensor):  # a device lr or step count
                 torch.testing.assert_close(other[key], value, rtol=0, atol=0, msg=key)
+    # The trace writes torch.optim's capturable flag into the groups: never saved.
+    saved, eager_saved = compiled.state_dict(), eager.state_dict()
+    for group, other in zip(eager_saved["param_groups"], saved["param_groups"], strict=True):
+        assert other.keys() == group.keys()
+
+
+def test_a_state_dict_saved_after_compiled_steps_loads_into_torch_adamw() -> None:
+    """The documented interop (FusedAdam's state dict steps torch.optim.AdamW) holds after
+    compiled steps too: the group carries no capturable=True that AdamW would refuse on CPU."""
+    params, twins = _params(torch.float32), _params(torch.float32)
+    fused = FusedAdam(params, lr=1e-2)
+    step = torch.compile(fused.step, fullgraph=True)
+    grads = _grads(params, 3)
+    for gs in grads[:2]:
+        for p, g in zip(params, gs, strict=True):
+            p.grad = g.clone()
+        step()
+    saved = copy.deepcopy(fused.state_dict())  # a checkpoint: no tensor shared with fused
+    assert all("capturable" not in group for group in saved["param_groups"])
+    adamw = torch.optim.AdamW(twins, lr=1e-2, weight_decay=0.0)
+    with torch.no_grad():
+        for twin, p in zip(twins, params, strict=True):
+            twin.copy_(p)
+    adamw.load_state_dict(saved)
+    for p, twin, g in zip(params, twins, grads[2], strict=True):
+        p.grad, twin.grad = g.clone(), g.clone()
+    fused.step()
+    adamw.step()
+    for p, twin in zip(params, twins, strict=True):
+        torch.testing.assert_close(twin, p, rtol=1e-6, atol=1e-7)
+
+
+LR_CASES: dict[str, Callable[[list[Tensor], Tensor], torch.optim.Optimizer]] = {
+    "adam": lambda ps, lr: FusedAdam(ps, lr=lr, weight_decay=0.1),
+    "sgd": lambda ps, lr: FusedSGD(ps, lr=lr, momentum=0.9, weight_decay=0.1),
+    "lamb": lambda ps, lr: FusedLAMB(ps, lr=lr, weight_decay=0.01),
+    "adagrad": lambda ps, lr: FusedAdagrad(ps, lr=lr, weight_decay=0.1),
+    "novograd": lambda ps, lr: FusedNovoGrad(ps, lr=lr, weight_decay=0.01),
+}
+
+
+@pytest.mark.parametrize(
+    "case", [c if c == "sgd" else pytest.param(c, marks=pytest.mark.slow) for c in LR_CASES]
+)
+def test_a_tensor_lr_changed_between_compiled_steps_recompiles_nothing(case: str) -> None:
+    """A tensor lr (torch.optim's advice under torch.compile) is data of the compiled step: a
+    scheduler's in-place change takes effect without a recompile, as in eager mode."""
+    make = LR_CASES[case]
+    counters.clear()
+    eager_params, compiled_params = _params(torch.float32), _params(torch.float32)
+    eager = make(eager_params, torch.tensor(1e-2))
+    compiled = make(compiled_params, torch.tensor(1e-2))
+    step = torch.compile(compiled.step, fullgraph=True)
+    graphs = []
+    for grads in _grads(eager_params, 5):
+        for p, q, g in zip(eager_params, compiled_params, grads, strict=True):
+            p.grad, q.grad = g.clone(), g.clone()
+        eager.step()
+        step()
+        graphs.append(counters["stats"]["unique_graphs"])
+        for optimizer in (eager, compiled):  # what an LR scheduler does to a tensor lr
+            optimizer.param_groups[0]["lr"].mul_(0.5)
+    assert graphs[1:] == [graphs[1]] * 4, graphs
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    tolerance = NOT_BITWISE.get(case, {"rtol": 0.0, "atol": 0.0})
+    for p, q in zip(eager_params, compiled_params, strict=True):
+        torch.testing.assert_close(q, p, **tolerance)

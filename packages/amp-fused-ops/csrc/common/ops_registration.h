@@ -83,6 +83,25 @@ int64_t step_count(const char* op, int64_t step, const std::optional<at::Tensor>
   return static_cast<int64_t>(value);
 }
 
+// --- the learning rate -----------------------------------------------------------------
+//
+// The ops with Apex's `double lr` (adam, sgd, adagrad, lamb, novograd) also take an optional
+// `lr_tensor`: when given, the rate is its value and `lr` is not read. A tensor learning rate
+// (torch.optim accepts one) is data of a torch.compile graph, so a scheduler that changes it
+// recompiles nothing (docs/compile.rst). It is read here, on the host, as `step_tensor` is,
+// and the kernels keep taking a double.
+
+double learning_rate(const char* op, double lr, const std::optional<at::Tensor>& lr_tensor) {
+  if (!lr_tensor.has_value() || !lr_tensor->defined()) return lr;
+  const at::Tensor& t = *lr_tensor;
+  TORCH_CHECK_VALUE(t.device().is_cpu() && t.numel() == 1 && t.is_floating_point(), op,
+                    ": lr_tensor must be a one-element floating-point CPU tensor (the learning "
+                    "rate is read on the host), got ",
+                    t.numel(), " elements of ", t.scalar_type(), " on ", t.device(),
+                    "; pass lr as a float, or keep the tensor on the CPU");
+  return t.item<double>();
+}
+
 // --- the wrappers, in the order of the op registry ------------------------------------------
 
 void scale(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList ins,
@@ -122,12 +141,13 @@ void adam(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList grads,
           double beta1, double beta2, double eps, int64_t step, int64_t mode,
           int64_t bias_correction, double weight_decay,
           const std::optional<at::Tensor>& step_tensor, std::optional<int64_t> sr_seed,
-          std::optional<int64_t> sr_step) {
+          std::optional<int64_t> sr_step, const std::optional<at::Tensor>& lr_tensor) {
   // The stochastic rounding's step defaults to the op's own step count.
   const int64_t count = step_count("multi_tensor_adam", step, step_tensor);
   backend::multi_tensor_adam(chunk_size, noop_flag, lists({grads, params, exp_avgs, exp_avg_sqs}),
-                             lr, beta1, beta2, eps, count, mode, bias_correction, weight_decay,
-                             sr_seed, sr_step.value_or(count));
+                             learning_rate("multi_tensor_adam", lr, lr_tensor), beta1, beta2, eps,
+                             count, mode, bias_correction, weight_decay, sr_seed,
+                             sr_step.value_or(count));
   bump(params);
   bump(exp_avgs);
   bump(exp_avg_sqs);
@@ -170,12 +190,13 @@ void sgd(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList grads,
          const OptionalTensorList& model_copies, double weight_decay, double momentum,
          double dampening, double lr, bool nesterov, bool first_run, bool wd_after_momentum,
          double scale, std::optional<int64_t> sr_seed, std::optional<int64_t> sr_step,
-         const std::optional<at::Tensor>& step_tensor) {
+         const std::optional<at::Tensor>& step_tensor, const std::optional<at::Tensor>& lr_tensor) {
   TensorLists tensor_lists = model_copies.has_value()
                                  ? lists({grads, params, momentum_bufs, *model_copies})
                                  : lists({grads, params, momentum_bufs});
   backend::multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, weight_decay, momentum,
-                            dampening, lr, nesterov, first_run, wd_after_momentum, scale,
+                            dampening, learning_rate("multi_tensor_sgd", lr, lr_tensor),
+                            nesterov, first_run, wd_after_momentum, scale,
                             sr_seed,
                             step_count("multi_tensor_sgd", sr_step.value_or(0), step_tensor));
   bump(params);
@@ -186,9 +207,10 @@ void sgd(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList grads,
 
 void adagrad(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList grads,
              at::TensorList params, at::TensorList state_sums, double lr, double epsilon,
-             int64_t mode, double weight_decay) {
-  backend::multi_tensor_adagrad(chunk_size, noop_flag, lists({grads, params, state_sums}), lr,
-                                epsilon, mode, weight_decay);
+             int64_t mode, double weight_decay, const std::optional<at::Tensor>& lr_tensor) {
+  backend::multi_tensor_adagrad(chunk_size, noop_flag, lists({grads, params, state_sums}),
+                                learning_rate("multi_tensor_adagrad", lr, lr_tensor), epsilon,
+                                mode, weight_decay);
   bump(params);
   bump(state_sums);
 }
@@ -198,9 +220,10 @@ void lamb(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList grads,
           double beta1, double beta2, double epsilon, int64_t step, int64_t bias_correction,
           double weight_decay, int64_t grad_averaging, int64_t mode,
           const at::Tensor& global_grad_norm, double max_grad_norm,
-          std::optional<bool> use_nvlamb, const std::optional<at::Tensor>& step_tensor) {
+          std::optional<bool> use_nvlamb, const std::optional<at::Tensor>& step_tensor,
+          const std::optional<at::Tensor>& lr_tensor) {
   backend::multi_tensor_lamb(chunk_size, noop_flag, lists({grads, params, exp_avgs, exp_avg_sqs}),
-                             lr, beta1, beta2, epsilon,
+                             learning_rate("multi_tensor_lamb", lr, lr_tensor), beta1, beta2, epsilon,
                              step_count("multi_tensor_lamb", step, step_tensor), bias_correction,
                              weight_decay, grad_averaging, mode, global_grad_norm, max_grad_norm,
                              use_nvlamb.value_or(false));
@@ -214,9 +237,11 @@ void novograd(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList gr
               at::TensorList params, at::TensorList exp_avgs, const at::Tensor& grad_norms,
               double lr, double beta1, double beta2, double epsilon, int64_t step,
               int64_t bias_correction, double weight_decay, int64_t grad_averaging, int64_t mode,
-              int64_t norm_type, const std::optional<at::Tensor>& step_tensor) {
+              int64_t norm_type, const std::optional<at::Tensor>& step_tensor,
+              const std::optional<at::Tensor>& lr_tensor) {
   backend::multi_tensor_novograd(chunk_size, noop_flag, lists({grads, params, exp_avgs}),
-                                 grad_norms, lr, beta1, beta2, epsilon,
+                                 grad_norms, learning_rate("multi_tensor_novograd", lr, lr_tensor),
+                                 beta1, beta2, epsilon,
                                  step_count("multi_tensor_novograd", step, step_tensor),
                                  bias_correction, weight_decay, grad_averaging, mode, norm_type);
   bump(params);

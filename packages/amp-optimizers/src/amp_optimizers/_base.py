@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain, repeat
@@ -39,7 +40,9 @@ __all__ = [
     "first_param_device",
     "group_by_device_dtype",
     "local_shards",
+    "outside_graph",
     "params_with_grads",
+    "step_outside_graph",
     "unscale_grads_in_place",
 ]
 
@@ -125,6 +128,44 @@ def local_shards(tensors: list[Tensor]) -> list[Tensor]:
     if torch.compiler.is_compiling():
         return tensors
     return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+
+
+def step_outside_graph(param_groups: Iterable[dict[str, Any]]) -> bool:
+    """Whether a step of an optimizer that takes norms of whole tensors (LAMB, NovoGrad) runs
+    outside the graph: under ``torch.compile``, with DTensor (FSDP2) params.
+
+    Such a step all-reduces the shards' partial norms over the ranks in the ops' PyTorch
+    reference (``docs/large_models.rst``). Traced, it breaks the graph at host reads inside
+    loops, recompiles as the step count changes, and the state it creates in a graph of
+    DTensors of uneven shards took another rank's local shape. Run as in eager mode (one graph
+    break, :func:`outside_graph`), it gives the eager result on every rank.
+    """
+    if not torch.compiler.is_compiling():
+        return False
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None)
+    return dtensor is not None and any(
+        isinstance(p, dtensor) for group in param_groups for p in group["params"]
+    )
+
+
+_eager_call: Callable[..., Any] | None = None
+
+
+def outside_graph(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` run eagerly while ``torch.compile`` traces (one graph break).
+
+    ``torch.compiler.disable`` imports ``torch._dynamo``, which importing this package must
+    not: the wrapper is made on first use, always under ``torch.compile``.
+    """
+    global _eager_call
+    if _eager_call is None:
+        _eager_call = torch.compiler.disable(_call)
+    return _eager_call(fn, *args, **kwargs)
+
+
+def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
 
 
 def check_betas(optimizer: str, betas: Any) -> None:
@@ -226,6 +267,10 @@ def first_param_device(param_groups: Iterable[dict[str, Any]]) -> torch.device:
             return p.device
     return torch.device("cpu")
 
+
+# Param-group keys that torch.compile writes into a traced step's groups (see
+# FusedOptimizerBase.state_dict); none of them is an option of a fused optimizer.
+_TRACE_WRITTEN_GROUP_KEYS = ("capturable",)
 
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
@@ -564,6 +609,22 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         else:
             flag.zero_()
         return flag
+
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.optim.Optimizer``'s state dict, without the keys a compiled step wrote.
+
+        ``torch.compile`` treats a traced ``step`` as that of a ``torch.optim`` optimizer and
+        writes ``capturable=True`` into every param group whose dict the step changed (e.g.
+        its step count). No fused optimizer has such a group option (``FusedAdam``'s
+        ``capturable`` is an attribute), and ``torch.optim.AdamW`` refuses to step CPU params of
+        a group so marked: the saved groups leave it out, so that a state dict saved after
+        compiled steps is the one eager steps would have saved.
+        """
+        state_dict = super().state_dict()
+        for group in state_dict["param_groups"]:
+            for key in _TRACE_WRITTEN_GROUP_KEYS:
+                group.pop(key, None)
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict saved by :meth:`state_dict`, keeping each saved tensor's dtype.

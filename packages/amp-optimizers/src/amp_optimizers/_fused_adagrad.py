@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from amp_fused_ops import amp_C, multi_tensor_applier
 
@@ -55,7 +56,7 @@ class FusedAdagrad(FusedOptimizerBase):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = 1e-2,
+        lr: float | Tensor = 1e-2,
         eps: float = 1e-10,
         weight_decay: float = 0.0,
         set_grad_none: bool = True,

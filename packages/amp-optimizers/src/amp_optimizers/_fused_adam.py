@@ -370,7 +370,8 @@ class FusedAdam(FusedOptimizerBase):
     ) -> None:
         step, step_tensor = step_arguments(advance_step(group))
         beta1, beta2 = group["betas"]
-        lr = float(group["lr"])
+        # A tensor lr stays a tensor: data of a compiled step, not a constant (the op reads it).
+        lr = group["lr"]
         bias_correction = 1 if group["bias_correction"] else 0
         for bucket_index, bucket in enumerate(plan.buckets):
             ps, ms, vs = bucket.columns

@@ -17,7 +17,9 @@ from ._base import (
     check_betas,
     check_nonnegative,
     group_by_device_dtype,
+    outside_graph,
     step_arguments,
+    step_outside_graph,
 )
 
 __all__ = ["FusedLAMB", "check_lamb_args", "global_grad_norm", "lamb_moments", "launch_lamb"]
@@ -88,7 +90,7 @@ def launch_lamb(
     tensor_lists: list[list[Tensor]],
     group: dict[str, Any],
     *,
-    lr: float,
+    lr: float | Tensor,
     step: int | Tensor,
     global_norm: Tensor,
     max_grad_norm: float,
@@ -101,7 +103,7 @@ def launch_lamb(
         noop: The int32 flag of the launch's device.
         tensor_lists: ``[grads, params, exp_avgs, exp_avg_sqs]`` of one ``(device, dtype)``.
         group: The param group (betas, eps, weight decay, bias correction, averaging).
-        lr: Learning rate of this step.
+        lr: Learning rate of this step (a tensor is read by the op, see ``docs/compile.rst``).
         step: Step number (1 for the first step); a one-element tensor under
             ``torch.compile`` (see :func:`advance_step`).
         global_norm: One-element float32 tensor on the launch's device; the op divides the
@@ -174,7 +176,7 @@ class FusedLAMB(FusedOptimizerBase):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = 1e-3,
+        lr: float | Tensor = 1e-3,
         bias_correction: bool = True,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-6,
@@ -222,6 +224,11 @@ class FusedLAMB(FusedOptimizerBase):
         Returns:
             The closure's loss, or None.
         """
+        if step_outside_graph(self.param_groups):
+            return outside_graph(self._step, closure)
+        return self._step(closure)
+
+    def _step(self, closure: Callable[[], Any] | None) -> Any:
         loss = self._run_closure(closure)
         # Every group's layout (and its checks) before any group steps.
         plans = self.step_plans("FusedLAMB", self._moments)

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from amp_fused_ops import amp_C, multi_tensor_applier, tensor_norms
 
@@ -17,8 +18,10 @@ from ._base import (
     check_betas,
     check_nonnegative,
     group_by_device_dtype,
+    outside_graph,
     params_with_grads,
     step_arguments,
+    step_outside_graph,
 )
 
 __all__ = ["FusedNovoGrad"]
@@ -73,7 +76,7 @@ class FusedNovoGrad(FusedOptimizerBase):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = 1e-3,
+        lr: float | Tensor = 1e-3,
         bias_correction: bool = True,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
@@ -123,6 +126,11 @@ class FusedNovoGrad(FusedOptimizerBase):
         Returns:
             The closure's loss, or None.
         """
+        if step_outside_graph(self.param_groups):
+            return outside_graph(self._step, closure)
+        return self._step(closure)
+
+    def _step(self, closure: Callable[[], Any] | None) -> Any:
         loss = self._run_closure(closure)
         for group in self.param_groups:
             params = params_with_grads("FusedNovoGrad", group["params"])

@@ -95,6 +95,7 @@ PRECONDITIONS: Mapping[str, OpPreconditions] = {
             "sr_seed",
             "sr_step",
             "step_tensor",
+            "lr_tensor",
         )
     ),
     "multi_tensor_axpby": OpPreconditions(
@@ -120,7 +121,7 @@ PRECONDITIONS: Mapping[str, OpPreconditions] = {
         ("per_tensor_param_norm", "per_tensor_update_norm", "lr", "weight_decay", "use_nvlamb")
     ),
     "multi_tensor_adam": OpPreconditions(
-        (*_ADAM_ARGS, "step_tensor", "sr_seed", "sr_step"),
+        (*_ADAM_ARGS, "step_tensor", "sr_seed", "sr_step", "lr_tensor"),
         choices=_ADAM_CHOICES,
         step_at_least_one=True,
     ),
@@ -132,7 +133,7 @@ PRECONDITIONS: Mapping[str, OpPreconditions] = {
         (*_ADAM_ARGS, "inv_scale"), choices=_ADAM_CHOICES
     ),
     "multi_tensor_adagrad": OpPreconditions(
-        ("lr", "epsilon", "mode", "weight_decay"), choices=(("mode", _FLAG),)
+        ("lr", "epsilon", "mode", "weight_decay", "lr_tensor"), choices=(("mode", _FLAG),)
     ),
     "multi_tensor_novograd": OpPreconditions(
         (
@@ -148,10 +149,13 @@ PRECONDITIONS: Mapping[str, OpPreconditions] = {
             "mode",
             "norm_type",
             "step_tensor",
+            "lr_tensor",
         ),
         choices=(*_LAMB_CHOICES, ("norm_type", (0, 2))),
     ),
-    "multi_tensor_lamb": OpPreconditions((*_LAMB_ARGS, "step_tensor"), choices=_LAMB_CHOICES),
+    "multi_tensor_lamb": OpPreconditions(
+        (*_LAMB_ARGS, "step_tensor", "lr_tensor"), choices=_LAMB_CHOICES
+    ),
     "multi_tensor_lamb_mp": OpPreconditions(
         (*_LAMB_ARGS, "found_inf", "inv_scale"), choices=_LAMB_CHOICES
     ),

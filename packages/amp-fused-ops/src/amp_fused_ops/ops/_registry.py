@@ -46,6 +46,7 @@ from torch import Tensor
 from amp_fused_ops.ops._sharding import (
     agree_nonfinite,
     dtensor_type,
+    outside_graph,
     shard_groups,
     sharded_norms,
     to_local,
@@ -131,7 +132,7 @@ _SPECS = (
         "Tensor(b!)[] momentum_bufs, Tensor(c!)[]? model_copies, float weight_decay, "
         "float momentum, float dampening, float lr, bool nesterov, bool first_run, "
         "bool wd_after_momentum, float scale, int? sr_seed=None, int? sr_step=None, "
-        "Tensor? step_tensor=None) -> ()",
+        "Tensor? step_tensor=None, Tensor? lr_tensor=None) -> ()",
         _reference.multi_tensor_sgd,
         list_counts=(3, 4),
     ),
@@ -189,8 +190,8 @@ _SPECS = (
         "multi_tensor_adam(int chunk_size, Tensor noop_flag, Tensor[] grads, "
         "Tensor(a!)[] params, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, float lr, "
         "float beta1, float beta2, float eps, int step, int decay_mode, int bias_correction, "
-        "float weight_decay, Tensor? step_tensor=None, int? sr_seed=None, int? sr_step=None) "
-        "-> ()",
+        "float weight_decay, Tensor? step_tensor=None, int? sr_seed=None, int? sr_step=None, "
+        "Tensor? lr_tensor=None) -> ()",
         _reference.multi_tensor_adam,
         list_counts=(4,),
     ),
@@ -215,7 +216,7 @@ _SPECS = (
     OpSpec(
         "multi_tensor_adagrad(int chunk_size, Tensor noop_flag, Tensor[] grads, "
         "Tensor(a!)[] params, Tensor(b!)[] state_sums, float lr, float epsilon, int decay_mode, "
-        "float weight_decay) -> ()",
+        "float weight_decay, Tensor? lr_tensor=None) -> ()",
         _reference.multi_tensor_adagrad,
         list_counts=(3,),
     ),
@@ -224,7 +225,7 @@ _SPECS = (
         "Tensor(b!)[] params, Tensor(c!)[] exp_avgs, Tensor(d!) grad_norms, float lr, "
         "float beta1, float beta2, float epsilon, int step, int bias_correction, "
         "float weight_decay, int grad_averaging, int decay_mode, int norm_type, "
-        "Tensor? step_tensor=None) -> ()",
+        "Tensor? step_tensor=None, Tensor? lr_tensor=None) -> ()",
         _reference.multi_tensor_novograd,
         list_counts=(3,),
     ),
@@ -233,7 +234,8 @@ _SPECS = (
         "Tensor(b!)[] params, Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, float lr, "
         "float beta1, float beta2, float epsilon, int step, int bias_correction, "
         "float weight_decay, int grad_averaging, int decay_mode, Tensor global_grad_norm, "
-        "float max_grad_norm, bool? use_nvlamb=None, Tensor? step_tensor=None) -> ()",
+        "float max_grad_norm, bool? use_nvlamb=None, Tensor? step_tensor=None, "
+        "Tensor? lr_tensor=None) -> ()",
         _reference.multi_tensor_lamb,
         list_counts=(4,),
     ),
@@ -482,6 +484,8 @@ def apex_convention(
     scalars = overload._schema.arguments[2 + most :]
     names = [argument.name for argument in scalars]
     inv_scale_at = names.index("inv_scale") if "inv_scale" in names else len(names)
+    # A tensor given for a ``float lr`` goes to the op's ``lr_tensor`` (see _tensor_lr).
+    lr_at = (names.index("lr"), names.index("lr_tensor")) if "lr_tensor" in names else None
     numbers = tuple(
         (index, argument.name)
         for index, argument in enumerate(scalars)
@@ -498,6 +502,12 @@ def apex_convention(
         given = len(tensor_lists)
         if given not in counts:
             raise ValueError(f"{name}: expected {layouts}, got {given}")
+        if lr_at is not None:
+            args, kwargs = _tensor_lr(name, *lr_at, args, kwargs)
+        if name in _SHARD_NORM_OPS and torch.compiler.is_compiling() and _any_dtensor(tensor_lists):
+            # The cross-rank reductions of a sharded step run outside the graph (see
+            # outside_graph), on the DTensors themselves.
+            return outside_graph(op, chunk_size, noop_flag, tensor_lists, *args, **kwargs)
         lists: list[Any] = [*tensor_lists, *([None] * (most - given))]
         lists, groups = _local_shards(name, lists)
         if groups is not None and name in _SHARD_NORM_OPS:
@@ -533,6 +543,48 @@ def apex_convention(
     op.__name__ = op.__qualname__ = name
     op.__doc__ = f"``torch.ops.{overload.namespace}.{name}`` with Apex's ``amp_C`` arguments."
     return op
+
+
+def _tensor_lr(
+    name: str, lr_at: int, lr_tensor_at: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` with a tensor given for the op's ``float lr`` moved to ``lr_tensor``.
+
+    ``torch.optim`` accepts a tensor learning rate, which under ``torch.compile`` stays data of
+    the graph (a float read from the param group would be a constant, recompiled whenever a
+    scheduler changes it). The kernels take the rate as a double and read ``lr_tensor`` on the
+    host, so a tensor on another device is copied to the CPU here (which syncs, as reading it
+    would). ``lr`` is then 0 and unread.
+
+    Raises:
+        ValueError: A tensor ``lr`` together with an ``lr_tensor``.
+    """
+    in_args = lr_at < len(args)
+    lr = args[lr_at] if in_args else kwargs.get("lr")
+    if not isinstance(lr, Tensor):
+        return args, kwargs
+    if kwargs.get("lr_tensor") is not None or (
+        lr_tensor_at < len(args) and args[lr_tensor_at] is not None
+    ):
+        raise ValueError(
+            f"{name}: lr is a tensor and lr_tensor is given too; pass the learning rate once, "
+            "as lr (a float or a tensor) or as lr_tensor"
+        )
+    lr_tensor = lr.detach()
+    if lr_tensor.device.type != "cpu":
+        lr_tensor = lr_tensor.to("cpu")
+    if in_args:
+        args = (*args[:lr_at], 0.0, *args[lr_at + 1 :])
+    else:
+        kwargs = {**kwargs, "lr": 0.0}
+    return args, {**kwargs, "lr_tensor": lr_tensor}
+
+
+def _any_dtensor(tensor_lists: Sequence[Sequence[Tensor] | None]) -> bool:
+    dtensor = dtensor_type()
+    return dtensor is not None and any(
+        type(t) is dtensor for part in tensor_lists if part is not None for t in part
+    )
 
 
 def _sharded_reference(

@@ -24,7 +24,7 @@ import contextlib
 import contextvars
 import math
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from torch import Tensor
 
 __all__ = [
     "dtensor_type",
+    "outside_graph",
     "per_tensor_norms",
     "shard_groups",
     "sharded_norms",
@@ -139,6 +140,31 @@ def _local_norms(tensors: Sequence[Tensor], ord: float) -> Tensor:
     return torch.stack([next(norms).float() if t.numel() else zero for t in tensors])
 
 
+_eager_call: Callable[..., Any] | None = None
+
+
+def outside_graph(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` run eagerly while ``torch.compile`` traces (a graph break).
+
+    The norm-taking ops (and :func:`tensor_norms`) step DTensor arguments in their PyTorch
+    reference and all-reduce the shards' partial norms over the ranks. Traced, that reference
+    breaks the graph at its host reads, recompiles as the step count changes, and once Dynamo
+    makes the shards' sizes symbolic it confuses the shapes of uneven shards, which differ
+    between ranks. Called on the DTensors as in eager mode, the op gives the eager result,
+    with one graph break per call and no recompilation. ``torch.compiler.disable`` imports
+    ``torch._dynamo``, so the wrapper is made on first use (always under ``torch.compile``,
+    which has imported it).
+    """
+    global _eager_call
+    if _eager_call is None:
+        _eager_call = torch.compiler.disable(_call)
+    return _eager_call(fn, *args, **kwargs)
+
+
+def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
+
+
 def tensor_norms(tensors: Sequence[Tensor], ord: float = 2.0) -> Tensor:
     """The ``ord``-norm (2 or ``math.inf``) of each tensor, of the whole tensor for a DTensor.
 
@@ -165,6 +191,13 @@ def tensor_norms(tensors: Sequence[Tensor], ord: float = 2.0) -> Tensor:
         raise ValueError(f"tensor_norms: ord must be 2 or math.inf, got {ord!r}")
     if not tensors:
         return torch.zeros(0, dtype=torch.float32)
+    dtensor = dtensor_type()
+    if (
+        torch.compiler.is_compiling()
+        and dtensor is not None
+        and any(type(t) is dtensor for t in tensors)
+    ):
+        return outside_graph(tensor_norms, tensors, ord)  # see outside_graph
     groups = [shard_groups("tensor_norms", t) for t in tensors]
     with sharded_norms(groups):
         # Float32 math for half tensors too (a half norm would round the result to half).

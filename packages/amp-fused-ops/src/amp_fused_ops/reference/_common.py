@@ -350,3 +350,29 @@ def resolve_step(op: str, step: int, step_tensor: Tensor | None) -> int:
     if not (value >= 0 and value == int(value)):
         raise ValueError(f"{op}: step_tensor must hold a whole number >= 0, got {value}")
     return int(value)
+
+
+def resolve_lr(op: str, lr: float, lr_tensor: Tensor | None) -> float:
+    """The learning rate of an op that takes ``float lr`` and ``Tensor? lr_tensor``.
+
+    ``lr_tensor``, when given, holds the rate and ``lr`` is not read: a tensor learning rate
+    (which ``torch.optim`` accepts) stays data of a ``torch.compile`` graph, so a scheduler
+    that changes it recompiles nothing (``docs/compile.rst``). It is read on the host, as
+    ``step_tensor`` is: a one-element floating-point CPU tensor.
+
+    Raises:
+        ValueError: ``lr_tensor`` is not a one-element floating-point CPU tensor.
+    """
+    if lr_tensor is None:
+        return lr
+    if (
+        lr_tensor.device.type != "cpu"
+        or lr_tensor.numel() != 1
+        or not lr_tensor.is_floating_point()
+    ):
+        raise ValueError(
+            f"{op}: lr_tensor must be a one-element floating-point CPU tensor (the learning "
+            f"rate is read on the host), got {lr_tensor.numel()} elements of {lr_tensor.dtype} "
+            f"on {lr_tensor.device}; pass lr as a float, or keep the tensor on the CPU"
+        )
+    return float(lr_tensor.item())

@@ -27,6 +27,7 @@ from amp_fused_ops.reference._common import (
     _scalar,
     _Tensors,
     _write,
+    resolve_lr,
     resolve_step,
 )
 from amp_fused_ops.reference._optim import _adam_update
@@ -115,6 +116,7 @@ def multi_tensor_lamb(
     max_grad_norm: float,
     use_nvlamb: bool | None = None,
     step_tensor: Tensor | None = None,
+    lr_tensor: Tensor | None = None,
 ) -> None:
     """One LAMB step, in place, for every (grad, param, exp_avg, exp_avg_sq).
 
@@ -159,6 +161,8 @@ def multi_tensor_lamb(
             (None means False, as in Apex).
         step_tensor: The step count as a one-element CPU tensor, read instead of ``step``
             when given (the optimizers pass it so under ``torch.compile``).
+        lr_tensor: The learning rate as a one-element floating-point CPU tensor, read instead
+            of ``lr`` when given (see :func:`resolve_lr`).
 
     Raises:
         ValueError: Malformed lists, sizes, dtypes, noop flag, bias_correction, grad_averaging
@@ -167,6 +171,7 @@ def multi_tensor_lamb(
     """
     op = "multi_tensor_lamb"
     step = resolve_step(op, step, step_tensor)
+    lr = resolve_lr(op, lr, lr_tensor)
     check_arguments(
         op, {"bias_correction": bias_correction, "grad_averaging": grad_averaging, "mode": mode}
     )
@@ -214,6 +219,7 @@ def multi_tensor_novograd(
     mode: int,
     norm_type: int,
     step_tensor: Tensor | None = None,
+    lr_tensor: Tensor | None = None,
 ) -> None:
     """One NovoGrad step, in place, for every (grad, param, exp_avg).
 
@@ -259,6 +265,8 @@ def multi_tensor_novograd(
         norm_type: 2 L2 norm, 0 infinity (max-abs) norm.
         step_tensor: The step count as a one-element CPU tensor, read instead of ``step``
             when given (the optimizers pass it so under ``torch.compile``).
+        lr_tensor: The learning rate as a one-element floating-point CPU tensor, read instead
+            of ``lr`` when given (see :func:`resolve_lr`).
 
     Raises:
         TypeError: ``grad_norms`` (or another argument) has the wrong type.
@@ -268,6 +276,7 @@ def multi_tensor_novograd(
     """
     op = "multi_tensor_novograd"
     step = resolve_step(op, step, step_tensor)
+    lr = resolve_lr(op, lr, lr_tensor)
     check_arguments(
         op,
         {

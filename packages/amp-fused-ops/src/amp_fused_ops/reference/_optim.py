@@ -24,6 +24,7 @@ from amp_fused_ops.reference._common import (
     _scalar,
     _Tensors,
     _write,
+    resolve_lr,
     resolve_step,
 )
 from amp_fused_ops.reference._stochastic_round import stochastic_round_bf16
@@ -167,6 +168,7 @@ def multi_tensor_adam(
     step_tensor: Tensor | None = None,
     sr_seed: int | None = None,
     sr_step: int | None = None,
+    lr_tensor: Tensor | None = None,
 ) -> None:
     """One Adam / AdamW step, in place, for every (grad, param, exp_avg, exp_avg_sq).
 
@@ -210,6 +212,8 @@ def multi_tensor_adam(
             nearest, with random bits keyed by ``(sr_seed, sr_step)``, the tensor's index in
             the lists and the element's offset in the tensor (:mod:`._stochastic_round`).
         sr_step: The step the random bits are keyed by (low 32 bits); by default ``step``.
+        lr_tensor: The learning rate as a one-element floating-point CPU tensor, read instead
+            of ``lr`` when given (see :func:`resolve_lr`).
 
     Raises:
         ValueError: Malformed lists, sizes, dtypes, noop flag, mode or bias_correction; a
@@ -220,6 +224,7 @@ def multi_tensor_adam(
     """
     op = "multi_tensor_adam"
     step = resolve_step(op, step, step_tensor)
+    lr = resolve_lr(op, lr, lr_tensor)
     check_arguments(op, {"mode": mode, "bias_correction": bias_correction, "step": step})
     names = [("grads", "params", "exp_avgs", "exp_avg_sqs")]
     dtypes = [_FLOAT_DTYPES, _FLOAT_DTYPES, _FP32_ONLY, _FP32_ONLY]
@@ -462,6 +467,7 @@ def multi_tensor_sgd(
     sr_seed: int | None = None,
     sr_step: int | None = None,
     step_tensor: Tensor | None = None,
+    lr_tensor: Tensor | None = None,
 ) -> None:
     """One SGD step (Apex ``FusedSGD``), in place, optionally writing a low-precision copy.
 
@@ -496,6 +502,8 @@ def multi_tensor_sgd(
         sr_step: The step the random bits are keyed by (None: 0).
         step_tensor: ``sr_step`` as a one-element CPU tensor (what ``FusedSGD`` passes under
             ``torch.compile``); when given, ``sr_step`` is not read.
+        lr_tensor: The learning rate as a one-element floating-point CPU tensor, read instead
+            of ``lr`` when given (see :func:`resolve_lr`).
 
     Raises:
         ValueError: Malformed lists, mismatched sizes, bad dtype (a momentum buffer neither
@@ -531,7 +539,7 @@ def multi_tensor_sgd(
         _write(bufs, new_bufs, skip)
     if weight_decay != 0.0 and wd_after_momentum:
         g = torch._foreach_add(g, p, alpha=weight_decay)
-    new_p = torch._foreach_add(p, g, alpha=-lr)
+    new_p = torch._foreach_add(p, g, alpha=-resolve_lr(op, lr, lr_tensor))
     round_step = resolve_step(op, sr_step or 0, step_tensor)
     _write(params, _round_params(params, new_p, sr_seed, round_step), skip)
     if len(tensor_lists) == 4:
@@ -551,6 +559,7 @@ def multi_tensor_adagrad(
     epsilon: float,
     mode: int,
     weight_decay: float,
+    lr_tensor: Tensor | None = None,
 ) -> None:
     """One Adagrad step, in place, for every (grad, param, state_sum).
 
@@ -570,6 +579,8 @@ def multi_tensor_adagrad(
         epsilon: Added to the denominator.
         mode: 0 L2 regularisation (``torch.optim.Adagrad``), 1 decoupled weight decay.
         weight_decay: Weight decay.
+        lr_tensor: The learning rate as a one-element floating-point CPU tensor, read instead
+            of ``lr`` when given (see :func:`resolve_lr`).
 
     Raises:
         ValueError: Malformed lists, mismatched sizes, bad dtype (a sum neither float32 nor
@@ -594,5 +605,5 @@ def multi_tensor_adagrad(
     update = torch._foreach_div(g, denom)
     if mode == ADAGRAD_MODE_DECOUPLED and weight_decay != 0.0:
         torch._foreach_add_(update, p, alpha=weight_decay)
-    _write(params, torch._foreach_add(p, update, alpha=-lr))
+    _write(params, torch._foreach_add(p, update, alpha=-resolve_lr(op, lr, lr_tensor)))
     _write(sums, h)
