@@ -108,8 +108,9 @@ def _weights(model: nn.Module) -> list[torch.Tensor]:
 @pytest.mark.parametrize("where", ["in_backward", "after_backward", "before_backward"])
 @pytest.mark.parametrize("half", HALF_DTYPES)
 def test_a_failed_micro_batch_leaves_the_other_micro_batches_gradients(half, where):
-    """Gradient accumulation over four micro-batches, the third fails inside the block: the step
-    gets exactly the gradients of the three others, as plain PyTorch would."""
+    """Gradient accumulation over four micro-batches, the third fails inside a block entered
+    with ``restore_on_error=True``: the step gets exactly the gradients of the three others, as
+    plain PyTorch would."""
     model, opt, ref, ref_opt = _setup(half)
     trip = model[2]
     bad = 2
@@ -121,7 +122,7 @@ def test_a_failed_micro_batch_leaves_the_other_micro_batches_gradients(half, whe
             continue
         with pytest.raises(Boom):
             trip.armed = where == "in_backward"
-            with amp.scale_loss(_loss(model, seed), opt) as scaled:
+            with amp.scale_loss(_loss(model, seed), opt, restore_on_error=True) as scaled:
                 if where == "before_backward":
                     raise Boom("bad batch before backward")
                 scaled.backward()
@@ -147,7 +148,8 @@ def test_a_failed_micro_batch_between_delayed_unscales(half):
     for seed in range(4):
         trip.armed = seed == 1
         if trip.armed:
-            with pytest.raises(Boom), amp.scale_loss(_loss(model, seed), opt) as scaled:
+            block = amp.scale_loss(_loss(model, seed), opt, restore_on_error=True)
+            with pytest.raises(Boom), block as scaled:
                 scaled.backward()
             continue
         with amp.scale_loss(_loss(model, seed), opt, delay_unscale=seed < 3) as scaled:
@@ -218,12 +220,12 @@ def test_nested_blocks_for_one_optimizer_are_refused(half, inner_loss_id):
         scaled.backward()
     with (
         pytest.raises(RuntimeError, match=r"already inside another.*Leave the first block"),
-        amp.scale_loss(_loss(model, 1), opt, loss_id=0) as outer,
+        amp.scale_loss(_loss(model, 1), opt, loss_id=0, restore_on_error=True) as outer,
     ):
         outer.backward(retain_graph=True)
         with amp.scale_loss(_loss(model, 2), opt, loss_id=inner_loss_id) as inner:
             inner.backward()
-    # The refusal left the gradients of before the outer block.
+    # The refusal left the gradients of before the outer block (restored).
     _loss(ref, 0).backward()
     _check_close(_grads(opt), [p.grad for p in ref.parameters()], CHAIN_TOL[half])
 
