@@ -5,7 +5,6 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <torch/extension.h>
 #include <torch/library.h>
 
 #include <algorithm>
