@@ -22,7 +22,7 @@
 // takes any layout. Host code only.
 #pragma once
 
-#include <ATen/ATen.h>
+#include "aten_headers.h"
 
 #include <algorithm>
 #include <cstdint>

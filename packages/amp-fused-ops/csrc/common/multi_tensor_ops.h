@@ -4,7 +4,7 @@
 // dispatcher's ops (schemas in src/amp_fused_ops/_library.py).
 #pragma once
 
-#include <ATen/ATen.h>
+#include "aten_headers.h"
 
 #include <optional>
 #include <tuple>

@@ -9,7 +9,6 @@
 // register_multi_tensor_impls, plus its own multi_tensor_l2norm_mp.
 #pragma once
 
-#include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -52,7 +51,8 @@ TensorLists lists(std::initializer_list<at::TensorList> parts) {
 // increment: no device sync.
 
 void bump(const at::Tensor& t) {
-  if (t.defined()) torch::autograd::impl::bump_version(t);
+  // What torch::autograd::impl::bump_version does, without autograd's headers.
+  if (t.defined()) t.unsafeGetTensorImpl()->bump_version();
 }
 
 void bump(at::TensorList tensors) {

@@ -8,7 +8,7 @@
 // position must share one layout.
 #pragma once
 
-#include <ATen/ATen.h>
+#include "../common/aten_headers.h"
 #include <ATen/Parallel.h>
 
 #if defined(__F16C__) && defined(__AVX__)

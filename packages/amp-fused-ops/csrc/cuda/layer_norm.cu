@@ -13,7 +13,7 @@
 // loads when every pointer is aligned and hidden % VEC == 0, else VEC = 1). The backward runs
 // one block per row for dx, then a column kernel writes per-row-slice partial sums of
 // dy * xhat and dy, and a last kernel reduces them into dgamma / dbeta.
-#include <ATen/ATen.h>
+#include "../common/aten_headers.h"
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>

@@ -24,7 +24,7 @@
 //   (inf/nan found). Nothing here synchronizes the host.
 #pragma once
 
-#include <ATen/ATen.h>
+#include "../common/aten_headers.h"
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 

@@ -14,7 +14,7 @@
 // (slices, C) partials (Welford states for the statistics, plain sums for the backward), and
 // a second kernel merges the slices per channel. Channels-first blocks own one channel and
 // one slice; channels-last blocks own 32 adjacent channels (coalesced rows) and one slice.
-#include <ATen/ATen.h>
+#include "../common/aten_headers.h"
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>

@@ -2,7 +2,7 @@
 // single-thread kernel (no host sync, capturable). Logic and rounding are the reference's
 // (_reference_scaler.py): products in double, stored as float32; a growth that would reach
 // inf is dropped; a backoff may underflow to 0.
-#include <ATen/ATen.h>
+#include "../common/aten_headers.h"
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 

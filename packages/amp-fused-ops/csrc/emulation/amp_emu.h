@@ -4,7 +4,7 @@
 // `% amp_emu::LaunchConfig(config)`.
 #pragma once
 
-#include <ATen/ATen.h>
+#include "../common/aten_headers.h"
 #include <torch/library.h>
 
 #include <algorithm>

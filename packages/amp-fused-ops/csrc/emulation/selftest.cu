@@ -1,6 +1,6 @@
 // Kernels that make the mistakes the emulator must catch (tests/test_emulation.py). Compiled
 // into the emulated extension only, never into the CUDA one.
-#include <ATen/ATen.h>
+#include "../common/aten_headers.h"
 #include <torch/library.h>
 
 namespace {
