@@ -381,7 +381,7 @@ def _pytest(session: nox.Session, package: str, marker: str, success_codes: list
     # import of another one fails there (tests/integration/test_declared_dependencies.py finds
     # such imports without running anything). The integration tests get all five.
     packages = PACKAGES if package == "integration" else _with_toolkit_requirements(package)
-    _install_checkout(session, "pytest", "ninja", *extra, packages=packages)
+    _install_checkout(session, "pytest", "pytest-xdist", "ninja", *extra, packages=packages)
     # AMP_TEST_REPORTS: a folder for one JUnit report per session, whose test times
     # .ci/slowest_tests.py lists (.ci/run does, after the tests).
     reports = os.environ.get("AMP_TEST_REPORTS")
@@ -394,6 +394,7 @@ def _pytest(session: nox.Session, package: str, marker: str, success_codes: list
         "-m",
         marker,
         *report,
+        *_xdist_args(session, "loadscope"),
         *session.posargs,
         success_codes=success_codes,
     )
@@ -797,6 +798,26 @@ EMULATION_TESTS = [
 ]
 
 
+def _xdist_args(session: nox.Session, distribution: str) -> list[str]:
+    """pytest-xdist arguments: one worker process per CPU unless ``AMP_TEST_WORKERS`` says.
+
+    Most tests are short and single-threaded in Python (small tensors, subprocesses starting,
+    the emulator running a launch's blocks one after the other), so a second worker on the
+    second core does nearly twice the work; tests that compile or train use both cores
+    either way. Tests share nothing that would collide: each has its own ``tmp_path``,
+    distributed tests rendezvous through their own files or free ports, and the extension
+    cache takes a lock per build. ``distribution`` is xdist's ``--dist``: ``loadscope`` keeps
+    the tests of a module on one worker, so that a module-scoped fixture (a training run, a
+    spawned world, a compile) runs once; ``load`` spreads single tests where fixtures are
+    cheap. ``AMP_TEST_WORKERS=1`` runs one process (no xdist).
+    """
+    value = os.environ.get("AMP_TEST_WORKERS", "")
+    if value and not (value.isdigit() and int(value) >= 1):
+        session.error(f"AMP_TEST_WORKERS={value!r}: expected a number of workers, 1 or more")
+    workers = int(value) if value else (os.cpu_count() or 1)
+    return ["-n", str(workers), f"--dist={distribution}"] if workers > 1 else []
+
+
 @nox.session(venv_params=SYSTEM_SITE)
 def cuda_emulation(session: nox.Session) -> None:
     """Run the CUDA kernels on the CPU: the gpu tests against the emulated kernels.
@@ -806,7 +827,8 @@ def cuda_emulation(session: nox.Session) -> None:
     raise), then with AddressSanitizer + UBSan in a process that preloads libasan. No GPU and
     no CUDA toolkit needed. The builds are cached in the session's folder (.nox/...). ``--
     <pytest args>`` narrows the tests; ``AMP_EMULATION_BUILDS=counting`` or ``=asan`` runs one
-    build (CI runs each as its own step).
+    build (CI runs each as its own step). The tests of a build run in one pytest-xdist worker
+    per CPU, as every test session's (``AMP_TEST_WORKERS``, see ``_xdist_args``).
 
     The counting build runs the multi-tensor tests at every emulated size (up to 33333
     elements, chunks of 333 and 2048 * 32); the asan build at the small sizes (1, 7, 555, chunk
@@ -814,7 +836,7 @@ def cuda_emulation(session: nox.Session) -> None:
     fraction of the time). ``AMP_EMULATION_SIZES=all`` or ``=small`` picks the sizes of every
     build (see packages/amp-fused-ops/tests/_kernel_target.py).
     """
-    _install_checkout(session, "pytest", "ninja")
+    _install_checkout(session, "pytest", "pytest-xdist", "ninja")
     session.env["MAX_JOBS"] = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
     session.env["AMP_FUSED_OPS_CACHE"] = os.environ.get(
         "AMP_FUSED_OPS_CACHE", str(Path(session.create_tmp()) / "amp_fused_ops_cache")
@@ -852,7 +874,7 @@ def cuda_emulation(session: nox.Session) -> None:
         session.run("python", "-c", _EMULATION_BUILD, build, env=env)
         session.run(
             "python", "-m", "pytest", "-m", "cuda_emulation", "-q", "-p", "no:cacheprovider",
-            "--durations=5", *tests, *session.posargs, env=env,
+            "--durations=5", *_xdist_args(session, "load"), *tests, *session.posargs, env=env,
         )  # fmt: skip
 
 
