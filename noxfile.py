@@ -657,7 +657,7 @@ def demo(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Run every benchmarks/bench_*.py on CPU, and on CUDA too when it is available.
 
-    bench_kernel_bytes.py compiles the emulated CUDA kernels (ninja) on its first run.
+    benchmarks/bench_kernel_bytes.py compiles the emulated CUDA kernels (ninja) on its first run.
     """
     _install_checkout(session, "ninja")
     scripts = sorted((ROOT / "benchmarks").glob("bench_*.py"))
@@ -708,10 +708,10 @@ def cuda_build(session: nox.Session) -> None:
     """Compile the CUDA extension of amp-fused-ops as users get it, then import it.
 
     Runs ``python -m amp_fused_ops build cuda --force`` (the loader's just-in-time build: every
-    .cu/.cpp of csrc/cuda into one module) for ``TORCH_CUDA_ARCH_LIST`` (default 9.0), so it
-    needs nvcc and a CUDA build of torch but no GPU, then loads the result. A kernel that
-    spills registers to local memory fails the build (ptxas ``--warn-on-spills`` as an error,
-    through ``NVCC_APPEND_FLAGS``); ``nox -s cuda_ptxas`` checks every architecture.
+    .cu/.cpp of packages/amp-fused-ops/csrc/cuda into one module) for ``TORCH_CUDA_ARCH_LIST``
+    (default 9.0), so it needs nvcc and a CUDA build of torch but no GPU, then loads the result. A
+    kernel that spills registers to local memory fails the build (ptxas ``--warn-on-spills`` as an
+    error, through ``NVCC_APPEND_FLAGS``); ``nox -s cuda_ptxas`` checks every architecture.
     """
     _check_cuda_toolchain(session)
     env = {
@@ -738,12 +738,12 @@ NO_SPILL_NVCC_FLAGS = "-Xptxas --warn-on-spills,--warning-as-error"
 def cuda_ptxas(session: nox.Session) -> None:
     """Registers, shared memory and spills of every CUDA kernel for every architecture.
 
-    Runs ``benchmarks/ptxas_report.py``: each .cu of csrc/cuda compiled device side only
-    (``nvcc -cubin -Xptxas -v``) for every architecture the installed nvcc lists (CUDA 13:
-    sm_75 to sm_121), a table per kernel and architecture, and a failure when an optimizer
-    kernel spills. Needs nvcc and a CUDA build of torch, no GPU; about 12 times the device
+    Runs ``benchmarks/ptxas_report.py``: each .cu of packages/amp-fused-ops/csrc/cuda compiled
+    device side only (``nvcc -cubin -Xptxas -v``) for every architecture the installed nvcc
+    lists (CUDA 13: sm_75 to sm_121), a table per kernel and architecture, and a failure when an
+    optimizer kernel spills. Needs nvcc and a CUDA build of torch, no GPU; about 12 times the device
     work of ``cuda_build``, so it is not part of .ci/run (which compiles sm_90, spills failing).
-    ``-- --arch 80 90`` or ``-- --files multi_tensor_adam.cu`` narrows it.
+    ``-- --arch 80 90`` or ``-- --files <file names in that folder>`` narrows it.
     """
     _check_cuda_toolchain(session)
     env = {
@@ -822,13 +822,14 @@ def _xdist_args(session: nox.Session, distribution: str) -> list[str]:
 def cuda_emulation(session: nox.Session) -> None:
     """Run the CUDA kernels on the CPU: the gpu tests against the emulated kernels.
 
-    The .cu sources of amp-fused-ops are compiled as C++ through csrc/emulation (threads as
-    fibers, launch and barrier checks) twice: the counting build (misaligned vector accesses
-    raise), then with AddressSanitizer + UBSan in a process that preloads libasan. No GPU and
-    no CUDA toolkit needed. The builds are cached in the session's folder (.nox/...). ``--
-    <pytest args>`` narrows the tests; ``AMP_EMULATION_BUILDS=counting`` or ``=asan`` runs one
-    build (CI runs each as its own step). The tests of a build run in one pytest-xdist worker
-    per CPU, as every test session's (``AMP_TEST_WORKERS``, see ``_xdist_args``).
+    The .cu sources of amp-fused-ops are compiled as C++ through
+    packages/amp-fused-ops/csrc/emulation (threads as fibers, launch and barrier checks) twice: the
+    counting build (misaligned vector accesses raise), then with AddressSanitizer + UBSan in a
+    process that preloads libasan. No GPU and no CUDA toolkit needed. The builds are cached in the
+    session's folder (.nox/...). ``-- <pytest args>`` narrows the tests;
+    ``AMP_EMULATION_BUILDS=counting`` or ``=asan`` runs one build (CI runs each as its own
+    step). The tests of a build run in one pytest-xdist worker per CPU, as every test session's
+    (``AMP_TEST_WORKERS``, see ``_xdist_args``).
 
     The counting build runs the multi-tensor tests at every emulated size (up to 33333
     elements, chunks of 333 and 2048 * 32); the asan build at the small sizes (1, 7, 555, chunk

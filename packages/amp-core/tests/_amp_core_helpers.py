@@ -26,7 +26,8 @@ DEVICES = [
     ),
 ]
 
-# Tolerances for one low-precision op against its float32 reference (STYLE habit 8).
+# Tolerances for one low-precision op against its float32 reference (the rtol is
+# torch.testing.assert_close's default for the dtype).
 OP_TOL = {
     torch.float16: dict(rtol=1e-3, atol=1e-3),
     torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2),

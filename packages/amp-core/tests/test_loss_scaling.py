@@ -399,7 +399,7 @@ def test_overflow_skips_every_optimizer_in_a_list(half, opt_level):
 def unscale_without_bf16(monkeypatch):
     """PyTorch's fused unscale as its CUDA build has it: no bfloat16 kernel (it raises before
     writing anything), on any device, so that CPU runs take the scaler's other path."""
-    from amp_core import _scaler as scaler_module
+    from amp_core import _overflow_checks as checks_module
 
     fused = torch._amp_foreach_non_finite_check_and_unscale_
     calls = {"refused": 0}
@@ -413,7 +413,7 @@ def unscale_without_bf16(monkeypatch):
         fused(grads, found_inf, inv_scale)
 
     monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", without_bf16)
-    monkeypatch.setattr(scaler_module, "_NO_FUSED_UNSCALE", set(), raising=False)
+    monkeypatch.setattr(checks_module, "_NO_FUSED_UNSCALE", set())
     return calls
 
 

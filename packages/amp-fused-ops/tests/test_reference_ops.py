@@ -20,7 +20,8 @@ from amp_fused_ops import MultiTensorApply, amp_C, reference
 SIZES = [1, 7, 555, 33333, 2048 * 32 + 1, 2 * 2048 * 32]
 CHUNKS = [333, 2048 * 32]
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]
-# Relative tolerance of one rounding to each storage dtype (house style).
+# Relative tolerance of one rounding to each storage dtype (for float16 and bfloat16,
+# torch.testing.assert_close's default).
 RTOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1.6e-2}
 ATOL = {torch.float32: 1e-6, torch.float16: 1e-4, torch.bfloat16: 1e-3}
 

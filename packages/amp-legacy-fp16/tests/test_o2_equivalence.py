@@ -8,8 +8,8 @@ The one difference: O2 builds its fp32 masters from the fp32 weights before the 
 FP16_Optimizer only sees the fp16 model and starts its masters from the rounded weights. The
 initial masters therefore differ by at most half an fp16 ulp (relative 2**-11 ~ 4.9e-4), and
 that difference is carried (not amplified, at this learning rate) through the SGD updates. The
-largest relative loss difference observed is 1.0e-3 (one fp16 op's bound, STYLE rtol 1e-3);
-the tolerance, rtol 2e-3, doubles it for the 20 chained fp16 forward/backward passes.
+largest relative loss difference observed is 1.0e-3 (one fp16 op's bound, torch.testing's
+float16 rtol); the tolerance, rtol 2e-3, doubles it for the 20 chained fp16 forward/backward passes.
 With weights that fp16 represents exactly, the two
 trajectories are bitwise equal.
 """

@@ -10,7 +10,8 @@ from . import amp
 # the building blocks, for users who need them directly
 from ._casting import O1Casting, o1_casting, o1_casting_active
 from ._fused_master import FusedMasterWeightOptimizer, supports_fused_master_weights
-from ._master_weights import GradUnscaler, MasterWeights, fused_master_step, read_overflow
+from ._master_step import fused_master_step, read_overflow
+from ._master_weights import GradUnscaler, MasterWeights
 from ._model import model_master_weights
 from ._opt_levels import OptLevel, Properties
 from ._policy import POLICY, Cast

@@ -17,22 +17,24 @@ takes its step through this module, so the rules are written once:
 * the master is the truth of its weight, and an in-place edit of the half param (``fill_``,
   ``copy_``, ``nn.init``) made since the masters were last written into the model is taken
   into the master before the master is read or stepped (:meth:`MasterWeights.take_model_edits`):
-  the version counters of the half params tell which ones may have changed, and within those,
-  the elements whose half value no longer equals the rounded master take the edited value;
+  the version counters of the half params (and the count of their ``.data`` accesses,
+  :mod:`amp_core._param_watch`) tell which ones may have changed, and within those, the
+  elements whose half value no longer equals the rounded master take the edited value;
 * :meth:`MasterWeights.release` gives the param groups back their model params (float32, with
   the masters' values) when amp's wrapping is removed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import Tensor
 
-from ._fused_master import FusedMasterWeightOptimizer
-from ._scaler import LossScaler
+# fused_master_step and read_overflow live in _master_step; importable from here as before.
+from ._master_step import fused_master_step, read_overflow
+from ._param_watch import Stamp, stamp, unwatch, watch
 
 __all__ = [
     "GradUnscaler",
@@ -45,74 +47,6 @@ __all__ = [
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 T = TypeVar("T")
-
-
-_Stamp = tuple[int, int, torch.dtype, int]
-
-# How many times a watched param's ``.data`` was taken (in the param's ``__dict__``).
-_DATA_TAKEN = "_amp_data_taken"
-_get_data = torch._C.TensorBase.data.__get__  # type: ignore[attr-defined]
-_set_data = torch._C.TensorBase.data.__set__  # type: ignore[attr-defined]
-
-
-def _stamp(param: Tensor) -> _Stamp:
-    """What changes when a tensor is written in place, its ``.data`` is replaced or taken
-    (``p.data`` is a tensor with a version counter of its own: an edit through it moves no
-    counter of the param), and the dtype it had then."""
-    return param._version, param.data_ptr(), param.dtype, param.__dict__.get(_DATA_TAKEN, 0)
-
-
-class _WatchedData:
-    """Mixed into the class of a half param that has a master: ``.data`` is counted, so that
-    an edit through it (``p.data.fill_(0)``, ``nn.init.normal_(p.data)``, a weight clip
-    ``p.data.clamp_(-c, c)``) is seen by :meth:`MasterWeights.take_model_edits`, which then
-    compares that param's values with its master."""
-
-    @property
-    def data(self) -> Tensor:
-        self.__dict__[_DATA_TAKEN] = self.__dict__.get(_DATA_TAKEN, 0) + 1
-        return _get_data(self)
-
-    @data.setter
-    def data(self, value: Tensor) -> None:
-        self.__dict__[_DATA_TAKEN] = self.__dict__.get(_DATA_TAKEN, 0) + 1
-        _set_data(self, value)
-
-    def __repr__(self) -> str:
-        watched = type(self)
-        self.__class__ = _unwatched_class(watched)
-        try:
-            return repr(self)
-        finally:
-            self.__class__ = watched
-
-
-_watched_classes: dict[type, type] = {}
-
-
-def _watch(param: Tensor) -> None:
-    """Count ``param.data`` (an ``nn.Parameter`` of any class; other tensors are left)."""
-    cls = type(param)
-    if not isinstance(param, torch.nn.Parameter) or issubclass(cls, _WatchedData):
-        return
-    watched = _watched_classes.get(cls)
-    if watched is None:
-        # Named as the class it watches: `type(p).__name__` and the repr stay the same.
-        watched = type(cls.__name__, (_WatchedData, cls), {"__module__": cls.__module__})
-        _watched_classes[cls] = watched
-    param.__class__ = watched
-
-
-def _unwatched_class(cls: type) -> type:
-    return next(c for c in cls.__mro__[1:] if not issubclass(c, _WatchedData))
-
-
-def _unwatch(param: Tensor) -> None:
-    """Give ``param`` its class back (``amp.close()``)."""
-    cls = type(param)
-    if issubclass(cls, _WatchedData):
-        param.__class__ = _unwatched_class(cls)
-        param.__dict__.pop(_DATA_TAKEN, None)
 
 
 class GradUnscaler(Protocol):
@@ -158,8 +92,8 @@ class MasterWeights:
         self.model_params: list[Tensor] = []
         self.masters: list[Tensor] = []
         self.direct_params: list[Tensor] = list(direct_params)
-        # The half params' stamps (_stamp) when the masters were last written into them.
-        self._versions: list[_Stamp] = []
+        # The half params' stamps (stamp) when the masters were last written into them.
+        self._versions: list[Stamp] = []
         # The direct params' gradients from before the current scaled backward (unscaled).
         self._stash: list[Tensor | None] = []
 
@@ -171,10 +105,10 @@ class MasterWeights:
 
     def add_pair(self, model_param: Tensor, master: Tensor) -> None:
         """Record a master made elsewhere (by a fused master-weight optimizer)."""
-        _watch(model_param)
+        watch(model_param)
         self.model_params.append(model_param)
         self.masters.append(master)
-        self._versions.append(_stamp(model_param))
+        self._versions.append(stamp(model_param))
 
     def adopt_param(
         self,
@@ -319,7 +253,7 @@ class MasterWeights:
 
     def note_model_versions(self) -> None:
         """Remember the half params' stamps: they hold the masters' values now."""
-        self._versions = [_stamp(p) for p in self.model_params]
+        self._versions = [stamp(p) for p in self.model_params]
 
     def take_model_edits(self, *, strict: bool = True) -> None:
         """Take in-place edits of the half params into their masters.
@@ -340,7 +274,7 @@ class MasterWeights:
             RuntimeError: With ``strict``, a half param's shape no longer matches its
                 master's.
         """
-        stamps = [_stamp(p) for p in self.model_params]
+        stamps = [stamp(p) for p in self.model_params]
         if stamps == self._versions:
             return  # the usual case: nothing wrote the model since the masters did
         with torch.no_grad():
@@ -378,7 +312,7 @@ class MasterWeights:
         """
         self.take_model_edits(strict=False)
         for param in self.model_params:
-            _unwatch(param)
+            unwatch(param)
         by_master = {id(m): p for p, m in self.pairs()}
         with torch.no_grad():
             for param, master in self.pairs():
@@ -440,57 +374,3 @@ def match_state_dtypes(optimizer_state: MutableMapping[Any, Any], params: Iterab
                 and value.dtype != param.dtype
             ):
                 state[key] = value.to(param.dtype)
-
-
-def read_overflow(
-    found_inf: Tensor, scalers: Sequence[LossScaler] = ()
-) -> tuple[bool, list[float]]:
-    """The one host sync of a step: the overflow flag, and with it the current scales.
-
-    Each scaler is told its value (:meth:`LossScaler.note_host_scale`).
-
-    Returns:
-        Whether ``found_inf`` is set, and the scales of ``scalers`` in order.
-    """
-    if not scalers:
-        return bool(found_inf.item()), []
-    # amp's own bookkeeping, outside the O1 policy (stack would go through its Python kernel).
-    with torch._C._DisableAutocast():
-        values = [found_inf.float().reshape(())]
-        values += [
-            s.scale_tensor(s.device or found_inf.device).to(found_inf.device) for s in scalers
-        ]
-        flag, *scales = torch.stack(values).tolist()
-    for scaler, value in zip(scalers, scales, strict=True):
-        scaler.note_host_scale(value)
-    return bool(flag), scales
-
-
-def fused_master_step(
-    optimizer: FusedMasterWeightOptimizer, scaler: LossScaler | None, device: torch.device
-) -> tuple[Tensor, Tensor]:
-    """A step of an optimizer that keeps the masters itself, skipped on the device on overflow.
-
-    The optimizer reads the scaled gradients, unscales them by ``1 / scale``, checks them, and
-    steps the masters and writes the model in one pass, or changes nothing when a gradient holds
-    an inf or a nan. The scaler is then updated from the flag (nothing is read back).
-
-    Args:
-        optimizer: The fused master-weight optimizer.
-        scaler: The scale the gradients carry, or ``None`` when they are unscaled already.
-        device: Where the flag (and the scale) live.
-
-    Returns:
-        ``(found_inf, inv_scale)``: the device overflow flag and the inverse scale used.
-    """
-    if scaler is None:
-        inv_scale = torch.ones((), dtype=torch.float32, device=device)
-    else:
-        inv_scale = scaler.scale_tensor(device).double().reciprocal().float()
-    found_inf = torch.zeros((), dtype=torch.float32, device=inv_scale.device)
-    optimizer.amp_fused_master_step(inv_scale, found_inf)
-    if scaler is not None:
-        # With the updates earlier blocks of this step left pending, once.
-        scaler.note_update_(found_inf)
-        scaler.flush_update_()
-    return found_inf, inv_scale

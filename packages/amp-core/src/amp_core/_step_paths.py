@@ -9,7 +9,7 @@ which owns the stage of the step and passes each call what it needs as arguments
 * :class:`FusedPath`: the optimizer implements
   :class:`~amp_core._fused_master.FusedMasterWeightOptimizer` and keeps the masters itself. A
   backward's gradients may stay scaled until ``step()``, which unscales, checks, steps and
-  writes the model in one pass (see :func:`~amp_core._master_weights.fused_master_step`).
+  writes the model in one pass (see :func:`~amp_core._master_step.fused_master_step`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._master_weights import HALF_DTYPES, MasterWeights, fused_master_step, match_state_dtypes
+from ._master_step import fused_master_step
+from ._master_weights import HALF_DTYPES, MasterWeights, match_state_dtypes
 from ._scaler import LossScaler
 
 __all__ = [

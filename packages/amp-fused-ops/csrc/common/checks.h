@@ -1,7 +1,7 @@
 // The per-tensor preconditions of the multi-tensor ops, written once for the CPU launchers
 // (csrc/cpu/multi_tensor_apply.h) and the CUDA launchers (csrc/cuda/multi_tensor_apply.cuh).
-// The pure-PyTorch reference (_reference_common.py) raises the same exception type with the
-// same message for each mistake:
+// The pure-PyTorch reference (src/amp_fused_ops/reference/_common.py) raises the same exception
+// type with the same message for each mistake:
 //
 //   mistake                                   type          message (after "<op>: ")
 //   chunk_size outside [1, 2**30]             ValueError    chunk_size must be an int in ...

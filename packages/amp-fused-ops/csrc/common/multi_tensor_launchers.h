@@ -2,7 +2,7 @@
 // the CUDA kernels (csrc/cuda) define the same functions, in amp_fused_ops::cpu and
 // amp_fused_ops::cuda. Included by multi_tensor_ops.h inside each of those namespaces (hence no
 // include guard); include multi_tensor_ops.h, not this file. Semantics (math, noop flag) are
-// those of the pure-PyTorch reference, src/amp_fused_ops/_reference*.py.
+// those of the pure-PyTorch reference, src/amp_fused_ops/reference/.
 
 // out = in * scale for [ins, outs]; sets noop_flag to 1 if any input is inf or nan.
 void multi_tensor_scale(int64_t chunk_size, const at::Tensor& noop_flag,

@@ -1,7 +1,7 @@
 // Declarations of the multi-tensor launchers of both backends, with Apex's amp_C signatures:
 // amp_fused_ops::cpu (csrc/cpu) and amp_fused_ops::cuda (csrc/cuda, also compiled for the CPU
 // by the emulation build). The registrations (csrc/common/ops_registration.h) wrap them into the
-// dispatcher's ops (schemas in src/amp_fused_ops/_library.py).
+// dispatcher's ops (schemas in src/amp_fused_ops/ops/_registry.py).
 #pragma once
 
 #include "aten_headers.h"

@@ -1,5 +1,5 @@
 // The dispatcher kernels of the multi-tensor ops of one backend: wrappers that take the
-// separate tensor lists of the schemas (src/amp_fused_ops/_library.py), call the backend's
+// separate tensor lists of the schemas (src/amp_fused_ops/ops/_registry.py), call the backend's
 // launcher (multi_tensor_ops.h, Apex's `tensor_lists` signature) and bump the autograd
 // version counters.
 //
@@ -47,8 +47,8 @@ TensorLists lists(std::initializer_list<at::TensorList> parts) {
 // values changed, e.g. a skipped step), so that backward through a graph that saved such a
 // tensor raises "modified by an inplace operation" and caches keyed on versions (amp O1's
 // weight casts) notice the change. The tensors each op writes are those the reference writes
-// (_reference*.py), the mutable arguments of its schema. Bumping is a host-side counter
-// increment: no device sync.
+// (src/amp_fused_ops/reference/), the mutable arguments of its schema. Bumping is a host-side
+// counter increment: no device sync.
 
 void bump(const at::Tensor& t) {
   // What torch::autograd::impl::bump_version does, without autograd's headers.

@@ -1,6 +1,6 @@
 // The dispatcher namespace of the multi-tensor ops, for the kernels' registrations.
 //
-// The schemas of the ops are defined in Python (src/amp_fused_ops/_library.py, the op
+// The schemas of the ops are defined in Python (src/amp_fused_ops/ops/_registry.py, the op
 // registry), before any extension is loaded; the C++ CPU extension and the CUDA extension
 // (and the emulation build of the CUDA sources) only register kernels, with
 // TORCH_LIBRARY_IMPL, under the names the registry defines. A schema has no list of tensor

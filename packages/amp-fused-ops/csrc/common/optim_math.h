@@ -1,7 +1,9 @@
 // The element math of the SGD, Adagrad, LAMB and NovoGrad ops, and of scale and axpby, written
 // once for the CUDA functors (csrc/cuda) and the CPU loops (csrc/cpu), in float32. The
-// pure-PyTorch reference (_reference_optim.py, _reference_layerwise.py, _reference.py) is the
-// same formulas in PyTorch ops. The Adam ops are in adam_math.h.
+// pure-PyTorch reference is the same formulas in PyTorch ops (in src/amp_fused_ops/):
+// reference/_optim.py (SGD, Adagrad), reference/_layerwise.py (LAMB, NovoGrad),
+// reference/_lamb_stages.py (the LAMB stages) and reference/_ops.py (scale, axpby). The Adam ops
+// are in adam_math.h.
 //
 // The flags are ordinary arguments: the CPU loops pass compile-time constants (template
 // parameters of their functors), which the compiler folds after inlining, so each loop

@@ -1,6 +1,7 @@
 // Stochastic rounding of float32 results to bfloat16, written once for the CUDA functors
 // (csrc/cuda), the CPU loops (csrc/cpu) and the CUDA-on-CPU emulator. The pure-PyTorch
-// reference (src/amp_fused_ops/_stochastic_round.py) computes the same bits with int64 tensors.
+// reference (src/amp_fused_ops/reference/_stochastic_round.py) computes the same bits with int64
+// tensors.
 //
 // Rounding: x's float32 bits plus 16 random bits, then the low 16 bits cleared. x rounds up (away
 // from zero) to the next bfloat16 with probability (its distance from the bfloat16 below) /

@@ -48,7 +48,7 @@ struct MasterAdamStep {
   float inv_scale;
 };
 
-// Adam on float32 masters (the shared math of adam_math.h) on the unscaled gradient
+// Adam on float32 masters (the shared math of csrc/common/adam_math.h) on the unscaled gradient
 // g = grad * inv_scale. The mode is a template parameter and the scalars are copied into
 // locals, so the loop has no load that a store could alias, and it vectorizes.
 template <AdamMode kMode>

@@ -1,5 +1,5 @@
 // Multi-tensor LAMB and NovoGrad steps on CPU: optimizers with a per-tensor scale (semantics:
-// _reference_layerwise.py).
+// src/amp_fused_ops/reference/_layerwise.py).
 //
 // Both run in two stages over the same chunks. LAMB: stage 1 updates the moments, keeps the
 // float32 update in a scratch buffer and sums the squares of each parameter and update per

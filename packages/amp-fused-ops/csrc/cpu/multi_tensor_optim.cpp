@@ -1,5 +1,5 @@
-// Multi-tensor SGD and Adagrad steps on CPU (semantics: _reference_optim.py); the element math
-// is csrc/common/optim_math.h, shared with the CUDA kernels.
+// Multi-tensor SGD and Adagrad steps on CPU (semantics: src/amp_fused_ops/reference/_optim.py);
+// the element math is csrc/common/optim_math.h, shared with the CUDA kernels.
 //
 // Every list may be float32, float16 or bfloat16 on its own: the functors run on float32 tiles
 // (tile_in / tile_out of multi_tensor_apply.h) and results are rounded once, on store.

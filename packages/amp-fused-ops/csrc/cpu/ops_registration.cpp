@@ -1,5 +1,5 @@
 // The C++ CPU kernels of the multi-tensor ops, registered with the dispatcher for the CPU
-// dispatch key (torch.ops.amp_fused_ops.*; schemas in src/amp_fused_ops/_library.py).
+// dispatch key (torch.ops.amp_fused_ops.*; schemas in src/amp_fused_ops/ops/_registry.py).
 #include <torch/library.h>
 
 #include <tuple>

@@ -1,7 +1,7 @@
 // Fused LayerNorm / RMSNorm forward and backward kernels (Apex's fused_layer_norm_cuda).
 //
 // Ops, registered in torch.ops.amp_fused_ops_cuda_ops (the Python side is
-// amp_fused_ops/_norm_ops.py):
+// src/amp_fused_ops/normalization/_ops.py):
 //   layer_norm_fwd(x, gamma?, beta?, eps, rms, mixed) -> (y, mean, invvar)
 //   layer_norm_bwd(dy, saved, mean, invvar, gamma?, beta?, rms, memory_efficient,
 //                  input_dtype) -> (dx, dgamma, dbeta)

@@ -1,6 +1,6 @@
 // multi_tensor_lamb_stage1_cuda and multi_tensor_lamb_stage2_cuda (Apex's names).
 //
-// Math in float32, the reference's (_reference_lamb_stages.py):
+// Math in float32, the reference's (src/amp_fused_ops/reference/_lamb_stages.py):
 //   stage 1 on [grads, params, exp_avgs, exp_avg_sqs, updates], bias correction at step + 1:
 //     g = grad / clip; m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g g;
 //     update = (m / bc1) / (sqrt(v / bc2) + eps) + decay[tensor] * p

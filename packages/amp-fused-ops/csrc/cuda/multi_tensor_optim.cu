@@ -1,7 +1,8 @@
 // multi_tensor_sgd, multi_tensor_adagrad, multi_tensor_lamb, multi_tensor_novograd.
 //
-// Math in float32, the reference's (_reference_optim.py, _reference_layerwise.py): the element
-// math is csrc/common/optim_math.h, shared with the CPU kernels.
+// Math in float32, the reference's (src/amp_fused_ops/reference/_optim.py for SGD and Adagrad,
+// reference/_layerwise.py for LAMB and NovoGrad): the element math is csrc/common/optim_math.h,
+// shared with the CPU kernels.
 // LAMB and NovoGrad need per-tensor norms: a reducing pass writes per-chunk partials, the
 // launcher's segment_reduce turns them into per-tensor values on the device, and the update
 // pass reads its tensor's value in prepare(). Nothing synchronizes the host.

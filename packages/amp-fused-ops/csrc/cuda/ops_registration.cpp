@@ -1,7 +1,7 @@
 // The CUDA kernels of the multi-tensor ops and the loss-scale update, registered with the
 // dispatcher for the CUDA dispatch key (torch.ops.amp_fused_ops.*; schemas in
-// src/amp_fused_ops/_library.py). The emulation build compiles this file for the CPU, under its own
-// namespace and the CPU key (csrc/emulation/amp_emu.h).
+// src/amp_fused_ops/ops/_registry.py). The emulation build compiles this file for the CPU, under
+// its own namespace and the CPU key (csrc/emulation/amp_emu.h).
 #include <torch/library.h>
 
 #include <tuple>

@@ -1,7 +1,7 @@
 // Synchronized batch-norm kernels (Apex's syncbn extension), without the collectives.
 //
 // Ops, registered in torch.ops.amp_fused_ops_cuda_ops (the Python side, with the PyTorch
-// reference of every op, is amp_fused_ops/_syncbn.py):
+// reference of every op, is src/amp_fused_ops/syncbn/_kernels.py):
 //   syncbn_welford_mean_var(x, channel_last) -> (mean, var_biased)
 //   syncbn_welford_parallel(means, vars, counts, eps) -> (mean, var_biased, invstd)
 //   syncbn_forward(x, mean, invstd, weight?, bias?, z?, fuse_relu, channel_last) -> y

@@ -1,7 +1,7 @@
 // update_scale_hysteresis: the loss-scale update with hysteresis of Apex's amp_C, in one
 // single-thread kernel (no host sync, capturable). Logic and rounding are the reference's
-// (_reference_scaler.py): products in double, stored as float32; a growth that would reach
-// inf is dropped; a backoff may underflow to 0.
+// (src/amp_fused_ops/reference/_scaler.py): products in double, stored as float32; a growth that
+// would reach inf is dropped; a backoff may underflow to 0.
 #include "../common/aten_headers.h"
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>

@@ -58,8 +58,8 @@ inline T __ldg(const T* p) {
 // tensors, so the sources' checks that a tensor is a CUDA tensor ask whether it is a CPU one,
 // their ops are registered for the CPU dispatch key, under a namespace of their own (the CPU
 // and the emulated extensions can be loaded in one process): torch.ops.amp_fused_ops_emu for
-// the multi-tensor ops (schemas in src/amp_fused_ops/_library.py), torch.ops.amp_fused_ops_emu_ops for the norm
-// and SyncBN ops.
+// the multi-tensor ops (schemas in src/amp_fused_ops/ops/_registry.py),
+// torch.ops.amp_fused_ops_emu_ops for the norm and SyncBN ops.
 #define is_cuda is_cpu
 #define CUDA CPU
 #define AMP_FUSED_OPS_NS amp_fused_ops_emu

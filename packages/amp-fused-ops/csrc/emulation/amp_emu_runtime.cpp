@@ -479,7 +479,8 @@ void run(const LaunchConfig& config, const std::function<void()>& body, const ch
 
 void launch(const LaunchConfig& config, std::function<void()> body, const char* where) {
   const std::lock_guard<std::mutex> lock(launch_mutex());
-  // "multi_tensor_kernel<Op, Ts...> (launched at multi_tensor_apply.cuh:429) of type void(...)"
+  // The kernel, the base name of the source file and the line of the launch, and the kernel's
+  // type: "multi_tensor_kernel<Op, Ts...> (launched at <file>:429) of type void(...)"
   std::string name = short_name(where);
   if (config.kernel != nullptr) {
     name = std::string(config.kernel) + " (launched at " + config.file + ":" +

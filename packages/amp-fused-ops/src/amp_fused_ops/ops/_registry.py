@@ -1,8 +1,7 @@
 """The dispatcher ops of ``amp_C``: the op registry, the schemas and the kernels of last resort.
 
 Every ``amp_C`` op is one op of the PyTorch dispatcher, ``torch.ops.amp_fused_ops.<name>``,
-and the dispatcher alone decides which kernel runs (``docs/design.rst``, "One dispatch
-layer"):
+and the dispatcher alone decides which kernel runs (``docs/design.rst``, decision 10):
 
 ========================== ====================================================================
 dispatch key               kernel

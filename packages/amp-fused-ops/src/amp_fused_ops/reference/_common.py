@@ -143,7 +143,10 @@ def _check_list_dtypes(op: str, tensor_lists: TensorLists) -> None:
 
 
 def wrong_device_error(op: str, i: int, j: int, t: Tensor, device: torch.device) -> RuntimeError:
-    """The error for ``tensor_lists[i][j]`` not on the noop flag's ``device`` (checks.h's words)."""
+    """The error for ``tensor_lists[i][j]`` not on the noop flag's ``device``.
+
+    In the words of the compiled kernels' check (``csrc/common/checks.h``).
+    """
     return RuntimeError(
         f"{op}: tensor_lists[{i}][{j}] is on {t.device} but noop_flag is on {device}; move all "
         "tensors of one call, noop_flag included, to the same device"

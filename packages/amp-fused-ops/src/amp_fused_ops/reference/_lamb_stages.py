@@ -3,10 +3,10 @@
 Re-exported by :mod:`amp_fused_ops.reference._ops`, which documents the conventions they follow.
 
 * ``multi_tensor_lamb_stage1_cuda`` / ``multi_tensor_lamb_stage2_cuda`` (Apex's
-  ``csrc/multi_tensor_lamb_stage_1.cu`` / ``_2.cu``): the LAMB step cut in two, with the
-  update kept in a list of its own between them and the per-tensor norms computed by the
-  caller (NVIDIA's BERT recipes call them this way). The names end in ``_cuda`` because Apex's
-  did; here they run on every device.
+  ``csrc/multi_tensor_lamb_stage_1.cu`` / ``csrc/multi_tensor_lamb_stage_2.cu``): the LAMB
+  step cut in two, with the update kept in a list of its own between them and the per-tensor
+  norms computed by the caller (NVIDIA's BERT recipes call them this way). The names end in
+  ``_cuda`` because Apex's did; here they run on every device.
 * ``multi_tensor_lamb_mp`` (``csrc/multi_tensor_lamb_mp.cu``): the whole step of Apex's
   ``FusedMixedPrecisionLamb`` with ``lr``, ``step``, the norms and the loss scale as device
   tensors, optionally on float32 masters of half model params.

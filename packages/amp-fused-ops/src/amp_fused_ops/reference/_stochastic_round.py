@@ -1,10 +1,11 @@
-"""Stochastic rounding of float32 results to bfloat16: the reference of ``stochastic_round.h``.
+"""Stochastic rounding of float32 results to bfloat16: the reference of the compiled kernels'.
 
-The compiled kernels and this module compute the same bits for the same ``(seed, step)``: each
-element's 16 random bits are the top half of the first word of Philox4x32-10 keyed by the 64-bit
-seed, on the counter ``(offset & 0xFFFFFFFF, offset >> 32, tensor, step & 0xFFFFFFFF)``, where
-``tensor`` is the element's tensor's index in the op's lists and ``offset`` its index inside the
-tensor (in storage order). The rounding adds them to the float32 bits and clears the low 16 bits
+The compiled kernels (``csrc/common/stochastic_round.h``) and this module compute the same bits
+for the same ``(seed, step)``: each element's 16 random bits are the top half of the first word
+of Philox4x32-10 keyed by the 64-bit seed, on the counter
+``(offset & 0xFFFFFFFF, offset >> 32, tensor, step & 0xFFFFFFFF)``, where ``tensor`` is the
+element's tensor's index in the op's lists and ``offset`` its index inside the tensor (in
+storage order). The rounding adds them to the float32 bits and clears the low 16 bits
 (inf and nan are kept; the largest finite values may round up to inf). The result is unbiased:
 ``E[round(x)] = x``.
 
