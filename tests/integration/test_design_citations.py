@@ -51,6 +51,8 @@ NOT_REPOSITORY_FILES: dict[str, str] = {
     "csrc/update_scale_hysteresis.cu": "Apex's scale update with hysteresis",
     # PyTorch's and CUDA's own files.
     "aten/src/ATen/native/cuda/fused_adam_utils.cuh": "PyTorch's fused Adam math",
+    "ATen/ATen.h": "PyTorch's umbrella header, which the kernels no longer include",
+    "ATen/core/Tensor.h": "PyTorch's tensor header, which csrc/common/aten_headers.h includes",
     "ATen/cuda/CUDAContext.h": "PyTorch's header that the emulation's copy stands in for",
     "c10/cuda/CUDAException.h": "PyTorch's header that the emulation's copy stands in for",
     "c10/cuda/CUDAGuard.h": "PyTorch's header that the emulation's copy stands in for",
