@@ -175,6 +175,16 @@ def test_the_block_ends_when_its_body_raises(cpu_extension: object) -> None:
     assert runs == {"multi_tensor_scale": 0}
 
 
+def test_meta_tensors_keep_the_fake_kernel() -> None:
+    ins, outs = [torch.empty(3, device="meta")], [torch.empty(3, device="meta")]
+    flag = torch.zeros(1, dtype=torch.int32, device="meta")
+    with extensions.use_reference() as calls:
+        total, per_tensor = _op("multi_tensor_l2norm")(64, flag, ins, True)
+        _op("multi_tensor_scale")(64, flag, ins, outs, 2.0)
+    assert calls == {}
+    assert (total.device.type, tuple(per_tensor.shape)) == ("meta", (1,))
+
+
 def test_blocks_nest_and_count_their_own_calls() -> None:
     lists = [[torch.ones(3)], [torch.empty(3)]]
     with extensions.use_reference() as outer:

@@ -30,7 +30,9 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeAlias
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from amp_fused_ops.ops._registry import OPS_NAMESPACE, REGISTRY, reference_kernel
 
@@ -111,6 +113,14 @@ def _bump_versions(args: tuple[Any, ...], written: tuple[int, ...]) -> None:
         torch.autograd.graph.increment_version(tensors)
 
 
+def _without_data(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a tensor argument is a meta or fake tensor: no values, so the fake kernel runs."""
+    return any(
+        isinstance(leaf, torch.Tensor) and (leaf.device.type == "meta" or is_fake(leaf))
+        for leaf in tree_leaves((args, kwargs))
+    )
+
+
 def _positional(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
     """Every argument of ``func``'s schema by position (defaults for those not given)."""
     arguments = func._schema.arguments
@@ -141,7 +151,7 @@ class _ReferenceMode(TorchDispatchMode):
         kwargs = kwargs or {}
         qualified = func._schema.name
         reference = _references().get(qualified) if "::" in qualified else None
-        if reference is None:
+        if reference is None or _without_data(args, kwargs):
             return func(*args, **kwargs)
         with self.lock:
             for calls in self.counters:
@@ -171,7 +181,8 @@ def use_reference() -> Iterator[ReferenceCalls]:
 
     The override sits at the dispatcher (a ``TorchDispatchMode``, below autograd and autocast):
     autograd, autocast and the ops' checks of their arguments behave as outside the block, and
-    only the kernel changes. Ops of other libraries pass through untouched.
+    only the kernel changes. Ops of other libraries pass through untouched, and so do calls on
+    meta or fake tensors (their fake kernels: there are no values to compute).
 
     Blocks nest: an inner block shares the outer one's override and counts its own calls;
     leaving it keeps the outer block's override in place.
