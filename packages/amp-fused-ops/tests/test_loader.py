@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from _cpu_extension_helpers import SessionBuild, child_env, session_cache
+from amp_fused_ops.extensions import _api as ext_api
 from amp_fused_ops.extensions import _build as ext_build
 from amp_fused_ops.extensions import _loader
 from amp_fused_ops.extensions import _lookup as ext_lookup
@@ -34,6 +35,9 @@ def build(tmp_path_factory: pytest.TempPathFactory) -> SessionBuild:
 @pytest.fixture(autouse=True)
 def fresh_loader(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.delenv(_loader.DISABLE_ENV, raising=False)
+    # The loader's answers as in a process that has loaded nothing yet (a kind loaded earlier
+    # stays the answer: test_loader_cache.py's test_disable_after_loading_tells_the_truth).
+    monkeypatch.setattr(ext_api, "_loaded", {})
     _loader.clear_cache()
     yield
     _loader.clear_cache()

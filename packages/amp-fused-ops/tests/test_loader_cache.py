@@ -76,6 +76,7 @@ def build(tmp_path_factory: pytest.TempPathFactory) -> SessionBuild:
 @pytest.fixture(autouse=True)
 def fresh_loader(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.delenv(_loader.DISABLE_ENV, raising=False)
+    monkeypatch.setattr(api, "_loaded", {})  # as in a process that has loaded nothing yet
     _loader.clear_cache()
     yield
     _loader.clear_cache()
@@ -584,12 +585,60 @@ def test_clear_cache_reads_the_environment_again(
     build: SessionBuild, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(_loader.CACHE_ENV, str(build.cache))
-    assert _loader.get_extension("cpu") is not None
     monkeypatch.setenv(_loader.DISABLE_ENV, "cpu")
-    assert _loader.get_extension("cpu") is not None  # decided for this process
+    assert _loader.get_extension("cpu") is None  # read before anything was loaded
+    monkeypatch.delenv(_loader.DISABLE_ENV)
+    assert _loader.get_extension("cpu") is None  # decided for this process
     _loader.clear_cache()
-    assert _loader.get_extension("cpu") is None
-    assert "disabled by AMP_FUSED_OPS_DISABLE=cpu" in str(_loader.unavailable_reason("cpu"))
+    assert _loader.get_extension("cpu") is not None
+    assert _loader.unavailable_reason("cpu") is None
+
+
+def test_disable_after_loading_tells_the_truth(
+    build: SessionBuild,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from amp_fused_ops.__main__ import main
+
+    # A C++ registration cannot be undone: the loaded kernels keep serving the ops, so the
+    # loader must not claim the reference path runs; use_reference() is the way there.
+    monkeypatch.setenv(_loader.CACHE_ENV, str(build.cache))
+    ext = _loader.get_extension("cpu")
+    assert ext is not None
+    monkeypatch.setenv(_loader.DISABLE_ENV, "1")
+    _loader.clear_cache()
+    with caplog.at_level(logging.INFO, logger="amp_fused_ops"):
+        assert _loader.get_extension("cpu") is ext
+        assert _loader.get_extension("cpu") is ext
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "amp_fused_ops CPU extension: disabled by AMP_FUSED_OPS_DISABLE=1, but it was loaded "
+        "earlier in this process and its kernels stay registered with the dispatcher, so the "
+        "ops keep running them; use `with amp_fused_ops.extensions.use_reference():` to run "
+        "the PyTorch reference path in this process, or set AMP_FUSED_OPS_DISABLE before the "
+        "first op"
+    ]
+    assert not any("using the PyTorch reference path" in line for line in lines)
+    assert _loader.unavailable_reason("cpu") is None
+    status = _loader.extension_status("cpu")
+    assert (status.state, status.path) == ("built", Path(str(ext.__file__)))
+    assert "disabled by AMP_FUSED_OPS_DISABLE=1, but it was loaded earlier" in status.detail
+    # What `python -m amp_fused_ops info` prints in this process, and in a new one (where the
+    # variable is read before the first op, and holds).
+    capsys.readouterr()
+    main(["info"])
+    assert f"cpu extension: built ({ext.__file__}: disabled by" in capsys.readouterr().out
+    env = child_env(build.cache, **{_loader.DISABLE_ENV: "1"})
+    done = subprocess.run(
+        [sys.executable, "-m", "amp_fused_ops", "info"],
+        env=env, capture_output=True, text=True, check=True, timeout=120,
+    )  # fmt: skip
+    assert (
+        "cpu extension: unavailable (disabled by AMP_FUSED_OPS_DISABLE=1; unset it to use the "
+        "compiled kernels)" in done.stdout
+    )
 
 
 def test_assigning_through_the_facade_reaches_the_module_that_uses_it(

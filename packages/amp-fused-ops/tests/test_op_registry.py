@@ -22,7 +22,7 @@ from _kernel_target import norm_ops
 from _op_cases import OP_CASES, missing_cases, noop_flag
 from amp_fused_ops import amp_C, extensions
 from amp_fused_ops.ops import _kernel_op_fakes
-from amp_fused_ops.ops._registry import REGISTRY, _reference_kernel
+from amp_fused_ops.ops._registry import REGISTRY, reference_kernel
 
 OPS = sorted(REGISTRY)
 
@@ -103,7 +103,7 @@ PATHS: dict[
 ] = {
     "dispatcher": (
         lambda name, args: _op(name)(*args),
-        lambda name, args: _reference_kernel(REGISTRY[name])(*args),
+        lambda name, args: reference_kernel(REGISTRY[name])(*args),
     ),
     "amp_C": (
         lambda name, args: _apex_call(getattr(amp_C, name), name, args),

@@ -3,13 +3,13 @@
 A graph built before ``step()`` and backpropagated after it must fail with autograd's "modified
 by an inplace operation" error instead of silently using the new weights; torch.optim's
 optimizers raise it because ATen's in-place ops bump the params' version counters. Checked on
-the compiled CPU kernels (which write through raw pointers) and on the reference path.
+the compiled CPU kernels (which write through raw pointers) and on the reference path
+(``amp_fused_ops.extensions.use_reference()``, its calls counted).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 import torch
@@ -34,21 +34,23 @@ OPS = {
 
 
 @pytest.fixture(params=["compiled", "reference"])
-def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    # The loader reads AMP_FUSED_OPS_DISABLE once per process: start over around each test.
-    extensions.clear_cache()
-    if request.param == "reference":
-        monkeypatch.setenv(extensions.DISABLE_ENV, "1")
-        assert extensions.get_extension("cpu") is None
-    elif extensions.get_extension("cpu") is None:
+def path(request: pytest.FixtureRequest) -> Iterator[str]:
+    if request.param == "compiled" and extensions.get_extension("cpu") is None:
         pytest.skip(f"no compiled CPU extension: {extensions.unavailable_reason('cpu')}")
     yield str(request.param)
-    extensions.clear_cache()
 
 
-def _compiled_op(name: str) -> Any:
-    """The compiled CPU kernel ``amp_C.<name>`` runs, or None (the reference op runs)."""
-    return getattr(extensions.get_extension("cpu"), name, None)
+def _step(opt: torch.optim.Optimizer, path: str, name: str) -> None:
+    """``opt.step()`` on ``path``; on the reference path, the reference of its op ran."""
+    if path == "compiled":
+        if name in OPS:  # the compiled CPU kernel of the op is the one that runs
+            assert hasattr(extensions.get_extension("cpu"), OPS[name])
+        opt.step()
+        return
+    with extensions.use_reference() as calls:
+        opt.step()
+    if name in OPS:
+        assert calls[f"amp_fused_ops::{OPS[name]}"] == 1, calls
 
 
 def _params() -> list[torch.nn.Parameter]:
@@ -60,12 +62,9 @@ def _params() -> list[torch.nn.Parameter]:
 def test_backward_after_step_through_a_graph_built_before_raises(path: str, name: str) -> None:
     params = _params()
     opt = OPTIMIZERS[name](params)
-    if name in OPS:
-        kernel: Any = _compiled_op(OPS[name])
-        assert (kernel is None) == (path == "reference")
     stale = sum((p * p).sum() for p in params)  # the graph saves every param
     sum((p * p * p).sum() for p in params).backward()
-    opt.step()
+    _step(opt, path, name)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         stale.backward()
 
@@ -76,5 +75,5 @@ def test_step_bumps_every_param_version(path: str, name: str) -> None:
     opt = OPTIMIZERS[name](params)
     sum((p * p).sum() for p in params).backward()
     before = [p._version for p in params]
-    opt.step()
+    _step(opt, path, name)
     assert all(p._version > v for p, v in zip(params, before, strict=True))

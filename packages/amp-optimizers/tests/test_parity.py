@@ -2,12 +2,13 @@
 
 Ten steps over two param groups with different hyperparameters; the last param of each group
 never gets a gradient and must stay untouched, without state. Each comparison runs on the
-compiled kernels and, with ``AMP_FUSED_OPS_DISABLE=1``, on the pure-PyTorch reference ops.
+compiled kernels and, inside ``amp_fused_ops.extensions.use_reference()``, on the pure-PyTorch
+reference ops (counted: every step ran a reference).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
 
 import pytest
 import torch
@@ -27,40 +28,33 @@ from amp_fused_ops import extensions
 PATHS = ["kernel", "reference"]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_loader() -> Iterator[None]:
-    """The loader reads AMP_FUSED_OPS_DISABLE once per process: start over around each test."""
-    extensions.clear_cache()
-    yield
-    extensions.clear_cache()
-
-
-def _select_path(path: str, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Force the reference ops, or make sure the compiled kernels are the ones tested."""
-    kind = torch.device(device).type
+def _select_path(path: str, device: str) -> AbstractContextManager[extensions.ReferenceCalls]:
+    """The block the fused optimizer steps in: the reference ops (their calls counted), or the
+    compiled kernels (skipped where they cannot be built)."""
     if path == "reference":
-        monkeypatch.setenv(extensions.DISABLE_ENV, "1")
-        extensions.clear_cache()
-        assert extensions.get_extension(kind) is None
-    elif extensions.get_extension(kind) is None:
+        return extensions.use_reference()
+    kind = torch.device(device).type
+    if extensions.get_extension(kind) is None:
         pytest.skip(f"no compiled {kind} extension: {extensions.unavailable_reason(kind)}")
+    return nullcontext(extensions.ReferenceCalls())
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("spec", SPECS, ids=str)
-def test_ten_steps_match_the_reference(
-    spec: OptimizerSpec, path: str, device: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    _select_path(path, device, monkeypatch)
+def test_ten_steps_match_the_reference(spec: OptimizerSpec, path: str, device: str) -> None:
+    block = _select_path(path, device)
     params = make_params(device)
     ref_params = make_params(device)
     initial = [p.detach().clone() for p in params]
     opt = spec.factory(two_groups(params, spec.second_group))
     ref = spec.reference(two_groups(ref_params, spec.second_group))
 
-    run_steps(opt, params, range(10))
+    with block as calls:
+        run_steps(opt, params, range(10))
     run_steps(ref, ref_params, range(10))
+    if path == "reference":  # every step ran the reference of an amp_C op
+        assert sum(calls.values()) >= 10, calls
 
     active = [i for i in range(len(params)) if i not in NO_GRAD]
     moved = max_abs_diff([params[i] for i in active], [initial[i] for i in active])

@@ -11,8 +11,15 @@ tools, benchmarks and checks that need to know which path runs::
     status = extensions.extension_status("cuda")  # what `python -m amp_fused_ops info` shows
 
 ``AMP_FUSED_OPS_DISABLE=1`` (or a comma-separated list of kinds, :data:`DISABLE_ENV`) makes
-the extensions unavailable on purpose; :func:`clear_cache` makes the next
-:func:`get_extension` decide again.
+the extensions unavailable on purpose, when it is set before the first op of the process;
+:func:`clear_cache` makes the next :func:`get_extension` decide again. A loaded extension's
+kernels stay registered with the dispatcher for the rest of the process, so to run the
+PyTorch reference path in a process that has loaded one (a test comparing both paths, say),
+use :func:`use_reference`::
+
+    with extensions.use_reference() as calls:
+        optimizer.step()                        # every op runs its PyTorch reference
+    assert calls["amp_fused_ops::multi_tensor_adam"] == 1
 
 One job per module here; they import each other relatively and nothing else of the package
 but the op registry, so that ``hatch_build.py`` can load this folder by path to build an
@@ -35,6 +42,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from amp_fused_ops.ops._reference_mode import ReferenceCalls, use_reference
+
 from . import _flags, _toolkit
 from ._loader import (
     DISABLE_ENV,
@@ -56,6 +65,8 @@ __all__ = [
     "ExtensionStatus",
     "build_extension",
     "clear_cache",
+    "use_reference",
+    "ReferenceCalls",
     "cuda_compile_settings",
 ]
 

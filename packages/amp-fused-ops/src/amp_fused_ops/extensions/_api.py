@@ -5,6 +5,12 @@ cache, maybe building) and remembers the module, or ``None`` with its reason. Ev
 is one dictionary lookup: no environment variable is read and no lock is taken on the path of
 an op call. :func:`clear_cache` forgets, so that the next call looks again (after changing
 ``AMP_FUSED_OPS_*`` variables in a running process, for instance).
+
+Loading an extension registers its kernels with the dispatcher for the rest of the process (a
+C++ registration cannot be undone): once a kind is loaded, a later answer of "unavailable"
+(``AMP_FUSED_OPS_DISABLE`` set, then :func:`clear_cache`) would be false, so the loaded module
+stays the answer and one WARNING line says so and points to
+:func:`amp_fused_ops.extensions.use_reference`, which does run the reference in a process.
 """
 
 from __future__ import annotations
@@ -18,7 +24,13 @@ from amp_fused_ops.ops import _registry
 
 from . import _cache as cache
 from . import _lookup as lookup
-from ._settings import ExtensionStatus, ExtensionUnavailableError, check_kind
+from ._settings import (
+    DISABLE_ENV,
+    PREBUILT_DIR,
+    ExtensionStatus,
+    ExtensionUnavailableError,
+    check_kind,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +39,21 @@ _resolved: dict[str, ModuleType | None] = {}
 _reasons: dict[str, str] = {}
 _logged: set[tuple[str, str]] = set()
 _lock = threading.Lock()
+# Kind -> the module loaded in this process: its kernels stay registered, so clear_cache()
+# keeps it.
+_loaded: dict[str, ModuleType] = {}
+
+_STAY_REGISTERED = (
+    "but it was loaded earlier in this process and its kernels stay registered with the "
+    "dispatcher, so the ops keep running them; use `with "
+    "amp_fused_ops.extensions.use_reference():` to run the PyTorch reference path in this "
+    f"process, or set {DISABLE_ENV} before the first op"
+)
+
+
+def _still_loaded(reason: str) -> str:
+    """``reason`` (its first clause: the fix it gives is moot) and why it does not apply."""
+    return f"{reason.split('; ')[0]}, {_STAY_REGISTERED}"
 
 
 def get_extension(kind: str) -> ModuleType | None:
@@ -34,7 +61,10 @@ def get_extension(kind: str) -> ModuleType | None:
 
     Never raises for a missing compiler, ninja, a damaged cache or a failed build: it returns
     ``None`` and logs one WARNING line (once per process and reason) saying why and how to
-    fix it. The answer is remembered for the process (see :func:`clear_cache`).
+    fix it. The answer is remembered for the process (see :func:`clear_cache`). Once loaded,
+    the module stays the answer for the process, since its kernels stay registered: a later
+    ``AMP_FUSED_OPS_DISABLE`` cannot unload them, and says so in a WARNING line
+    (:func:`amp_fused_ops.extensions.use_reference` runs the reference in a running process).
 
     Args:
         kind: ``"cpu"`` (C++ CPU kernels) or ``"cuda"`` (CUDA kernels).
@@ -70,7 +100,17 @@ def _resolve(kind: str) -> ModuleType | None:
                 reason = str(error)
             except Exception as error:  # never let the loader crash the caller
                 reason = f"unexpected error while loading it: {type(error).__name__}: {error}"
-        if module is None:
+        if module is None and kind in _loaded:
+            assert reason is not None  # every path that gets here set it
+            if (kind, reason) not in _logged:
+                _logged.add((kind, reason))
+                logger.warning(
+                    "amp_fused_ops %s extension: %s", kind.upper(), _still_loaded(reason)
+                )
+            module = _loaded[kind]
+        if module is not None:
+            _loaded[kind] = module
+        else:
             assert reason is not None  # every path that gets here set it
             _reasons[kind] = reason
             if (kind, reason) not in _logged:
@@ -129,6 +169,7 @@ def build_extension(kind: str, *, force: bool = False, build_dir: Path | None = 
     target = build_dir if build_dir is not None else cache.build_directory(kind)
     with _lock:
         module = lookup.load_or_build(kind, target, force=force, allow_prebuilt=False)
+        _loaded[kind] = module
         if build_dir is None:
             _resolved[kind] = module
             _reasons.pop(kind, None)
@@ -150,7 +191,15 @@ def extension_status(kind: str) -> ExtensionStatus:
         ValueError: If ``kind`` is unknown.
     """
     check_kind(kind)
-    return lookup.extension_status(kind)
+    status = lookup.extension_status(kind)
+    loaded = _loaded.get(kind)
+    if loaded is None or status.state != "unavailable":
+        return status
+    # Loaded in this process before it became unavailable (AMP_FUSED_OPS_DISABLE set since):
+    # its kernels still run here.
+    path = Path(str(loaded.__file__))
+    state = "prebuilt" if path.parent == PREBUILT_DIR else "built"
+    return ExtensionStatus(kind, state, f"{path}: {_still_loaded(status.detail)}", path)
 
 
 def build_directory(kind: str) -> Path:
@@ -161,8 +210,10 @@ def build_directory(kind: str) -> Path:
 def clear_cache() -> None:
     """Forget the modules, reasons and logged lines of this process.
 
-    Compiled modules stay loaded by Python; the next :func:`get_extension` looks again and
-    reads the environment again.
+    Compiled modules stay loaded by Python, and their kernels registered with the dispatcher:
+    the next :func:`get_extension` looks again and reads the environment again, but a kind
+    loaded earlier stays the answer (a WARNING line says why). To run the PyTorch reference
+    path after an extension was loaded, use :func:`amp_fused_ops.extensions.use_reference`.
     """
     with _lock:
         _resolved.clear()

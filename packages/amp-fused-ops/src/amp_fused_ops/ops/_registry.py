@@ -60,6 +60,7 @@ __all__ = [
     "apex_convention",
     "compiled_ops",
     "define_schemas",
+    "reference_kernel",
 ]
 
 OPS_NAMESPACE = "amp_fused_ops"
@@ -288,20 +289,13 @@ def _compiled_kernel(name: str, device: torch.device) -> Any | None:
     return getattr(getattr(torch.ops, OPS_NAMESPACE), name).default
 
 
-def _reference_kernel(spec: OpSpec) -> Callable[..., Any]:
-    """The reference as a kernel of the schema (separate lists) instead of Apex's call.
-
-    The kernel of last resort: it first loads the compiled kernels of the arguments' device
-    (a call that did not come through ``amp_C``, from a compiled graph for one), and hands the
-    call to them when they serve the op.
-    """
+def reference_kernel(spec: OpSpec) -> Callable[..., Any]:
+    """The reference of ``spec`` as a kernel of its schema (separate lists, every argument
+    positional) instead of Apex's call: what runs under
+    :func:`amp_fused_ops.extensions.use_reference`, and behind the kernel of last resort."""
     if not spec.list_counts:
 
         def plain(*args: Any) -> None:
-            compiled = _compiled_kernel(spec.name, args[0].device)
-            if compiled is not None:
-                compiled(*args)
-                return
             spec.reference(*args)  # writes its arguments; the schema returns nothing
 
         plain.__name__ = plain.__qualname__ = f"{spec.name}_reference"
@@ -310,12 +304,39 @@ def _reference_kernel(spec: OpSpec) -> Callable[..., Any]:
 
     def kernel(chunk_size: int, noop_flag: Tensor, *rest: Any) -> Any:
         lists = [list(part) for part in rest[:most] if part is not None]
+        return spec.reference(chunk_size, noop_flag, lists, *rest[most:])
+
+    kernel.__name__ = kernel.__qualname__ = f"{spec.name}_reference"
+    return kernel
+
+
+def _last_resort_kernel(spec: OpSpec) -> Callable[..., Any]:
+    """The kernel of last resort (``CompositeExplicitAutograd``): it first loads the compiled
+    kernels of the arguments' device (a call that did not come through ``amp_C``, from a
+    compiled graph for one), and hands the call to them when they serve the op; else it runs
+    the reference (:func:`reference_kernel`)."""
+    reference = reference_kernel(spec)
+    if not spec.list_counts:
+
+        def plain(*args: Any) -> None:
+            compiled = _compiled_kernel(spec.name, args[0].device)
+            if compiled is not None:
+                compiled(*args)
+                return
+            reference(*args)
+
+        plain.__name__ = plain.__qualname__ = f"{spec.name}_reference"
+        return plain
+    most = max(spec.list_counts)
+
+    def kernel(chunk_size: int, noop_flag: Tensor, *rest: Any) -> Any:
+        lists = [part for part in rest[:most] if part is not None]
         first = lists[0][0] if lists and lists[0] else noop_flag
         if isinstance(first, Tensor):
             compiled = _compiled_kernel(spec.name, first.device)
             if compiled is not None:
                 return compiled(chunk_size, noop_flag, *rest)
-        return spec.reference(chunk_size, noop_flag, lists, *rest[most:])
+        return reference(chunk_size, noop_flag, *rest)
 
     kernel.__name__ = kernel.__qualname__ = f"{spec.name}_reference"
     return kernel
@@ -355,7 +376,7 @@ def define_schemas(namespace: str = OPS_NAMESPACE, *, fallbacks: bool | None = N
         library.define(spec.schema)
     if fallbacks if fallbacks is not None else namespace == OPS_NAMESPACE:
         for spec in REGISTRY.values():
-            library.impl(spec.name, _reference_kernel(spec), "CompositeExplicitAutograd")
+            library.impl(spec.name, _last_resort_kernel(spec), "CompositeExplicitAutograd")
             torch.library.register_fake(
                 f"{namespace}::{spec.name}", _fake_kernel(spec), lib=library
             )

@@ -18,12 +18,16 @@ the PyTorch implementations in this module, which are also the kernels' test ora
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from amp_fused_ops.normalization._ops import cuda_op
 
 __all__ = [
+    "REFERENCES",
     "batchnorm_backward",
     "batchnorm_forward",
     "reduce_bn",
@@ -92,12 +96,18 @@ def welford_mean_var(x: Tensor, *, channel_last: bool = False) -> tuple[Tensor, 
     Example:
         >>> mean, var = welford_mean_var(torch.randn(8, 3, 4, 4))
     """
-    channels = _channels(x, channel_last, "welford_mean_var")
+    _channels(x, channel_last, "welford_mean_var")
     op = cuda_op("syncbn_welford_mean_var") if _use_kernels(x) else None
     if op is not None:
         mean, var = op(x.contiguous(), channel_last)
         return mean, var
+    return _welford_mean_var_reference(x, channel_last)
+
+
+def _welford_mean_var_reference(x: Tensor, channel_last: bool) -> tuple[Tensor, Tensor]:
+    """The PyTorch implementation of ``syncbn_welford_mean_var`` (the op's arguments)."""
     if x.numel() == 0:
+        channels = _channels(x, channel_last, "welford_mean_var")
         zeros = torch.zeros(channels, device=x.device, dtype=torch.float32)
         return zeros, zeros.clone()
     var, mean = torch.var_mean(x.float(), dim=_dims(x, channel_last), correction=0)
@@ -138,6 +148,13 @@ def welford_parallel(
         flat = (means.float().contiguous(), vars_biased.float().contiguous())
         mean, var, invstd = op(*flat, counts.float().contiguous(), eps)
         return mean, var, invstd
+    return _welford_parallel_reference(means, vars_biased, counts, eps)
+
+
+def _welford_parallel_reference(
+    means: Tensor, vars_biased: Tensor, counts: Tensor, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The PyTorch implementation of ``syncbn_welford_parallel`` (the op's arguments)."""
     n = counts.to(torch.float64)[:, None]  # (W, 1); float64: counts can exceed 2**24
     m = means.to(torch.float64)
     total = n.sum(0)
@@ -192,6 +209,20 @@ def batchnorm_forward(
             x.contiguous(), mean.float().contiguous(), invstd.float().contiguous(), weight, bias,
             z.contiguous() if z is not None else None, fuse_relu, channel_last,
         )  # fmt: skip
+    return _forward_reference(x, mean, invstd, weight, bias, z, fuse_relu, channel_last)
+
+
+def _forward_reference(
+    x: Tensor,
+    mean: Tensor,
+    invstd: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    z: Tensor | None,
+    fuse_relu: bool,
+    channel_last: bool,
+) -> Tensor:
+    """The PyTorch implementation of ``syncbn_forward`` (the op's arguments)."""
     scale = invstd.float() if weight is None else invstd.float() * weight.float()
     shift = -mean.float() * scale
     if bias is not None:
@@ -243,14 +274,22 @@ def reduce_bn(
             grad_out.contiguous(), x.contiguous(), mean.float().contiguous(), channel_last
         )
     else:
-        dims = _dims(x, channel_last)
-        dy = grad_out.float()
-        sum_dy = dy.sum(dims)
-        sum_dy_xmu = (dy * (x.float() - _view(mean.float(), x, channel_last))).sum(dims)
+        sum_dy, sum_dy_xmu = _reduce_reference(grad_out, x, mean, channel_last)
     grad_weight = sum_dy_xmu * invstd.float() if weight is not None else None
     # grad_bias is this rank's sum: its own tensor, so an in-place all-reduce of sum_dy
     # leaves it alone.
     return sum_dy, sum_dy_xmu, grad_weight, sum_dy.clone()
+
+
+def _reduce_reference(
+    grad_out: Tensor, x: Tensor, mean: Tensor, channel_last: bool
+) -> tuple[Tensor, Tensor]:
+    """The PyTorch implementation of ``syncbn_reduce``: ``(sum dy, sum dy * (x - mean))``."""
+    dims = _dims(x, channel_last)
+    dy = grad_out.float()
+    sum_dy = dy.sum(dims)
+    sum_dy_xmu = (dy * (x.float() - _view(mean.float(), x, channel_last))).sum(dims)
+    return sum_dy, sum_dy_xmu
 
 
 def batchnorm_backward(
@@ -332,6 +371,23 @@ def batchnorm_backward(
             invstd.float().contiguous(), weight, sum_dy.float().contiguous(),
             sum_dy_xmu.float().contiguous(), count, channel_last,
         )  # fmt: skip
+    return _backward_reference(
+        grad_out, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count, channel_last
+    )
+
+
+def _backward_reference(
+    grad_out: Tensor,
+    x: Tensor,
+    mean: Tensor,
+    invstd: Tensor,
+    weight: Tensor | None,
+    sum_dy: Tensor,
+    sum_dy_xmu: Tensor,
+    count: int,
+    channel_last: bool,
+) -> Tensor:
+    """The PyTorch implementation of ``syncbn_backward`` (the op's arguments)."""
     inv = invstd.float()
     scale = inv if weight is None else inv * weight.float()
     mean_dy = sum_dy.float() / count
@@ -339,3 +395,14 @@ def batchnorm_backward(
     x_mu = x.float() - _view(mean.float(), x, channel_last)
     dx = grad_out.float() - _view(mean_dy, x, channel_last) - x_mu * _view(proj, x, channel_last)
     return (dx * _view(scale, x, channel_last)).to(x.dtype)
+
+
+REFERENCES: dict[str, Callable[..., Any]] = {
+    "syncbn_welford_mean_var": _welford_mean_var_reference,
+    "syncbn_welford_parallel": _welford_parallel_reference,
+    "syncbn_forward": _forward_reference,
+    "syncbn_reduce": _reduce_reference,
+    "syncbn_backward": _backward_reference,
+}
+"""Name of each SyncBN op of the CUDA extension -> its PyTorch implementation, which takes the
+op's arguments (what :func:`amp_fused_ops.extensions.use_reference` runs instead of the op)."""

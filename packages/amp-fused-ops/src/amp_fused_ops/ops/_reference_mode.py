@@ -1,0 +1,229 @@
+"""``use_reference()``: run every op of this package on its PyTorch reference, in this process.
+
+A compiled extension registers its kernels with the dispatcher when it is loaded, and a C++
+registration cannot be undone: once the CPU (or CUDA) extension is loaded, the dispatcher
+picks its kernels for the rest of the process, whatever ``AMP_FUSED_OPS_DISABLE`` says later.
+:func:`use_reference` overrides the choice at the dispatcher for a block instead: a
+``TorchDispatchMode`` that sees the calls of this package's ops (below autograd and autocast,
+above every device kernel) and runs the op's registered reference in place of any kernel.
+
+The ops it routes, by namespace (every device, since the mode sits above the device keys):
+
+============================ ==================================================================
+``amp_fused_ops``            the ``amp_C`` ops (each its reference in
+                             :data:`~amp_fused_ops.ops._registry.REGISTRY`) and
+                             ``norm_forward`` / ``norm_backward``
+                             (:mod:`amp_fused_ops.normalization._reference`)
+``amp_fused_ops_emu``        the ``amp_C`` ops of the emulated CUDA build
+``amp_fused_ops_cuda_ops``   the CUDA extension's LayerNorm / RMSNorm ops (the norm reference)
+                             and SyncBN ops (:data:`amp_fused_ops.syncbn._kernels.REFERENCES`)
+``amp_fused_ops_emu_ops``    the same ops in the emulated CUDA build
+============================ ==================================================================
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, TypeAlias
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from amp_fused_ops.ops._registry import OPS_NAMESPACE, REGISTRY, reference_kernel
+
+__all__ = ["ReferenceCalls", "use_reference"]
+
+ReferenceCalls: TypeAlias = collections.Counter[str]
+"""What :func:`use_reference` yields: ``"namespace::op"`` -> how many calls ran the reference."""
+
+_EMULATED_OPS_NAMESPACE = "amp_fused_ops_emu"  # AMP_FUSED_OPS_NS in csrc/emulation/amp_emu.h
+_KERNEL_OP_NAMESPACES = ("amp_fused_ops_cuda_ops", "amp_fused_ops_emu_ops")
+
+_table: dict[str, Callable[..., Any]] = {}
+
+
+def _references() -> dict[str, Callable[..., Any]]:
+    """``"namespace::op"`` -> the reference with the op's schema arguments (built on first use:
+    the norm and SyncBN modules import the extension loader, which imports this package)."""
+    if _table:
+        return _table
+    from amp_fused_ops.normalization._ops import check_floating
+    from amp_fused_ops.normalization._reference import (
+        norm_backward_reference,
+        norm_forward_reference,
+    )
+    from amp_fused_ops.syncbn._kernels import REFERENCES as SYNCBN_REFERENCES
+
+    def norm_forward(
+        x: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        eps: float,
+        rms: bool,
+        mixed: bool,
+        memory_efficient: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        check_floating("norm_forward", x, weight, bias)
+        return norm_forward_reference(x, weight, bias, eps, rms, mixed)
+
+    table: dict[str, Callable[..., Any]] = {}
+    for namespace in (OPS_NAMESPACE, _EMULATED_OPS_NAMESPACE):
+        for name, spec in REGISTRY.items():
+            table[f"{namespace}::{name}"] = reference_kernel(spec)
+    table[f"{OPS_NAMESPACE}::norm_forward"] = norm_forward
+    table[f"{OPS_NAMESPACE}::norm_backward"] = norm_backward_reference
+    for namespace in _KERNEL_OP_NAMESPACES:
+        table[f"{namespace}::layer_norm_fwd"] = norm_forward_reference
+        table[f"{namespace}::layer_norm_bwd"] = norm_backward_reference
+        for name, reference in SYNCBN_REFERENCES.items():
+            table[f"{namespace}::{name}"] = reference
+    _table.update(table)
+    return _table
+
+
+def _written(func: Any) -> tuple[int, ...]:
+    """The positions of the arguments ``func``'s schema marks as written (``Tensor(a!)``)."""
+    return tuple(
+        index
+        for index, argument in enumerate(func._schema.arguments)
+        if argument.alias_info is not None and argument.alias_info.is_write
+    )
+
+
+def _bump_versions(args: tuple[Any, ...], written: tuple[int, ...]) -> None:
+    """Bump the autograd version of every tensor at ``written`` (a tensor or a list of them).
+
+    The reference's in-place ATen ops run below autograd here (a dispatch mode's handler runs
+    where the dispatcher is, past the key that counts versions), so their writes are
+    counted here, as every kernel of the ops counts its own.
+    """
+    tensors: list[torch.Tensor] = []
+    for index in written:
+        value = args[index]
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+        elif isinstance(value, list | tuple):
+            tensors.extend(t for t in value if isinstance(t, torch.Tensor))
+    if tensors:
+        torch.autograd.graph.increment_version(tensors)
+
+
+def _without_data(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a tensor argument is a meta or fake tensor: no values, so the fake kernel runs."""
+    return any(
+        isinstance(leaf, torch.Tensor) and (leaf.device.type == "meta" or is_fake(leaf))
+        for leaf in tree_leaves((args, kwargs))
+    )
+
+
+def _positional(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """Every argument of ``func``'s schema by position (defaults for those not given)."""
+    arguments = func._schema.arguments
+    if len(args) == len(arguments) and not kwargs:
+        return args
+    values = list(args)
+    for argument in arguments[len(args) :]:
+        if argument.name in kwargs:
+            values.append(kwargs[argument.name])
+        elif argument.has_default_value():
+            values.append(argument.default_value)
+        else:
+            raise TypeError(f"{func}: missing argument {argument.name!r}")
+    return tuple(values)
+
+
+class _ReferenceMode(TorchDispatchMode):
+    """Runs the reference of this package's ops; every other op passes through unchanged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counters: list[ReferenceCalls] = []
+        self.lock = threading.Lock()  # autograd's device threads run backward ops too
+
+    def __torch_dispatch__(  # type: ignore[no-untyped-def]
+        self, func, types, args=(), kwargs=None
+    ):
+        kwargs = kwargs or {}
+        qualified = func._schema.name
+        reference = _references().get(qualified) if "::" in qualified else None
+        if reference is None or _without_data(args, kwargs):
+            return func(*args, **kwargs)
+        with self.lock:
+            for calls in self.counters:
+                calls[qualified] += 1
+        positional = _positional(func, args, kwargs)
+        out = reference(*positional)
+        _bump_versions(positional, _written(func))
+        return out
+
+
+# The override of this thread while a block is open (``mode``; None or absent otherwise). The
+# counters of the blocks that share it are on the mode.
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def use_reference() -> Iterator[ReferenceCalls]:
+    """Run every op of amp-fused-ops on its pure-PyTorch reference while the block is open.
+
+    Covers every op of the package on every device: the ``amp_C`` multi-tensor ops (however
+    they are called: ``amp_C``, ``multi_tensor_applier``, the fused optimizers of
+    amp-optimizers, ``torch.ops.amp_fused_ops.<op>``), the fused LayerNorm /
+    RMSNorm forward and backward, the SyncBN kernels, and the same ops of the CUDA extension
+    and of the emulated CUDA build. The compiled kernels stay loaded; they serve the ops again
+    as soon as the block ends, also when its body raises. Unlike ``AMP_FUSED_OPS_DISABLE``
+    (read once, before the first op loads an extension), it works at any time in a process.
+
+    The override sits at the dispatcher (a ``TorchDispatchMode``, below autograd and autocast):
+    autograd, autocast and the ops' checks of their arguments behave as outside the block, and
+    only the kernel changes. Ops of other libraries pass through untouched, and so do calls on
+    meta or fake tensors (their fake kernels: there are no values to compute).
+
+    Blocks nest: an inner block shares the outer one's override and counts its own calls;
+    leaving it keeps the outer block's override in place.
+
+    Thread safety: PyTorch keeps dispatch modes per thread, so the override applies to the
+    thread that opened the block (and to the backward of the ops it ran, which autograd runs
+    with that thread's modes); other threads keep the normal dispatch meanwhile. Open and
+    close a block on the same thread.
+
+    ``torch.compile``: while a dispatch mode is active, Dynamo neither traces nor runs a
+    compiled graph, so a compiled function called inside the block (compiled before it or
+    not) runs its Python code eagerly and its ops run the reference like any other call;
+    after the block it runs compiled again. With ``fullgraph=True`` the call raises PyTorch's
+    ``RuntimeError`` about an active dispatch mode instead. ``torch.export`` is not supported
+    inside the block.
+
+    Yields:
+        A :class:`collections.Counter` of the calls that ran a reference in this block, keyed
+        by the op's qualified name (``"amp_fused_ops::multi_tensor_adam"``,
+        ``"amp_fused_ops::norm_forward"`` ...): the proof that the reference ran.
+
+    Example:
+        >>> from amp_fused_ops.extensions import use_reference
+        >>> with use_reference() as calls:
+        ...     optimizer.step()  # a FusedAdam: the reference of multi_tensor_adam runs
+        >>> calls["amp_fused_ops::multi_tensor_adam"]
+        1
+    """
+    calls: ReferenceCalls = collections.Counter()
+    mode: _ReferenceMode | None = getattr(_local, "mode", None)
+    outermost = mode is None
+    if mode is None:
+        mode = _ReferenceMode()
+        _local.mode = mode
+        mode.__enter__()
+    mode.counters.append(calls)
+    try:
+        yield calls
+    finally:
+        # By identity: two counters with the same counts are equal.
+        mode.counters[:] = [c for c in mode.counters if c is not calls]
+        if outermost:
+            _local.mode = None
+            mode.__exit__(None, None, None)
