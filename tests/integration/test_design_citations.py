@@ -22,7 +22,8 @@ SCANNED = ["packages", "benchmarks", "tests", "examples", "docs", ".ci"]
 SUFFIXES = {".py", ".md", ".rst", ".cpp", ".cu", ".h", ".cuh", ".toml"}
 # A citation of a document outside the repository (the old forms of these references).
 _OUTSIDE = re.compile(
-    r"DESIGN(?:\.md| decision)|\bGPU\.md\b|\bSTYLE(?:\.md| habit)|\bstyle (?:document|guide)\b"
+    r"DESIGN(?:\.md| decision)|\bGPU\.md\b|\bSTYLE(?:\.md| habit| \d)|\bstyle (?:document|guide)\b"
+    r"|\bhouse[- ]style\b"
 )
 _CITATION = re.compile(r"docs/design\.rst,?\s+decisions?\s+(\d+)")
 

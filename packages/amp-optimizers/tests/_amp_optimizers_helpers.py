@@ -26,7 +26,7 @@ OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 
 # max |fused - reference| of float32 params after ten steps.
 FP32_ATOL = 1e-5
-# Low-precision params against a float32-master reference, relative to the param scale (STYLE 8).
+# Low-precision params against a float32-master reference, relative to the param scale.
 HALF_RTOL = {torch.float16: 1e-3, torch.bfloat16: 1.6e-2}
 
 HALF_DTYPES = [

@@ -18,7 +18,7 @@ from torch import Tensor
 from amp_optimizers import FP16_Optimizer, FusedAdam, FusedSGD
 
 HALF_DTYPES = [torch.float16, torch.bfloat16]
-HALF_RTOL = {torch.float16: 1e-3, torch.bfloat16: 1.6e-2}  # house-style rtol per dtype
+HALF_RTOL = {torch.float16: 1e-3, torch.bfloat16: 1.6e-2}  # torch.testing's default rtol per dtype
 LOGGER = "amp_optimizers._fp16_optimizer"
 
 

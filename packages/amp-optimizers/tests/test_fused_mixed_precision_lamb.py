@@ -16,7 +16,7 @@ from torch import Tensor
 
 from amp_optimizers import FusedLAMB, FusedMixedPrecisionLamb
 
-HALF_TOL = {torch.float16: 1e-3, torch.bfloat16: 1.6e-2}  # rtol per dtype (house style)
+HALF_TOL = {torch.float16: 1e-3, torch.bfloat16: 1.6e-2}  # rtol per dtype: torch.testing's defaults
 
 
 def _params(dtype: torch.dtype, device: str = "cpu", seed: int = 0) -> list[Tensor]:
