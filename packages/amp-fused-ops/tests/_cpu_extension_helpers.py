@@ -4,10 +4,13 @@ Both test modules that need the extension ask :func:`session_cache` for a cache 
 the session's temporary directory. The first call starts two fresh Python processes that
 call ``get_extension("cpu")`` at the same moment on that empty folder: one compiles under the
 build lock, the other waits and loads the result. Later calls (and other modules) only load.
+Under pytest-xdist the folder and the two processes' reports are shared by the workers of
+the run: the first worker to ask builds, under a file lock, and the others wait and reuse.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -66,14 +69,14 @@ def child_env(cache: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def session_cache(factory: pytest.TempPathFactory) -> SessionBuild:
-    """Build the CPU extension in this session's cache folder (once) and describe the build."""
-    cache = factory.getbasetemp() / "amp_fused_ops_cache"
-    if cache in _builds:
-        return _builds[cache]
-    missing = _loader._missing_tools_reason("cpu")
-    if missing is not None:
-        pytest.skip(f"cannot build the CPU extension here: {missing}")
+def _shared_folder(factory: pytest.TempPathFactory) -> Path:
+    """The session's temporary folder; under pytest-xdist, the one all workers of the run share."""
+    base = factory.getbasetemp()
+    # Each xdist worker's base is <run folder>/popen-gw<N>.
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def _build_in_two_processes(cache: Path) -> tuple[dict[str, object], ...]:
     children = [
         subprocess.Popen(
             [sys.executable, "-c", _CHILD],
@@ -93,7 +96,27 @@ def session_cache(factory: pytest.TempPathFactory) -> SessionBuild:
         if child.returncode != 0 or not lines:
             pytest.fail(f"building the CPU extension failed (exit {child.returncode}):\n{output}")
         reports.append(json.loads(lines[-1].removeprefix("RESULT ")))
-    _builds[cache] = SessionBuild(cache, tuple(reports))
+    return tuple(reports)
+
+
+def session_cache(factory: pytest.TempPathFactory) -> SessionBuild:
+    """Build the CPU extension in this session's cache folder (once) and describe the build."""
+    shared = _shared_folder(factory)
+    cache = shared / "amp_fused_ops_cache"
+    if cache in _builds:
+        return _builds[cache]
+    missing = _loader._missing_tools_reason("cpu")
+    if missing is not None:
+        pytest.skip(f"cannot build the CPU extension here: {missing}")
+    record = shared / "amp_fused_ops_session_build.json"
+    with open(shared / "amp_fused_ops_session_build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if record.exists():  # another worker of this run built it
+            reports = tuple(json.loads(record.read_text()))
+        else:
+            reports = _build_in_two_processes(cache)
+            record.write_text(json.dumps(list(reports)))
+    _builds[cache] = SessionBuild(cache, reports)
     return _builds[cache]
 
 
