@@ -386,6 +386,7 @@ def _pytest(session: nox.Session, package: str, marker: str, success_codes: list
     # .ci/slowest_tests.py lists (.ci/run does, after the tests).
     reports = os.environ.get("AMP_TEST_REPORTS")
     report = [f"--junitxml={Path(reports).resolve() / f'{package}.xml'}"] if reports else []
+    xdist_args, xdist_env = _xdist(session, "loadscope")
     session.run(
         "python",
         "-m",
@@ -394,9 +395,10 @@ def _pytest(session: nox.Session, package: str, marker: str, success_codes: list
         "-m",
         marker,
         *report,
-        *_xdist_args(session, "loadscope"),
+        *xdist_args,
         *session.posargs,
         success_codes=success_codes,
+        env=xdist_env,
     )
 
 
@@ -798,24 +800,31 @@ EMULATION_TESTS = [
 ]
 
 
-def _xdist_args(session: nox.Session, distribution: str) -> list[str]:
-    """pytest-xdist arguments: one worker process per CPU unless ``AMP_TEST_WORKERS`` says.
+def _xdist(session: nox.Session, distribution: str) -> tuple[list[str], dict[str, str]]:
+    """pytest-xdist arguments and environment: one worker process per CPU, one thread each.
 
     Most tests are short and single-threaded in Python (small tensors, subprocesses starting,
     the emulator running a launch's blocks one after the other), so a second worker on the
-    second core does nearly twice the work; tests that compile or train use both cores
-    either way. Tests share nothing that would collide: each has its own ``tmp_path``,
-    distributed tests rendezvous through their own files or free ports, and the extension
-    cache takes a lock per build. ``distribution`` is xdist's ``--dist``: ``loadscope`` keeps
-    the tests of a module on one worker, so that a module-scoped fixture (a training run, a
-    spawned world, a compile) runs once; ``load`` spreads single tests where fixtures are
-    cheap. ``AMP_TEST_WORKERS=1`` runs one process (no xdist).
+    second core does nearly twice the work. Each worker's torch gets one intra-op thread
+    (``OMP_NUM_THREADS=1`` unless set): two workers of two threads each on two cores spend
+    the difference spinning in OpenMP (amp-core's tests: 90 s in one process, 80 s in two
+    workers of two threads, 59 s in two of one). Tests that are about threads set their
+    count themselves. Tests share nothing that would collide: each has its own
+    ``tmp_path``, distributed tests rendezvous through their own files or free ports, and
+    the extension cache takes a lock per build. ``distribution`` is xdist's ``--dist``:
+    ``loadscope`` keeps the tests of a module on one worker, so that a module-scoped fixture
+    (a training run, a spawned world) runs once; ``load`` spreads single tests where
+    fixtures are cheap. ``AMP_TEST_WORKERS=1`` runs one process (no xdist, torch's default
+    threads).
     """
     value = os.environ.get("AMP_TEST_WORKERS", "")
     if value and not (value.isdigit() and int(value) >= 1):
         session.error(f"AMP_TEST_WORKERS={value!r}: expected a number of workers, 1 or more")
     workers = int(value) if value else (os.cpu_count() or 1)
-    return ["-n", str(workers), f"--dist={distribution}"] if workers > 1 else []
+    if workers == 1:
+        return [], {}
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return ["-n", str(workers), f"--dist={distribution}"], env
 
 
 @nox.session(venv_params=SYSTEM_SITE)
@@ -829,7 +838,7 @@ def cuda_emulation(session: nox.Session) -> None:
     session's folder (.nox/...). ``-- <pytest args>`` narrows the tests;
     ``AMP_EMULATION_BUILDS=counting`` or ``=asan`` runs one build (CI runs each as its own
     step). The tests of a build run in one pytest-xdist worker per CPU, as every test session's
-    (``AMP_TEST_WORKERS``, see ``_xdist_args``).
+    (``AMP_TEST_WORKERS``, see ``_xdist``).
 
     The counting build runs the multi-tensor tests at every emulated size (up to 33333
     elements, chunks of 333 and 2048 * 32); the asan build at the small sizes (1, 7, 555, chunk
@@ -865,6 +874,7 @@ def cuda_emulation(session: nox.Session) -> None:
     sizes = os.environ.get("AMP_EMULATION_SIZES")
     if sizes not in (None, "", "all", "small"):
         session.error(f"AMP_EMULATION_SIZES={sizes!r}: expected 'all' or 'small', or unset")
+    xdist_args, xdist_env = _xdist(session, "load")
     for build, extra in ((name, builds[name]) for name in wanted):
         # Compile in its own process first (the build time is printed), then test.
         env = {
@@ -875,7 +885,7 @@ def cuda_emulation(session: nox.Session) -> None:
         session.run("python", "-c", _EMULATION_BUILD, build, env=env)
         session.run(
             "python", "-m", "pytest", "-m", "cuda_emulation", "-q", "-p", "no:cacheprovider",
-            "--durations=5", *_xdist_args(session, "load"), *tests, *session.posargs, env=env,
+            "--durations=5", *xdist_args, *tests, *session.posargs, env={**env, **xdist_env},
         )  # fmt: skip
 
 
