@@ -1,0 +1,56 @@
+"""Shared setup for the amp_fused_ops tests: one real compile of the CPU extension per run.
+
+The tests that check the build itself compile the CPU extension for real, once per run, in a
+folder of the run's own (``_cpu_extension_helpers.session_cache``: two processes race for it).
+Every other test reaches the extension through the loader, which looks in the configured
+cache (``$AMP_FUSED_OPS_CACHE`` or ``~/.cache/amp_fused_ops``). On a machine whose cache holds
+no build yet (a fresh clone, CI), the loader would compile a second, identical module there.
+Instead, while these tests run, a compile of the CPU kind into the configured cache copies the
+run's build (building it first if no test has yet); the loader then verifies the copy against
+its build record and imports it as it would its own build. Builds into any other folder
+(the tests' private caches) still compile for real.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from _cpu_extension_helpers import session_cache
+from amp_fused_ops.extensions import _build as ext_build
+from amp_fused_ops.extensions import _cache as ext_cache
+from amp_fused_ops.extensions import _lookup as ext_lookup
+from amp_fused_ops.extensions import _record as ext_record
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _configured_cache_reuses_the_run_build(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[None]:
+    compile_for_real = ext_build.compile_extension
+    configured = ext_cache.build_directory("cpu").resolve()
+
+    def compile_or_copy(kind: str, build_dir: Path) -> ModuleType:
+        if kind != "cpu" or Path(build_dir).resolve() != configured:
+            return compile_for_real(kind, build_dir)
+        run_build = session_cache(tmp_path_factory).cache / configured.name
+        if ext_record.verified_module(run_build) is None:
+            return compile_for_real(kind, build_dir)  # nothing to copy (cannot happen)
+        # The loader holds the build lock of `build_dir`: replace what it holds, then copy.
+        ext_build.clean(build_dir)
+        shutil.copytree(
+            run_build, build_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.lock*")
+        )
+        module = ext_record.verified_module(build_dir)
+        assert module is not None, f"the copy of {run_build} in {build_dir} does not verify"
+        return ext_lookup.import_or_explain(module)
+
+    ext_build.compile_extension = compile_or_copy
+    try:
+        yield
+    finally:
+        ext_build.compile_extension = compile_for_real
