@@ -270,12 +270,15 @@ def _install(session: nox.Session, *args: str) -> None:
 
     A reused virtualenv has the requirements already (pip checks them in a second or two,
     silently); a new one downloads them, which can take a minute: pip's output is shown then.
+    ``--no-compile``: pip would byte-compile every module it installs (torch's CUDA build and
+    its dependencies: 20 of the 71 s an install takes on 2 cores); Python compiles the few a
+    session imports when it first imports them.
     """
     if getattr(session.virtualenv, "_reused", False):
-        session.install(*args)
+        session.install("--no-compile", *args)
         return
     start = time.perf_counter()
-    session.install("--progress-bar", "on", *args, silent=False)
+    session.install("--progress-bar", "on", "--no-compile", *args, silent=False)
     session.log(f"installed {' '.join(args)} in {time.perf_counter() - start:.0f} s")
 
 
@@ -386,7 +389,9 @@ def _pytest(session: nox.Session, package: str, marker: str, success_codes: list
     # .ci/slowest_tests.py lists (.ci/run does, after the tests).
     reports = os.environ.get("AMP_TEST_REPORTS")
     report = [f"--junitxml={Path(reports).resolve() / f'{package}.xml'}"] if reports else []
-    xdist_args, xdist_env = _xdist(session, "loadscope")
+    xdist_args, xdist_env = _xdist(
+        session, "loadscope", one_process=package in ONE_PROCESS_TEST_PACKAGES
+    )
     session.run(
         "python",
         "-m",
@@ -800,7 +805,16 @@ EMULATION_TESTS = [
 ]
 
 
-def _xdist(session: nox.Session, distribution: str) -> tuple[list[str], dict[str, str]]:
+# Packages whose test time is mostly process groups of two or three ranks (and their examples
+# under torchrun): the ranks already keep the cores busy, and a second xdist worker starting
+# its own groups beside them makes the run slower, not faster (2 cores: amp-parallel 59 s in
+# one process, 81 s in two workers; amp-legacy-fp16 29 s and 37 s).
+ONE_PROCESS_TEST_PACKAGES = ("amp-parallel", "amp-legacy-fp16")
+
+
+def _xdist(
+    session: nox.Session, distribution: str, *, one_process: bool = False
+) -> tuple[list[str], dict[str, str]]:
     """pytest-xdist arguments and environment: one worker process per CPU, one thread each.
 
     Most tests are short and single-threaded in Python (small tensors, subprocesses starting,
@@ -815,12 +829,13 @@ def _xdist(session: nox.Session, distribution: str) -> tuple[list[str], dict[str
     ``loadscope`` keeps the tests of a module on one worker, so that a module-scoped fixture
     (a training run, a spawned world) runs once; ``load`` spreads single tests where
     fixtures are cheap. ``AMP_TEST_WORKERS=1`` runs one process (no xdist, torch's default
-    threads).
+    threads); ``one_process`` makes that the default (``ONE_PROCESS_TEST_PACKAGES``), which
+    ``AMP_TEST_WORKERS`` still overrides.
     """
     value = os.environ.get("AMP_TEST_WORKERS", "")
     if value and not (value.isdigit() and int(value) >= 1):
         session.error(f"AMP_TEST_WORKERS={value!r}: expected a number of workers, 1 or more")
-    workers = int(value) if value else (os.cpu_count() or 1)
+    workers = int(value) if value else 1 if one_process else (os.cpu_count() or 1)
     if workers == 1:
         return [], {}
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
