@@ -7,7 +7,8 @@ extension.
 
 ``AMP_EMULATION_SIZES=small`` narrows the emulated multi-tensor tests further, to the tensor
 sizes 1, 7 and 555 and the chunk size 333 (every op, dtype mix, inf/nan injection and graph
-replay still runs): what the AddressSanitizer build has time for in CI, where the counting
+replay still runs), and the norm kernels' widest row from 4099 to 1031 columns (the same
+512-thread launch): what the AddressSanitizer build has time for in CI, where the counting
 build runs the full set (``nox -s cuda_emulation``).
 """
 
