@@ -1,11 +1,15 @@
-"""Builds the C++ CPU extension once per test session, by two processes at once.
+"""The CPU extension of a test session: built once per run, or taken from the configured cache.
 
-Both test modules that need the extension ask :func:`session_cache` for a cache folder in
-the session's temporary directory. The first call starts two fresh Python processes that
-call ``get_extension("cpu")`` at the same moment on that empty folder: one compiles under the
-build lock, the other waits and loads the result. Later calls (and other modules) only load.
-Under pytest-xdist the folder and the two processes' reports are shared by the workers of
-the run: the first worker to ask builds, under a file lock, and the others wait and reuse.
+The test modules that need the extension ask :func:`session_cache` for a cache folder in the
+session's temporary directory. When the configured cache (``$AMP_FUSED_OPS_CACHE`` or
+``~/.cache/amp_fused_ops``) already holds a verified build of these sources, it is copied there
+(the quick test tier compiles nothing on a machine that has built the extension once);
+otherwise two fresh Python processes call ``get_extension("cpu")`` at the same moment on that
+empty folder: one compiles under the build lock, the other waits and loads the result.
+:func:`race_reports` gives what those two processes reported, racing for real in a folder of
+its own when the session's build was a copy. Under pytest-xdist the folders and the reports
+are shared by the workers of the run: the first worker to ask builds, under a file lock, and
+the others wait and reuse.
 """
 
 from __future__ import annotations
@@ -13,15 +17,19 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from amp_fused_ops.extensions import _build as ext_build
+from amp_fused_ops.extensions import _cache as ext_cache
 from amp_fused_ops.extensions import _loader
+from amp_fused_ops.extensions import _record as ext_record
 
 # Run in each child: report whether the extension loaded and whether this process compiled.
 _CHILD = """
@@ -49,13 +57,18 @@ print("RESULT " + json.dumps({
 
 @dataclass(frozen=True)
 class SessionBuild:
-    """Where the session's extension lives and what the two building processes reported."""
+    """Where the session's extension lives and what the two building processes reported
+    (None: copied from the configured cache, nothing was built)."""
 
     cache: Path
-    reports: tuple[dict[str, object], ...]
+    reports: tuple[dict[str, object], ...] | None
 
 
 _builds: dict[Path, SessionBuild] = {}
+
+# The CPU build folder of these sources in the cache the process was started with (tests
+# change the variable for their own caches; this is the one the user's runs fill).
+CONFIGURED_BUILD = ext_cache.build_directory("cpu").resolve()
 
 
 def child_env(cache: Path, **extra: str) -> dict[str, str]:
@@ -99,25 +112,70 @@ def _build_in_two_processes(cache: Path) -> tuple[dict[str, object], ...]:
     return tuple(reports)
 
 
-def session_cache(factory: pytest.TempPathFactory) -> SessionBuild:
-    """Build the CPU extension in this session's cache folder (once) and describe the build."""
+def _copy_configured_build(cache: Path) -> bool:
+    """Copy a verified build of the configured cache into ``cache``; False if there is none."""
+    try:
+        if ext_record.verified_module(CONFIGURED_BUILD) is None:
+            return False
+    except ext_record.DamagedBuildError:
+        return False
+    shutil.copytree(
+        CONFIGURED_BUILD,
+        cache / CONFIGURED_BUILD.name,
+        ignore=shutil.ignore_patterns("*.lock*"),
+    )
+    return True
+
+
+def _once_per_run(
+    factory: pytest.TempPathFactory, name: str, make: Callable[[Path], object]
+) -> tuple[Path, object]:
+    """``make(<run folder>/<name>)`` once per run (all xdist workers), and what it returned."""
     shared = _shared_folder(factory)
-    cache = shared / "amp_fused_ops_cache"
-    if cache in _builds:
-        return _builds[cache]
+    cache = shared / name
+    record = shared / f"{name}.json"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if record.exists():  # another worker of this run made it
+            return cache, json.loads(record.read_text())
+        result = make(cache)
+        record.write_text(json.dumps(result))
+    return cache, result
+
+
+def _skip_without_tools() -> None:
     missing = _loader._missing_tools_reason("cpu")
     if missing is not None:
         pytest.skip(f"cannot build the CPU extension here: {missing}")
-    record = shared / "amp_fused_ops_session_build.json"
-    with open(shared / "amp_fused_ops_session_build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if record.exists():  # another worker of this run built it
-            reports = tuple(json.loads(record.read_text()))
-        else:
-            reports = _build_in_two_processes(cache)
-            record.write_text(json.dumps(list(reports)))
-    _builds[cache] = SessionBuild(cache, reports)
-    return _builds[cache]
+
+
+def session_cache(factory: pytest.TempPathFactory) -> SessionBuild:
+    """This session's cache folder with the CPU extension in it (copied or built, once)."""
+    shared = _shared_folder(factory)
+    if shared in _builds:
+        return _builds[shared]
+    _skip_without_tools()
+
+    def make(cache: Path) -> object:
+        if _copy_configured_build(cache):
+            return None
+        return list(_build_in_two_processes(cache))
+
+    cache, reports = _once_per_run(factory, "amp_fused_ops_cache", make)
+    _builds[shared] = SessionBuild(cache, None if reports is None else tuple(reports))
+    return _builds[shared]
+
+
+def race_reports(factory: pytest.TempPathFactory) -> tuple[dict[str, object], ...]:
+    """What two processes that built the CPU extension at once into an empty folder reported:
+    the session's build, or (when that was a copy) a build of their own, once per run."""
+    build = session_cache(factory)
+    if build.reports is not None:
+        return build.reports
+    _, reports = _once_per_run(
+        factory, "amp_fused_ops_race_cache", lambda cache: list(_build_in_two_processes(cache))
+    )
+    return tuple(reports)  # type: ignore[arg-type]
 
 
 def load_from(cache: Path) -> object:

@@ -1,14 +1,15 @@
-"""Shared setup for the amp_fused_ops tests: one real compile of the CPU extension per run.
+"""Shared setup for the amp_fused_ops tests: at most one real compile of the CPU extension per run.
 
-The tests that check the build itself compile the CPU extension for real, once per run, in a
-folder of the run's own (``_cpu_extension_helpers.session_cache``: two processes race for it).
-Every other test reaches the extension through the loader, which looks in the configured
-cache (``$AMP_FUSED_OPS_CACHE`` or ``~/.cache/amp_fused_ops``). On a machine whose cache holds
-no build yet (a fresh clone, CI), the loader would compile a second, identical module there.
-Instead, while these tests run, a compile of the CPU kind into the configured cache copies the
-run's build (building it first if no test has yet); the loader then verifies the copy against
-its build record and imports it as it would its own build. Builds into any other folder
-(the tests' private caches) still compile for real.
+The tests that need the CPU extension get it in a folder of the run's own
+(``_cpu_extension_helpers.session_cache``): copied from the configured cache
+(``$AMP_FUSED_OPS_CACHE`` or ``~/.cache/amp_fused_ops``) when that holds a build of these
+sources, else compiled for real by two racing processes. Every other test reaches the extension
+through the loader, which looks in the configured cache. On a machine whose cache holds no build
+yet (a fresh clone, CI), the loader would compile a second, identical module there. Instead,
+while these tests run, a compile of the CPU kind into the configured cache copies the run's build
+(building it first if no test has yet); the loader then verifies the copy against its build
+record and imports it as it would its own build. Builds into any other folder (the tests'
+private caches) still compile for real.
 """
 
 from __future__ import annotations
@@ -20,9 +21,8 @@ from types import ModuleType
 
 import pytest
 
-from _cpu_extension_helpers import session_cache
+from _cpu_extension_helpers import CONFIGURED_BUILD, session_cache
 from amp_fused_ops.extensions import _build as ext_build
-from amp_fused_ops.extensions import _cache as ext_cache
 from amp_fused_ops.extensions import _lookup as ext_lookup
 from amp_fused_ops.extensions import _record as ext_record
 
@@ -32,7 +32,7 @@ def _configured_cache_reuses_the_run_build(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[None]:
     compile_for_real = ext_build.compile_extension
-    configured = ext_cache.build_directory("cpu").resolve()
+    configured = CONFIGURED_BUILD
 
     def compile_or_copy(kind: str, build_dir: Path) -> ModuleType:
         if kind != "cpu" or Path(build_dir).resolve() != configured:
