@@ -1,395 +1,37 @@
-"""What every fused optimizer shares: grouping, validation, ``zero_grad``, exact state loading.
+"""What every fused optimizer shares: the base class with its step plans, ``zero_grad`` and
+exact state loading.
 
-The algorithms live in their own modules; this one only holds the plumbing, written once:
-
-* :func:`group_by_device_dtype` sorts per-parameter tensor tuples into one bucket per
-  ``(device, dtype)`` so that each optimizer launches one multi-tensor op per bucket instead of
-  one hand-written launch per dtype.
-* :class:`FusedOptimizerBase` adds Apex's ``set_grad_none`` ``zero_grad`` and a
-  ``load_state_dict`` that keeps the saved state's dtypes (``torch.optim.Optimizer`` would cast
-  float32 state to the dtype of a half parameter, which is lossy).
-* :class:`StepPlan` keeps what a step of one param group needs that does not depend on the
-  tensor values (which params have a gradient, the buckets, the checked preconditions, the
-  state tensors), so that a step with the same layout as the last one only gathers the
-  gradients; see :meth:`FusedOptimizerBase.step_plans` for when a plan is rebuilt.
+The algorithms live in their own modules, the helpers of their steps in
+:mod:`amp_optimizers._step_helpers`, the step plans in :mod:`amp_optimizers._step_plan`.
+:class:`FusedOptimizerBase` adds Apex's ``set_grad_none`` ``zero_grad``, the per-group
+:class:`~amp_optimizers._step_plan.StepPlan` cache, and a ``load_state_dict`` that keeps the
+saved state's dtypes (``torch.optim.Optimizer`` would cast float32 state to the dtype of a half
+parameter, which is lossy).
 """
 
 from __future__ import annotations
 
-import math
 import operator
-import sys
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from itertools import chain, repeat
+from collections.abc import Callable, Sequence
+from itertools import repeat
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = [
-    "AmpCOp",
-    "FusedOptimizerBase",
-    "PlanBucket",
-    "StateSnapshot",
-    "StepPlan",
-    "advance_step",
-    "step_arguments",
-    "check_betas",
-    "check_nonnegative",
-    "first_param_device",
-    "group_by_device_dtype",
-    "local_shards",
-    "outside_graph",
-    "params_with_grads",
-    "step_outside_graph",
-    "unscale_grads_in_place",
-]
+from ._step_helpers import first_param_device, params_with_grads
+from ._step_plan import (
+    TRACE_WRITTEN_GROUP_KEYS,
+    StateSnapshot,
+    StepPlan,
+    param_signature,
+    plan_buckets,
+)
 
-_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+__all__ = ["FusedOptimizerBase"]
 
-
-def advance_step(holder: dict[str, Any], key: str = "step") -> int | Tensor:
-    """Add one to the step count ``holder[key]`` (a param group or a param's state) and return it.
-
-    In eager mode the count is a Python int, as Apex keeps it. Under ``torch.compile`` an int
-    that changes every step would be a constant of the graph, recompiled each step; there the
-    count becomes a one-element int64 CPU tensor advanced in place, data of one graph that
-    serves every step (``docs/compile.rst``). Once a tensor, it stays one, also in eager mode.
-    A count on another device (a capturable optimizer's) is advanced there.
-    """
-    count = holder.get(key, 0)
-    if isinstance(count, Tensor):
-        count.add_(1)
-        return count
-    if torch.compiler.is_compiling():
-        tensor = torch.tensor(int(count) + 1, dtype=torch.int64)
-        holder[key] = tensor
-        return tensor
-    holder[key] = int(count) + 1
-    return holder[key]
-
-
-def step_arguments(step: int | Tensor) -> tuple[int, Tensor | None]:
-    """``(step, step_tensor)`` for an op with Apex's ``int step`` and the optional
-    ``step_tensor``: a tensor count goes in ``step_tensor`` (on the CPU: the kernels read it on
-    the host), and ``step`` is then 0 and unread."""
-    if isinstance(step, Tensor):
-        return 0, step if step.device.type == "cpu" else step.to("cpu")
-    return step, None
-
-
-Bucket = list[list[Tensor]]
-
-
-def check_nonnegative(optimizer: str, name: str, value: Any) -> None:
-    """Raise ``ValueError`` unless ``value`` is a finite number >= 0, or a one-element floating
-    tensor holding one (read back once, at construction)."""
-    if isinstance(value, Tensor):
-        if value.numel() != 1 or not value.is_floating_point():
-            raise ValueError(
-                f"{optimizer}: invalid {name}: a tensor {name} must hold one floating-point "
-                f"value, got shape {tuple(value.shape)} and dtype {value.dtype}; pass e.g. "
-                "torch.tensor(1e-3)"
-            )
-        number = float(value.detach().reshape(()).item())
-        if not number >= 0.0 or not math.isfinite(number):
-            raise ValueError(
-                f"{optimizer}: invalid {name} {number!r} (a tensor); it must be a finite "
-                "number >= 0"
-            )
-        return
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0.0:
-        raise ValueError(f"{optimizer}: invalid {name} {value!r}; it must be a number >= 0")
-    if not math.isfinite(value):
-        raise ValueError(f"{optimizer}: invalid {name} {value!r}; it must be finite")
-
-
-def unscale_grads_in_place(grads: Sequence[Tensor], grad_scale: Tensor) -> None:
-    """Divide ``grads`` by ``grad_scale`` in place, on their devices (no host sync).
-
-    What ``torch.amp.GradScaler`` leaves behind for a plain optimizer (it unscales ``.grad``
-    in place): an optimizer that unscales inside its step calls this after it, so code that
-    reads the gradients after ``scaler.step(optimizer)`` sees the same values either way.
-    """
-    inv = grad_scale.double().reciprocal().float().reshape(())
-    by_device: dict[torch.device, list[Tensor]] = {}
-    for g in grads:
-        by_device.setdefault(g.device, []).append(g)
-    for device, gs in by_device.items():
-        torch._foreach_mul_(gs, inv.to(device))
-
-
-def local_shards(tensors: list[Tensor]) -> list[Tensor]:
-    """``tensors`` with every DTensor (FSDP2 param or state) replaced by its local shard.
-
-    Under ``torch.compile`` (which steps plain params here) ``tensors`` as they are.
-    """
-    if torch.compiler.is_compiling():
-        return tensors
-    return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
-
-
-def step_outside_graph(param_groups: Iterable[dict[str, Any]]) -> bool:
-    """Whether a step of an optimizer that takes norms of whole tensors (LAMB, NovoGrad) runs
-    outside the graph: under ``torch.compile``, with DTensor (FSDP2) params.
-
-    Such a step all-reduces the shards' partial norms over the ranks in the ops' PyTorch
-    reference (``docs/large_models.rst``). Traced, it breaks the graph at host reads inside
-    loops, recompiles as the step count changes, and the state it creates in a graph of
-    DTensors of uneven shards took another rank's local shape. Run as in eager mode (one graph
-    break, :func:`outside_graph`), it gives the eager result on every rank.
-    """
-    if not torch.compiler.is_compiling():
-        return False
-    module = sys.modules.get("torch.distributed.tensor")
-    dtensor = getattr(module, "DTensor", None)
-    return dtensor is not None and any(
-        isinstance(p, dtensor) for group in param_groups for p in group["params"]
-    )
-
-
-_eager_call: Callable[..., Any] | None = None
-
-
-def outside_graph(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` run eagerly while ``torch.compile`` traces (one graph break).
-
-    ``torch.compiler.disable`` imports ``torch._dynamo``, which importing this package must
-    not: the wrapper is made on first use, always under ``torch.compile``.
-    """
-    global _eager_call
-    if _eager_call is None:
-        _eager_call = torch.compiler.disable(_call)
-    return _eager_call(fn, *args, **kwargs)
-
-
-def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    return fn(*args, **kwargs)
-
-
-def check_betas(optimizer: str, betas: Any) -> None:
-    """Raise ``ValueError`` unless ``betas`` is a pair of numbers in ``[0, 1)``."""
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"{optimizer}: betas must be a pair (beta1, beta2), got {betas!r}")
-    for i, beta in enumerate(betas):
-        if not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
-            raise ValueError(
-                f"{optimizer}: invalid beta parameter at index {i}: {beta!r}; "
-                "each beta must be in [0, 1)"
-            )
-
-
-def params_with_grads(optimizer: str, params: Iterable[Tensor]) -> list[Tensor]:
-    """The params of a group that have a gradient, after checking sparsity and dtype.
-
-    Raises:
-        RuntimeError: A gradient is sparse, or a param is not float32/float16/bfloat16.
-    """
-    out = []
-    for p in params:
-        if p.grad is None:
-            continue
-        if p.grad.is_sparse:
-            raise RuntimeError(
-                f"{optimizer} does not support sparse gradients, please consider SparseAdam instead"
-            )
-        if p.dtype not in _SUPPORTED_DTYPES:
-            raise RuntimeError(
-                f"{optimizer} supports float32, float16 and bfloat16 params, got {p.dtype}; "
-                "cast the model with .float(), .half() or .bfloat16()"
-            )
-        out.append(p)
-    return out
-
-
-def group_by_device_dtype(
-    rows: Iterable[Sequence[Any]],
-) -> dict[tuple[torch.device, torch.dtype], Bucket]:
-    """Transpose per-param rows into per-``(device, dtype)`` column lists.
-
-    Args:
-        rows: One tuple per param, its first element the param itself, e.g.
-            ``(param, grad, exp_avg, exp_avg_sq)``.
-
-    Returns:
-        ``{(device, dtype): [column_0, column_1, ...]}`` with the key taken from the param, the
-        columns in row order: exactly the ``tensor_lists`` of one multi-tensor launch.
-    """
-    buckets: dict[tuple[torch.device, torch.dtype], Bucket] = {}
-    for row in rows:
-        key = (row[0].device, row[0].dtype)
-        columns = buckets.get(key)
-        if columns is None:
-            columns = buckets[key] = [[] for _ in row]
-        for column, tensor in zip(columns, row, strict=True):
-            column.append(tensor)
-    return buckets
-
-
-class AmpCOp:
-    """A class attribute that reads the ``amp_C`` op of the given name (Apex's op handles).
-
-    Apex's fused optimizers bind their multi-tensor ops in the constructor
-    (``self.multi_tensor_adam = amp_C.multi_tensor_adam``) and code built on them reads those
-    handles (fairseq's ``FusedAdam`` subclass refuses to run without ``multi_tensor_adam``) and
-    calls them through ``multi_tensor_applier`` with Apex's arguments. The handle is looked up
-    by name on ``amp_fused_ops.amp_C`` when read, so it is exactly that op; an op the installed
-    amp-fused-ops does not provide reads as a missing attribute (``hasattr`` is False). An
-    instance may assign its own handle over it, as with any attribute.
-
-    Args:
-        op_name: The name of the op in ``amp_C``.
-    """
-
-    def __init__(self, op_name: str) -> None:
-        self.op_name = op_name
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.attr_name = name
-
-    def __get__(self, obj: object, objtype: type | None = None) -> Callable[..., Any]:
-        from amp_fused_ops import amp_C
-
-        op = getattr(amp_C, self.op_name, None)
-        if op is None:
-            raise AttributeError(
-                f"{getattr(objtype, '__name__', 'optimizer')}.{self.attr_name}: the installed "
-                f"amp-fused-ops has no amp_C.{self.op_name}; upgrade amp-fused-ops"
-            )
-        return op
-
-
-def first_param_device(param_groups: Iterable[dict[str, Any]]) -> torch.device:
-    """The device of the first param of the first non-empty group (CPU when there is none)."""
-    for group in param_groups:
-        for p in group["params"]:
-            return p.device
-    return torch.device("cpu")
-
-
-# Param-group keys that torch.compile writes into a traced step's groups (see
-# FusedOptimizerBase.state_dict); none of them is an option of a fused optimizer.
-_TRACE_WRITTEN_GROUP_KEYS = ("capturable",)
-
-_DTYPE = operator.attrgetter("dtype")
-_DEVICE = operator.attrgetter("device")
 _GRAD = operator.attrgetter("grad")
 _IS_SPARSE = operator.attrgetter("is_sparse")
-
-
-@dataclass(frozen=True)
-class PlanBucket:
-    """The params of one ``(device, dtype)`` of a group and their state tensors.
-
-    Attributes:
-        device: Where they live.
-        index: Positions of the bucket's params among the group's params with a gradient, or
-            ``None`` when the bucket holds all of them (the usual case: one bucket).
-        columns: ``[params, state_column_0, ...]``, the lists passed to the multi-tensor op.
-    """
-
-    device: torch.device
-    index: list[int] | None
-    columns: list[list[Tensor]]
-
-    def grads(self, grads: list[Tensor]) -> list[Tensor]:
-        """The bucket's gradients, out of the group's list (in the order of ``columns``)."""
-        return grads if self.index is None else [grads[i] for i in self.index]
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """One param group's step layout, valid while nothing it was built from changed.
-
-    Attributes:
-        group: The param group it was built for (identity).
-        signature: Identity, dtype and device of each param with a gradient, in order.
-        state: The optimizer's state mapping it read (identity) and its length then.
-        generation: The optimizer's plan generation (bumped by ``load_state_dict`` etc.).
-        params: The params with a gradient.
-        buckets: One per ``(device, dtype)``, in the order of first appearance.
-    """
-
-    group: dict[str, Any]
-    signature: tuple[tuple[int, ...], tuple[torch.dtype, ...], tuple[torch.device, ...]]
-    state: Any
-    state_len: int
-    generation: int
-    params: list[Tensor]
-    buckets: list[PlanBucket]
-
-
-_END = object()  # closes the sequence of a snapshot's objects, so that a length change shows
-
-
-def _state_objects(state: Any) -> Iterable[Any]:
-    """The params keyed in ``state``, then every value of every per-param dict, then the end."""
-    return chain(state.keys(), chain.from_iterable(map(dict.values, state.values())), (_END,))
-
-
-@dataclass(frozen=True)
-class StateSnapshot:
-    """What an optimizer's ``state`` held when its step plans were last built, by identity.
-
-    torch.optim reads ``optimizer.state[p][key]`` at every step; a plan holds the state tensors
-    instead. The plans stay valid while this snapshot matches (:meth:`matches`): the same
-    ``state`` mapping, keyed by the same params in the same order, and the same objects in its
-    per-param dicts, in the same order and as many. So a state cleared or replaced in any way
-    (``state.clear()``, ``del state[p]``, ``state[p] = {}``, ``state[p].clear()``,
-    ``state[p]["exp_avg"] = t``, the state moved to another device and back, a param's state
-    moved to another param) rebuilds the plans, which re-create missing state as the first
-    step did. A per-param dict replaced by another that holds the same tensors changes nothing
-    a step reads, and is not looked at.
-
-    The check reads no tensor and hashes no param: one C-level pass over the state's keys and
-    values, compared by identity.
-    """
-
-    mapping: Any
-    objects: list[Any]
-
-    @classmethod
-    def of(cls, state: Any) -> StateSnapshot:
-        try:
-            objects = list(_state_objects(state))
-        except TypeError:  # an entry that is not a dict: nothing is cached (never matches)
-            objects = [object()]
-        return cls(state, objects)
-
-    def matches(self, state: Any) -> bool:
-        """Whether ``state`` still holds exactly what it held when this snapshot was taken."""
-        if state is not self.mapping:
-            return False
-        try:
-            return all(map(operator.is_, _state_objects(state), self.objects))
-        except TypeError:
-            return False
-
-
-def _signature(
-    params: list[Tensor],
-) -> tuple[tuple[int, ...], tuple[torch.dtype, ...], tuple[torch.device, ...]]:
-    return tuple(map(id, params)), tuple(map(_DTYPE, params)), tuple(map(_DEVICE, params))
-
-
-def _plan_buckets(
-    name: str,
-    params: list[Tensor],
-    signature: tuple[tuple[int, ...], tuple[torch.dtype, ...], tuple[torch.device, ...]],
-    state_columns: Callable[[Tensor], Sequence[Tensor]],
-) -> list[PlanBucket]:
-    """The checks of :func:`params_with_grads`, then the params and their state by bucket."""
-    params_with_grads(name, params)  # raises on a sparse gradient or an unsupported dtype
-    rows = [(p, *state_columns(p)) for p in params]
-    keys = list(zip(signature[2], signature[1], strict=True))
-    buckets = []
-    for key, columns in group_by_device_dtype(rows).items():
-        index = (
-            None if len(columns[0]) == len(params) else [i for i, k in enumerate(keys) if k == key]
-        )
-        buckets.append(PlanBucket(key[0], index, columns))
-    return buckets
 
 
 class FusedOptimizerBase(torch.optim.Optimizer):
@@ -527,7 +169,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             grads = [g for g in grads if g is not None]
         if not params:
             return None, []
-        signature = _signature(params)
+        signature = param_signature(params)
         plan = self._plans.get(id(group))
         if (
             plan is None
@@ -560,7 +202,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         params = [p for p, _ in pairs]
         grads = [g for _, g in pairs]
         signature = ((), tuple(p.dtype for p in params), tuple(p.device for p in params))
-        buckets = _plan_buckets(name, params, signature, state_columns)
+        buckets = plan_buckets(name, params, signature, state_columns)
         return StepPlan(group, signature, self.state, 0, -1, params, buckets), grads
 
     def _build_plan(
@@ -571,7 +213,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         signature: tuple[tuple[int, ...], tuple[torch.dtype, ...], tuple[torch.device, ...]],
         state_columns: Callable[[Tensor], Sequence[Tensor]],
     ) -> StepPlan:
-        buckets = _plan_buckets(name, params, signature, state_columns)
+        buckets = plan_buckets(name, params, signature, state_columns)
         plan = StepPlan(
             group, signature, self.state, len(self.state), self._plan_generation, params, buckets
         )
@@ -622,7 +264,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         """
         state_dict = super().state_dict()
         for group in state_dict["param_groups"]:
-            for key in _TRACE_WRITTEN_GROUP_KEYS:
+            for key in TRACE_WRITTEN_GROUP_KEYS:
                 group.pop(key, None)
         return state_dict
 

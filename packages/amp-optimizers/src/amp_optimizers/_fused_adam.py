@@ -20,21 +20,25 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from amp_fused_ops import amp_C, multi_tensor_applier
-
 from ._adam_state_format import add_per_param_steps, from_torch_adam, is_torch_adam_format
-from ._base import (
+from ._adam_step import (
+    adam_launch,
+    capturable_adam,
+    device_scalar,
+    is_device_scalar,
+    raise_on_nonfinite_flag,
+)
+from ._base import FusedOptimizerBase
+from ._step_helpers import (
     AmpCOp,
-    FusedOptimizerBase,
-    StepPlan,
     advance_step,
     check_betas,
     check_nonnegative,
-    group_by_device_dtype,
     params_with_grads,
     step_arguments,
     unscale_grads_in_place,
 )
+from ._step_plan import StepPlan
 from ._stochastic_round import (
     FLAG as _SR_FLAG,
 )
@@ -301,7 +305,7 @@ class FusedAdam(FusedOptimizerBase):
         group["lr"] = group["lr"].to(device=device, dtype=torch.float32)
         # The step count exists from the start: a step captured in a CUDA graph advances this
         # tensor in place, and must not create it (a new tensor would not be replayed).
-        group["step"] = _device_scalar(group.get("step", 0), device).clone()
+        group["step"] = device_scalar(group.get("step", 0), device).clone()
 
     # -- step -----------------------------------------------------------------------------
 
@@ -383,20 +387,18 @@ class FusedAdam(FusedOptimizerBase):
                     self._settle_stochastic_round_seeds()
                 launch = (group_index << 16) + bucket_index
                 rounding = (launch_seed(group[_SR_SEED], launch),)
-            multi_tensor_applier(
-                amp_C.multi_tensor_adam,
+            adam_launch(
                 self.noop_flag(bucket.device),
                 [bucket.grads(grads), ps, ms, vs],
-                lr,
-                beta1,
-                beta2,
-                group["eps"],
-                step,
-                self.adam_w_mode,
-                bias_correction,
-                group["weight_decay"],
-                step_tensor,
-                *rounding,
+                lr=lr,
+                betas=(beta1, beta2),
+                eps=group["eps"],
+                step=step,
+                step_tensor=step_tensor,
+                adam_w_mode=self.adam_w_mode,
+                bias_correction=bias_correction,
+                weight_decay=group["weight_decay"],
+                rounding=rounding,
             )
 
     def _device_step(
@@ -425,10 +427,10 @@ class FusedAdam(FusedOptimizerBase):
         device = params[0].device
         beta1, beta2 = group["betas"]
         step_t = group.get("step", 0)
-        if not _is_device_scalar(step_t, device):
+        if not is_device_scalar(step_t, device):
             # The group's own count from here on, advanced in place (see the end).
-            step_t = group["step"] = _device_scalar(step_t, device).clone()
-        lr_t = _device_scalar(group["lr"], device)
+            step_t = group["step"] = device_scalar(step_t, device).clone()
+        lr_t = device_scalar(group["lr"], device)
         if inv_scale is None:
             inv_scale = torch.ones((), dtype=torch.float32, device=device)
         noop = self.noop_flag(device)
@@ -447,37 +449,19 @@ class FusedAdam(FusedOptimizerBase):
                 # get a temporary float32 copy that the op steps and writes back.
                 master = p if p.dtype == torch.float32 else p.float()
             rows.append((p, grad, state["exp_avg"], state["exp_avg_sq"], master))
-        # Largest bucket first: its own launch checks its gradients before writing anything
-        # and raises the flag that the later launches read, so only the others need a
-        # pre-check for an inf to skip the whole group.
-        buckets = sorted(
-            group_by_device_dtype(rows).items(),
-            key=lambda kv: sum(t.numel() for t in kv[1][0]),
-            reverse=True,
+        capturable_adam(
+            rows,
+            noop,
+            step=step_t,
+            lr=lr_t,
+            betas=(beta1, beta2),
+            eps=group["eps"],
+            adam_w_mode=self.adam_w_mode,
+            bias_correction=1 if group["bias_correction"] else 0,
+            weight_decay=group["weight_decay"],
+            inv_scale=inv_scale,
+            precheck=precheck,
         )
-        if precheck:
-            for _, (_, gs, *_unused) in buckets[1:]:
-                _raise_on_nonfinite(noop, gs)
-        next_step = step_t + 1
-        for _, (ps, gs, ms, vs, masters) in buckets:
-            multi_tensor_applier(
-                amp_C.multi_tensor_adam_capturable_master,
-                noop,
-                [gs, ps, ms, vs, masters],
-                lr_t,
-                beta1,
-                beta2,
-                group["eps"],
-                next_step,
-                self.adam_w_mode,
-                1 if group["bias_correction"] else 0,
-                group["weight_decay"],
-                inv_scale.to(device),
-            )
-        # The step count advances only when the step was taken, decided on the device (a
-        # device tensor from here on: reading it back would sync the host). In place: a CUDA
-        # graph that captured this step advances the same tensor on every replay.
-        step_t.add_((noop.reshape(()) == 0).to(torch.float32))
         return noop
 
     # -- amp O2: the fused master-weight protocol of amp_core ------------------------------
@@ -559,7 +543,7 @@ class FusedAdam(FusedOptimizerBase):
         """
         for _group, params in work[1:]:
             grads = [_amp_grad(self, p) if use_master_grads else p.grad for p in params]
-            _raise_on_nonfinite_flag(found_inf, [g for g in grads if g is not None])
+            raise_on_nonfinite_flag(found_inf, [g for g in grads if g is not None])
         for group, params in work:
             noop = self._device_step(
                 group,
@@ -570,45 +554,6 @@ class FusedAdam(FusedOptimizerBase):
                 use_master_grads=use_master_grads,
             )
             found_inf.copy_(torch.maximum(found_inf, noop.reshape(()).to(found_inf)))
-
-
-def _device_scalar(value: float | Tensor, device: torch.device) -> Tensor:
-    """A 0-dim float32 tensor on ``device`` (no host sync for a tensor already there).
-
-    A number is written by a fill on the device (``torch.full``), not copied from the host
-    (``torch.tensor(..., device=...)``), which a CUDA graph capture cannot hold.
-    """
-    if isinstance(value, Tensor):
-        return value.to(device=device, dtype=torch.float32).reshape(())
-    return torch.full((), float(value), dtype=torch.float32, device=device)
-
-
-def _is_device_scalar(value: Any, device: torch.device) -> bool:
-    """Whether ``value`` is a 0-dim float32 tensor on ``device`` (a capturable step count)."""
-    return (
-        isinstance(value, Tensor)
-        and value.device == device
-        and value.dtype == torch.float32
-        and value.dim() == 0
-    )
-
-
-def _raise_on_nonfinite(noop: Tensor, grads: list[Tensor]) -> None:
-    """Set the int32 ``noop`` flag when any of ``grads`` holds an inf or a nan (on the device)."""
-    if not grads:
-        return
-    norms = torch._foreach_norm(grads, float("inf"))
-    bad = ~torch.isfinite(torch.stack([n.float() for n in norms])).all()
-    noop.masked_fill_(bad.to(noop.device), 1)
-
-
-def _raise_on_nonfinite_flag(found_inf: Tensor, grads: list[Tensor]) -> None:
-    """Set the float ``found_inf`` to 1 when any of ``grads`` holds an inf or a nan."""
-    if not grads:
-        return
-    norms = torch._foreach_norm(grads, float("inf"))
-    bad = ~torch.isfinite(torch.stack([n.float() for n in norms])).all()
-    found_inf.masked_fill_(bad.to(found_inf.device), 1.0)
 
 
 def _amp_grad(optimizer: FusedAdam, p: Tensor) -> Tensor:

@@ -10,9 +10,9 @@ from torch import Tensor
 
 from amp_fused_ops import amp_C, multi_tensor_applier
 
-from ._base import (
+from ._base import FusedOptimizerBase
+from ._step_helpers import (
     AmpCOp,
-    FusedOptimizerBase,
     advance_step,
     check_betas,
     check_nonnegative,

@@ -29,15 +29,15 @@ from torch import Tensor
 
 from amp_fused_ops import amp_C, multi_tensor_applier
 
-from ._base import (
+from ._base import FusedOptimizerBase
+from ._fused_lamb import check_lamb_args, global_grad_norm, lamb_moments
+from ._step_helpers import (
     AmpCOp,
-    FusedOptimizerBase,
     check_nonnegative,
     group_by_device_dtype,
     params_with_grads,
     unscale_grads_in_place,
 )
-from ._fused_lamb import check_lamb_args, global_grad_norm, lamb_moments
 
 __all__ = ["FusedMixedPrecisionLamb"]
 

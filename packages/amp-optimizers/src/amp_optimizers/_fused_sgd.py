@@ -11,9 +11,9 @@ from torch.optim.optimizer import required
 
 from amp_fused_ops import amp_C, multi_tensor_applier
 
-from ._base import (
+from ._base import FusedOptimizerBase
+from ._step_helpers import (
     AmpCOp,
-    FusedOptimizerBase,
     advance_step,
     check_nonnegative,
     group_by_device_dtype,

@@ -29,7 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ._base import first_param_device
+from ._step_helpers import (
+    first_param_device,
+)
 
 __all__ = [
     "agree_default_seed",
