@@ -54,13 +54,13 @@ def norm_ops() -> Any:
 
 
 class Graph:
-    """A captured sequence of launches: a CUDA graph, or the emulator's (``_emulation.Graph``)."""
+    """A captured sequence of launches: a CUDA graph, or the emulator's (``emulation.Graph``)."""
 
     def __init__(self) -> None:
         if EMULATED:
-            from amp_fused_ops.emulation import _kernels as _emulation
+            from amp_fused_ops import emulation
 
-            self._graph: Any = _emulation.Graph()
+            self._graph: Any = emulation.Graph()
         else:
             self._graph = torch.cuda.CUDAGraph()
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from _kernel_target import EMULATED, extension
+from amp_fused_ops.emulation import Graph
 from amp_fused_ops.emulation import _kernels as _emulation
 
 pytestmark = [
@@ -310,7 +311,7 @@ def test_a_graph_holds_the_tensors_of_its_capture_until_reset():
     ext = extension()
     x = [torch.full((1000,), 2.0)]
     flag = torch.zeros(1, dtype=torch.int32)
-    graph = _emulation.Graph()
+    graph = Graph()
     with graph:
         total, _ = ext.multi_tensor_l2norm(256, flag, [x], False)
     held = weakref.ref(total)
@@ -343,7 +344,7 @@ def test_a_graph_replays_the_aten_ops_of_its_capture():
                 step.fill_(value)
                 ext.multi_tensor_adam_capturable_master(n, flag, lists, *args)
             return masters[0]
-        graph = _emulation.Graph()
+        graph = Graph()
         with graph:
             ext.multi_tensor_adam_capturable_master(n, flag, lists, *args)
         for value in graph_steps:
@@ -367,6 +368,6 @@ def test_a_graph_replays_the_aten_ops_of_its_capture():
 )
 def test_a_host_sync_inside_a_capture_raises(read):
     extension()  # the emulator's capture ops
-    graph = _emulation.Graph()
+    graph = Graph()
     with pytest.raises(RuntimeError, match="host synchronization"), graph:
         read(torch.ones(1).add(1))

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from _op_cases import noop_flag as _flag
 from amp_fused_ops import amp_C, reference
+from amp_fused_ops.reference import _adam as _reference_adam
 from amp_fused_ops.reference import _layerwise as _reference_layerwise
 from amp_fused_ops.reference import _ops as _reference
 from amp_fused_ops.reference import _optim as _reference_optim
@@ -56,7 +57,9 @@ def _doubles(tensors: list[Tensor]) -> list[Tensor]:
 
 
 def test_reference_reexports_the_moved_ops() -> None:
-    assert _reference.multi_tensor_adam is _reference_optim.multi_tensor_adam
+    assert _reference.multi_tensor_adam is _reference_adam.multi_tensor_adam
+    assert _reference.multi_tensor_adam_capturable is _reference_adam.multi_tensor_adam_capturable
+    assert _reference.multi_tensor_adagrad is _reference_optim.multi_tensor_adagrad
     assert _reference.multi_tensor_sgd is _reference_optim.multi_tensor_sgd
     assert _reference.multi_tensor_lamb is _reference_layerwise.multi_tensor_lamb
     assert _reference.multi_tensor_novograd is _reference_layerwise.multi_tensor_novograd

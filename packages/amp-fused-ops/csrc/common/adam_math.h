@@ -2,7 +2,7 @@
 // multi_tensor_adam_capturable_master), written once for the CUDA functors (csrc/cuda) and the
 // CPU loops (csrc/cpu), in float32, as PyTorch's aten/src/ATen/native/cuda/fused_adam_utils.cuh
 // shares `adam_math` (templated on ADAM_MODE) between its kernels. The pure-PyTorch reference
-// (src/amp_fused_ops/reference/_optim.py: _adam_math) is the same formula in PyTorch ops:
+// (src/amp_fused_ops/reference/_adam.py: _adam_math) is the same formula in PyTorch ops:
 //
 //   g = grad (+ weight_decay * p in mode 0)
 //   m = beta1 * m + (1 - beta1) * g

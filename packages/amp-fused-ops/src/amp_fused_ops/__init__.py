@@ -16,17 +16,19 @@ from amp_fused_ops import amp_C, syncbn
 from amp_fused_ops._version import __version__
 
 # Fused LayerNorm / RMSNorm (Apex: apex.normalization)
-from amp_fused_ops.normalization._modules import (
-    FusedLayerNorm,
-    FusedRMSNorm,
-    MixedFusedLayerNorm,
-    MixedFusedRMSNorm,
+from amp_fused_ops.normalization._functional import (
     fused_layer_norm,
     fused_layer_norm_affine,
     fused_rms_norm,
     fused_rms_norm_affine,
     mixed_dtype_fused_layer_norm_affine,
     mixed_dtype_fused_rms_norm_affine,
+)
+from amp_fused_ops.normalization._modules import (
+    FusedLayerNorm,
+    FusedRMSNorm,
+    MixedFusedLayerNorm,
+    MixedFusedRMSNorm,
 )
 
 # Flatten / unflatten for bucketing (Apex: apex_C)

@@ -37,7 +37,8 @@ from torch import Tensor
 
 from amp_fused_ops.extensions import _api as _extension_api
 from amp_fused_ops.ops import _preconditions
-from amp_fused_ops.ops._registry import OPS_NAMESPACE, REGISTRY, apex_convention
+from amp_fused_ops.ops._apex_convention import apex_convention
+from amp_fused_ops.ops._registry import OPS_NAMESPACE, REGISTRY
 
 # Every op of the registry, in its order (Apex's csrc/amp_C_frontend.cpp).
 __all__ = list(REGISTRY)

@@ -16,9 +16,9 @@ process must preload libasan: :func:`asan_environment`). Not a path for users' t
 
 from __future__ import annotations
 
+from amp_fused_ops.emulation._graph import Graph
 from amp_fused_ops.emulation._kernels import (
     Counters,
-    Graph,
     amp_C_on_emulated_kernels,
     asan_environment,
     build_directory,

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from amp_fused_ops.ops import _kernel_op_fakes
-from amp_fused_ops.ops import _registry as _library
+from amp_fused_ops.ops import _apex_convention, _kernel_op_fakes
+from amp_fused_ops.ops._registry import OPS_NAMESPACE
 
 from . import _cache as cache
 from . import _flags as flags
@@ -194,4 +194,4 @@ def ops_module(kind: str, path: Path) -> ModuleType:
     """
     if kind == "cuda":
         _kernel_op_fakes.register_fakes(_kernel_op_fakes.CUDA_NAMESPACE)
-    return _library.compiled_ops(_library.OPS_NAMESPACE, DISPATCH_KEYS[kind], path)
+    return _apex_convention.compiled_ops(OPS_NAMESPACE, DISPATCH_KEYS[kind], path)

@@ -20,12 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from amp_fused_ops.normalization._ops import (
-    norm_backward,
-    norm_forward,
-    prepare_compile,
-    saves_output,
-)
+from amp_fused_ops.normalization._compile import prepare_compile
+from amp_fused_ops.normalization._ops import norm_backward, norm_forward, saves_output
 
 __all__ = [
     "FusedLayerNormAffineFunction",

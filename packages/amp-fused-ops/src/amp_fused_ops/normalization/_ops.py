@@ -10,15 +10,15 @@ Under ``torch.autocast`` on the input's device, ``norm_forward`` does what Apex'
 did: the input and the parameters (float32 / float16 / bfloat16) are cast to the autocast
 dtype, and the output is in that dtype. Under amp O1 (which runs on autocast with Apex's
 policy, where ``layer_norm`` is an fp32 op) it follows ``layer_norm`` instead: half inputs are
-cast to fp32 and the output is fp32. The statistics and the math are fp32 in every case.
+cast to fp32 and the output is fp32. The statistics and the math are fp32 in every case. Those
+autocast kernels are registered by :mod:`amp_fused_ops.normalization._autocast`, the Inductor
+decompositions used off CUDA by :mod:`amp_fused_ops.normalization._compile`.
 
 This module deliberately does not use ``from __future__ import annotations``: the custom-op
 decorators read the annotations at import time.
 """
 
-import functools
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,12 +33,12 @@ from amp_fused_ops.normalization._reference import (
 )
 
 __all__ = [
+    "backward_with_aten",
     "check_floating",
     "cuda_op",
-    "layer_norm_autocasts_to_fp32",
+    "forward_with_aten",
     "norm_backward",
     "norm_forward",
-    "prepare_compile",
     "saves_output",
 ]
 
@@ -200,10 +200,10 @@ def norm_forward(
         shift = bias if not rms else None
         out, mean, invvar = op(_dense(x), _dense(weight), _dense(shift), eps, rms, mixed)
         return out, mean, invvar
-    return _forward_with_aten(x, weight, bias, eps, rms, mixed)
+    return forward_with_aten(x, weight, bias, eps, rms, mixed)
 
 
-def _forward_with_aten(
+def forward_with_aten(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, rms: bool, mixed: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``norm_forward`` without the CUDA kernels: ATen's fused LayerNorm, or the reference."""
@@ -254,12 +254,12 @@ def norm_backward(
             _dense(bias if not rms else None), rms, memory_efficient, input_dtype,
         )  # fmt: skip
         return dx, dw, db
-    return _backward_with_aten(
+    return backward_with_aten(
         grad_out, saved, mean, invvar, weight, bias, rms, memory_efficient, input_dtype
     )
 
 
-def _backward_with_aten(
+def backward_with_aten(
     grad_out: Tensor,
     saved: Tensor,
     mean: Tensor,
@@ -360,158 +360,3 @@ def _backward(ctx: Any, grad_out: Tensor, _grad_mean: Tensor, _grad_invvar: Tens
 
 
 norm_forward.register_autograd(_backward, setup_context=_setup_context)
-
-
-# --- torch.compile: the non-CUDA bodies as Inductor decompositions ----------------------------
-#
-# Without a CUDA kernel to run, the ops compute the norm with ATen ops (ATen's fused CPU
-# LayerNorm, or the reference). Left opaque, they keep Inductor from fusing the norm with its
-# neighbours as it fuses nn.LayerNorm's decomposition; given to Inductor as decompositions of
-# the ops, the same ATen ops are decomposed and fused in the generated code. CUDA inputs keep
-# the op (the CUDA kernels). Export is not affected: it does not use Inductor's table.
-
-
-def _forward_decomposition(x: Tensor, *args: Any) -> Any:
-    """``norm_forward`` for Inductor: the ATen ops it runs off CUDA (CUDA keeps the op)."""
-    if x.device.type == "cuda":
-        return NotImplemented
-    weight, bias, eps, rms, mixed, _memory_efficient = args
-    return _forward_with_aten(x, weight, bias, eps, rms, mixed)
-
-
-def _backward_decomposition(grad_out: Tensor, *args: Any) -> Any:
-    """``norm_backward`` for Inductor: the ATen ops it runs off CUDA (CUDA keeps the op)."""
-    if grad_out.device.type == "cuda":
-        return NotImplemented
-    return _backward_with_aten(grad_out, *args)
-
-
-def _register_inductor_decompositions() -> bool:
-    """Give Inductor the decompositions above (once; run while Dynamo traces a norm).
-
-    Inductor picks its table per compile from ``decompositions`` and a merged copy of it that
-    it caches on first use: both get the ops, whichever was made first.
-    """
-    from torch._inductor import decomposition  # imported by torch.compile already
-
-    ours = {
-        torch.ops.amp_fused_ops.norm_forward.default: _forward_decomposition,
-        torch.ops.amp_fused_ops.norm_backward.default: _backward_decomposition,
-    }
-    tables = [decomposition.decompositions]
-    merged = getattr(decomposition, "fast_random_decomps", None)
-    if merged is not None:
-        tables.append(merged())
-    for table in tables:
-        for op, function in ours.items():
-            table.setdefault(op, function)
-    return True
-
-
-# Dynamo runs a function so marked once while it traces and uses its result as a constant: what
-# torch.compiler.assume_constant_result does. Marked here directly, because that decorator
-# imports torch._dynamo, which importing this package must not (it takes seconds).
-_register_inductor_decompositions._dynamo_marked_constant = True  # type: ignore[attr-defined]
-
-
-def prepare_compile() -> None:
-    """Called by the norms before the op: under ``torch.compile`` (not export), make sure
-    Inductor may decompose the ops on devices without a CUDA kernel."""
-    if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
-        _register_inductor_decompositions()
-
-
-# --- autocast ---------------------------------------------------------------------------------
-
-_AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
-
-
-def layer_norm_autocasts_to_fp32(device_type: str) -> bool:
-    """Whether autocast runs ``layer_norm`` in fp32 on ``device_type``.
-
-    True where the dispatcher holds an autocast kernel for ``aten::layer_norm`` on that device:
-    PyTorch's own on CUDA, and amp O1's (amp_core registers one per device while O1 casting is
-    on). PyTorch's CPU autocast has none and leaves ``layer_norm`` in the input's dtype.
-
-    Args:
-        device_type: ``"cpu"`` or ``"cuda"`` (other devices: False).
-
-    Returns:
-        Whether the fused norms should cast half inputs to fp32 under autocast there.
-    """
-    key = _AUTOCAST_KEYS.get(device_type)
-    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
-        "aten::layer_norm", key
-    )
-
-
-def _to_fp32(t: Tensor | None, device_type: str) -> Tensor | None:
-    if t is not None and t.dtype in _HALF and t.device.type == device_type:
-        return t.float()
-    return t
-
-
-def _to_autocast_dtype(t: Tensor | None, dtype: torch.dtype, device_type: str) -> Tensor | None:
-    # As torch.autocast's own casts (and Apex's): float64 and other devices are left alone.
-    if t is not None and t.dtype in _NATIVE_DTYPES and t.device.type == device_type:
-        return t.to(dtype)
-    return t
-
-
-@functools.cache
-def _o1_casting_check() -> Callable[[], bool] | None:
-    """amp-core's public ``o1_casting_active``, or ``None`` where amp-core is not installed.
-
-    amp-core is optional for this package: imported on the first autocast call of a fused
-    norm, not when this package is imported.
-    """
-    try:
-        from amp_core import o1_casting_active
-    except ImportError:
-        return None
-    return o1_casting_active
-
-
-def _amp_o1_active() -> bool:
-    """Whether amp O1 casting is on for this thread (never, where amp-core is not installed)."""
-    check = _o1_casting_check()
-    return check is not None and bool(check())
-
-
-def _autocast_kernel(device_type: str, key: str) -> Any:
-    below = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
-
-    def kernel(
-        x: Tensor,
-        weight: Tensor | None,
-        bias: Tensor | None,
-        eps: float,
-        rms: bool,
-        mixed: bool,
-        memory_efficient: bool,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        if _amp_o1_active():
-            # amp O1: Apex's policy runs layer_norm in fp32, and so do the fused norms.
-            if layer_norm_autocasts_to_fp32(device_type):
-                x = _to_fp32(x, device_type)  # type: ignore[assignment]
-                weight = _to_fp32(weight, device_type)
-                bias = _to_fp32(bias, device_type)
-        else:
-            # torch.autocast: as Apex, inputs and parameters in the autocast dtype (the casts
-            # are recorded by autograd, so float32 parameters get float32 gradients).
-            dtype = torch.get_autocast_dtype(device_type)
-            x = _to_autocast_dtype(x, dtype, device_type)  # type: ignore[assignment]
-            weight = _to_autocast_dtype(weight, dtype, device_type)
-            bias = _to_autocast_dtype(bias, dtype, device_type)
-        with torch._C._ExcludeDispatchKeyGuard(below):
-            return torch.ops.amp_fused_ops.norm_forward.default(
-                x, weight, bias, eps, rms, mixed, memory_efficient
-            )
-
-    return kernel
-
-
-# Kept alive for the life of the process: dropping the library removes the registrations.
-_autocast_lib = torch.library.Library("amp_fused_ops", "IMPL")
-for _device_type, _key in _AUTOCAST_KEYS.items():
-    _autocast_lib.impl("norm_forward", _autocast_kernel(_device_type, _key), _key)

@@ -14,6 +14,14 @@ Groups:
     * :func:`manual_rms_norm`, Apex's plain-PyTorch RMSNorm
 """
 
+from amp_fused_ops.normalization._functional import (
+    fused_layer_norm,
+    fused_layer_norm_affine,
+    fused_rms_norm,
+    fused_rms_norm_affine,
+    mixed_dtype_fused_layer_norm_affine,
+    mixed_dtype_fused_rms_norm_affine,
+)
 from amp_fused_ops.normalization._functions import (
     FusedLayerNormAffineFunction,
     FusedLayerNormAffineMixedDtypesFunction,
@@ -28,12 +36,6 @@ from amp_fused_ops.normalization._modules import (
     FusedRMSNorm,
     MixedFusedLayerNorm,
     MixedFusedRMSNorm,
-    fused_layer_norm,
-    fused_layer_norm_affine,
-    fused_rms_norm,
-    fused_rms_norm_affine,
-    mixed_dtype_fused_layer_norm_affine,
-    mixed_dtype_fused_rms_norm_affine,
 )
 
 __all__ = [

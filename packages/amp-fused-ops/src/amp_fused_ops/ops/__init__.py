@@ -2,6 +2,8 @@
 
 - ``_registry``: the op registry (schema, reference and fake kernel of every op) and the
   dispatcher ops defined from it;
+- ``_apex_convention``: those ops called as Apex's ``amp_C`` calls them (tensor lists, Python
+  numbers, DTensor shards), and the ops of a loaded extension so wrapped;
 - ``_preconditions``: the checks of ``chunk_size`` and the scalar arguments;
 - ``_multi_tensor_apply``: ``multi_tensor_applier`` (Apex's ``apex.multi_tensor_apply``);
 - ``_flatten``: ``flatten`` / ``unflatten`` for bucketing (Apex's ``apex_C``);

@@ -1,8 +1,8 @@
 """Preconditions and device-side helpers shared by the reference ``amp_C`` ops.
 
-Private to :mod:`amp_fused_ops.reference._ops`, :mod:`amp_fused_ops.reference._optim` and
-:mod:`amp_fused_ops.reference._layerwise`; see :mod:`amp_fused_ops.reference._ops` for the
-conventions every reference op follows.
+Private to :mod:`amp_fused_ops.reference._ops`, :mod:`amp_fused_ops.reference._adam`,
+:mod:`amp_fused_ops.reference._optim` and :mod:`amp_fused_ops.reference._layerwise`; see
+:mod:`amp_fused_ops.reference._ops` for the conventions every reference op follows.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from amp_fused_ops.ops._preconditions import check_arguments
+from amp_fused_ops.reference._adam import _adam_update
 from amp_fused_ops.reference._common import (
     _FLOAT_DTYPES,
     _FP32_ONLY,
@@ -41,7 +42,6 @@ from amp_fused_ops.reference._layerwise import (
     _lamb_update,
     _trust_ratios,
 )
-from amp_fused_ops.reference._optim import _adam_update
 
 __all__ = [
     "multi_tensor_lamb_stage1_cuda",

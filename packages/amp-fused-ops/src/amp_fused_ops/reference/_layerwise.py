@@ -16,6 +16,7 @@ from torch import Tensor
 
 from amp_fused_ops.ops._preconditions import check_arguments
 from amp_fused_ops.ops._sharding import per_tensor_norms
+from amp_fused_ops.reference._adam import _adam_update
 from amp_fused_ops.reference._common import (
     TensorLists,
     _check,
@@ -30,7 +31,6 @@ from amp_fused_ops.reference._common import (
     resolve_lr,
     resolve_step,
 )
-from amp_fused_ops.reference._optim import _adam_update
 
 __all__ = ["multi_tensor_lamb", "multi_tensor_novograd"]
 

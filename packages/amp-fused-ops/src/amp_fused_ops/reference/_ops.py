@@ -48,7 +48,8 @@ Tensors at the same position of different lists must have the same number of ele
 their shapes differ they are matched element by element in row-major (flattened) order, which
 for contiguous tensors is Apex's memory order.
 
-The optimizers live in :mod:`amp_fused_ops.reference._optim` (Adam, SGD, Adagrad),
+The optimizers live in :mod:`amp_fused_ops.reference._adam` (Adam),
+:mod:`amp_fused_ops.reference._optim` (SGD, Adagrad),
 :mod:`amp_fused_ops.reference._layerwise` (LAMB, NovoGrad) and
 :mod:`amp_fused_ops.reference._lamb_stages` (the two LAMB stages and the mixed-precision
 LAMB), the scaler update in :mod:`amp_fused_ops.reference._scaler`, the shared checks and
@@ -65,6 +66,11 @@ from torch import Tensor
 
 from amp_fused_ops.ops._preconditions import check_arguments
 from amp_fused_ops.ops._sharding import per_tensor_norms
+from amp_fused_ops.reference._adam import (
+    multi_tensor_adam,
+    multi_tensor_adam_capturable,
+    multi_tensor_adam_capturable_master,
+)
 from amp_fused_ops.reference._common import (
     TensorLists,
     _any_nonfinite,
@@ -81,13 +87,7 @@ from amp_fused_ops.reference._lamb_stages import (
     multi_tensor_lamb_stage2_cuda,
 )
 from amp_fused_ops.reference._layerwise import multi_tensor_lamb, multi_tensor_novograd
-from amp_fused_ops.reference._optim import (
-    multi_tensor_adagrad,
-    multi_tensor_adam,
-    multi_tensor_adam_capturable,
-    multi_tensor_adam_capturable_master,
-    multi_tensor_sgd,
-)
+from amp_fused_ops.reference._optim import multi_tensor_adagrad, multi_tensor_sgd
 from amp_fused_ops.reference._scaler import update_scale_hysteresis
 
 # Every op of Apex's amp_C extension (csrc/amp_C_frontend.cpp), in its order.

@@ -15,10 +15,18 @@ so that nothing overflows.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
-__all__ = ["stochastic_round_bf16", "stochastic_round_bits", "storage_offsets"]
+__all__ = [
+    "check_stochastic_round",
+    "round_params",
+    "stochastic_round_bf16",
+    "stochastic_round_bits",
+    "storage_offsets",
+]
 
 _MASK32 = 0xFFFFFFFF
 _M0 = 0xD2511F53
@@ -111,3 +119,36 @@ def stochastic_round_bf16(
     rounded = torch.where(rounded >= 1 << 31, rounded - (1 << 32), rounded).to(torch.int32)
     out = torch.where(special, x, rounded.view(torch.float32))
     return out.to(torch.bfloat16)
+
+
+# --- the optimizer ops' stochastic rounding of their params (sr_seed) ---------------------------
+
+
+def check_stochastic_round(op: str, tensor_lists: Sequence[Sequence[Tensor]], lists: int) -> None:
+    """The preconditions of ``sr_seed``: bfloat16 params, no list of model copies."""
+    if len(tensor_lists) != lists:
+        raise ValueError(
+            f"{op}: stochastic rounding (sr_seed) rounds the params themselves; pass {lists} "
+            f"tensor lists (no model copies), got {len(tensor_lists)}"
+        )
+    for i, p in enumerate(tensor_lists[1]):
+        if p.dtype != torch.bfloat16:
+            raise ValueError(
+                f"{op}: stochastic rounding (sr_seed) needs bfloat16 params, got {p.dtype} for "
+                f"tensor_lists[1][{i}]; pass sr_seed=None for other dtypes"
+            )
+
+
+def round_params(
+    params: Sequence[Tensor],
+    new_p: list[Tensor] | tuple[Tensor, ...],
+    sr_seed: int | None,
+    sr_step: int,
+) -> list[Tensor] | tuple[Tensor, ...]:
+    """``new_p`` rounded stochastically for ``params`` when ``sr_seed`` is given, else as is."""
+    if sr_seed is None:
+        return new_p
+    return [
+        stochastic_round_bf16(v, p, sr_seed, sr_step, i)
+        for i, (p, v) in enumerate(zip(params, new_p, strict=True))
+    ]

@@ -1,0 +1,309 @@
+"""Apex's calling convention for the registry's ops: ``op(chunk_size, noop_flag, lists, *args)``.
+
+A dispatcher schema has no list of tensor lists, so each op of
+:data:`amp_fused_ops.ops._registry.REGISTRY` takes Apex's ``tensor_lists`` as separate
+arguments. :func:`apex_convention` wraps one op back into Apex's signature (``amp_C``): it
+checks the number of lists, turns Python numbers into the schema's tensor scalars, moves a
+tensor learning rate to ``lr_tensor``, and steps DTensor (FSDP2) arguments on their local
+shards (norms and overflow decisions agreed across the ranks, :mod:`amp_fused_ops.ops._sharding`).
+:func:`compiled_ops` lists the ops a loaded extension has kernels for, so wrapped.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from amp_fused_ops.ops._registry import REGISTRY, define_schemas
+from amp_fused_ops.ops._sharding import (
+    agree_nonfinite,
+    dtensor_type,
+    outside_graph,
+    shard_groups,
+    sharded_norms,
+    to_local,
+)
+from amp_fused_ops.reference._common import find_wrong_device
+
+__all__ = ["apex_convention", "compiled_ops"]
+
+
+def _number_tensor(op: str, name: str, value: Any, device: torch.device, cpu: bool) -> Any:
+    """``value`` as a one-element tensor when it is a Python number.
+
+    Apex's callers pass ``lr``, ``step``, ``inv_scale`` ... as numbers or tensors; the schema
+    takes a tensor: float64 on the CPU (the C++ kernels read it in double), float32 on the
+    device otherwise.
+    """
+    if isinstance(value, Tensor):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(
+            f"{op}: {name} must be a tensor or a number, got {type(value).__name__}; pass a "
+            "one-element tensor (or a float)"
+        )
+    if cpu:
+        return torch.tensor(float(value), dtype=torch.float64)
+    return torch.full((1,), float(value), dtype=torch.float32, device=device)
+
+
+# Ops whose kernels work element by element and never raise the noop flag: on DTensor
+# (sharded) arguments they step each rank's local shards, which is the whole answer.
+_SHARD_LOCAL_OPS = frozenset({"multi_tensor_adam", "multi_tensor_sgd", "multi_tensor_adagrad"})
+
+# Ops that take norms of whole tensors (and raise the noop flag only from those norms): on
+# DTensor arguments their reference runs on the local shards with each norm all-reduced over
+# the ranks that hold the tensor's other shards (amp_fused_ops.ops._sharding). A compiled kernel
+# takes a norm inside one launch and cannot wait for other ranks.
+_SHARD_NORM_OPS = frozenset(
+    {
+        "multi_tensor_l2norm",
+        "multi_tensor_l2norm_mp",
+        "multi_tensor_unscale_l2norm",
+        "multi_tensor_l2norm_scale",
+        "multi_tensor_lamb",
+        "multi_tensor_lamb_mp",
+        "multi_tensor_novograd",
+    }
+)
+
+
+# Ops that skip the whole step when a gradient read is not finite (and raise the flag): on
+# DTensor arguments the ranks first agree on that decision (amp_fused_ops.ops._sharding), then each
+# steps its local shards.
+_SHARD_FLAG_OPS = frozenset({"multi_tensor_adam_capturable", "multi_tensor_adam_capturable_master"})
+
+
+def _local_shards(name: str, lists: list[Any]) -> tuple[list[Any], list[tuple[Any, ...]] | None]:
+    """``lists`` with every DTensor replaced by its local shard (FSDP2 parameters and state).
+
+    Returns:
+        ``(lists, groups)``: ``groups`` is None when no argument is a DTensor, else the process
+        groups each position's norm spans (:func:`amp_fused_ops.ops._sharding.shard_groups`).
+
+    Raises:
+        NotImplementedError: DTensor arguments to an op of none of :data:`_SHARD_LOCAL_OPS`,
+            :data:`_SHARD_NORM_OPS` and :data:`_SHARD_FLAG_OPS`: it raises the noop flag from
+            the values it reads, and on one rank's shards that would be that rank's answer
+            only.
+        ValueError: The tensors of one position are not sharded alike.
+    """
+    dtensor = dtensor_type()
+    if dtensor is None or not any(
+        type(t) is dtensor for part in lists if part is not None for t in part
+    ):
+        return lists, None
+    if name not in _SHARD_LOCAL_OPS | _SHARD_NORM_OPS | _SHARD_FLAG_OPS:
+        raise NotImplementedError(
+            f"{name} got DTensor (sharded) arguments: the op raises the overflow flag from the "
+            "values it reads, and on one rank's shards it would give that rank's answer only. "
+            "Step sharded (FSDP2) parameters with the fused optimizers instead (FusedAdam, "
+            "FusedSGD, FusedAdagrad, FusedLAMB, FusedNovoGrad, FusedMixedPrecisionLamb), "
+            "which take their norms and overflow decisions across the shards"
+        )
+    local: list[Any] = []
+    for index, part in enumerate(lists):
+        if part is None:
+            local.append(None)
+            continue
+        shards = []
+        for position, t in enumerate(part):
+            reference = lists[0][position]
+            # A plain param (an nn.Parameter) beside its plain gradient is alike.
+            if (type(t) is dtensor) != (type(reference) is dtensor) or (
+                type(t) is dtensor
+                and (t.placements, t.device_mesh) != (reference.placements, reference.device_mesh)
+            ):
+                raise ValueError(
+                    f"{name}: tensor_lists[{index}][{position}] and tensor_lists[0][{position}] "
+                    "are not sharded alike (a DTensor and a plain tensor, or other placements "
+                    "or meshes); the optimizer state must be sharded as its parameter"
+                )
+            shards.append(t.to_local() if type(t) is dtensor else t)
+        local.append(shards)
+    return local, [shard_groups(name, t) for t in lists[0]]
+
+
+def apex_convention(
+    name: str, overload: Any, *, cpu_scalars: bool | None = None
+) -> Callable[..., Any]:
+    """``overload`` (an op of :data:`REGISTRY`, separate list arguments) called as Apex's
+    ``amp_C.<name>(chunk_size, noop_flag, tensor_lists, *args)``.
+
+    A Python number given for a tensor scalar of the schema (``lr``, ``step``,
+    ``inv_scale`` ...) becomes a tensor (see :func:`_number_tensor`): float64 on the CPU and
+    float32 on other devices, unless ``cpu_scalars`` says which (the emulated CUDA kernels run
+    on the CPU and read float32). Ops without tensor lists are returned as they are.
+    """
+    counts = REGISTRY[name].list_counts
+    if not counts:  # update_scale_hysteresis: Apex's returns its first argument
+
+        def plain(current_scale: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+            overload(current_scale, *args, **kwargs)
+            return current_scale
+
+        plain.__name__ = plain.__qualname__ = name
+        return plain
+    most = max(counts)
+    layouts = f"{' or '.join(map(str, counts))} tensor lists"
+    scalars = overload._schema.arguments[2 + most :]
+    names = [argument.name for argument in scalars]
+    inv_scale_at = names.index("inv_scale") if "inv_scale" in names else len(names)
+    # A tensor given for a ``float lr`` goes to the op's ``lr_tensor`` (see _tensor_lr).
+    lr_at = (names.index("lr"), names.index("lr_tensor")) if "lr_tensor" in names else None
+    numbers = tuple(
+        (index, argument.name)
+        for index, argument in enumerate(scalars)
+        if str(argument.type) == "Tensor"
+    )
+
+    def op(
+        chunk_size: int,
+        noop_flag: Tensor,
+        tensor_lists: Sequence[Sequence[Tensor]],
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        given = len(tensor_lists)
+        if given not in counts:
+            raise ValueError(f"{name}: expected {layouts}, got {given}")
+        if lr_at is not None:
+            args, kwargs = _tensor_lr(name, *lr_at, args, kwargs)
+        if name in _SHARD_NORM_OPS and torch.compiler.is_compiling() and _any_dtensor(tensor_lists):
+            # The cross-rank reductions of a sharded step run outside the graph (see
+            # outside_graph), on the DTensors themselves.
+            return outside_graph(op, chunk_size, noop_flag, tensor_lists, *args, **kwargs)
+        lists: list[Any] = [*tensor_lists, *([None] * (most - given))]
+        lists, groups = _local_shards(name, lists)
+        if groups is not None and name in _SHARD_NORM_OPS:
+            return _sharded_reference(name, chunk_size, noop_flag, lists, groups, args, kwargs)
+        if groups is not None and name in _SHARD_FLAG_OPS:
+            inv_scale = kwargs.get(
+                "inv_scale", args[inv_scale_at] if inv_scale_at < len(args) else 1.0
+            )
+            agree_nonfinite(noop_flag, lists[0], to_local(inv_scale), groups)
+        if "mode" in kwargs:
+            kwargs["decay_mode"] = kwargs.pop("mode")
+        if numbers:
+            first = tensor_lists[0][0] if given and tensor_lists[0] else noop_flag
+            device = first.device if isinstance(first, Tensor) else noop_flag.device
+            cpu = device.type == "cpu" if cpu_scalars is None else cpu_scalars
+            args_list = list(args)
+            for index, argument in numbers:
+                if index < len(args_list):
+                    args_list[index] = _number_tensor(name, argument, args_list[index], device, cpu)
+                elif argument in kwargs:
+                    kwargs[argument] = _number_tensor(name, argument, kwargs[argument], device, cpu)
+            args = tuple(args_list)
+        try:
+            return overload(chunk_size, noop_flag, *lists, *args, **kwargs)
+        except NotImplementedError:
+            # A tensor on a device the op has no kernel for ends here, before any kernel's own
+            # device check: raise that check's error instead.
+            wrong = find_wrong_device(name, noop_flag, tensor_lists)
+            if wrong is None:
+                raise
+            raise wrong from None
+
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = f"``torch.ops.{overload.namespace}.{name}`` with Apex's ``amp_C`` arguments."
+    return op
+
+
+def _tensor_lr(
+    name: str, lr_at: int, lr_tensor_at: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` with a tensor given for the op's ``float lr`` moved to ``lr_tensor``.
+
+    ``torch.optim`` accepts a tensor learning rate, which under ``torch.compile`` stays data of
+    the graph (a float read from the param group would be a constant, recompiled whenever a
+    scheduler changes it). The kernels take the rate as a double and read ``lr_tensor`` on the
+    host, so a tensor on another device is copied to the CPU here (which syncs, as reading it
+    would). ``lr`` is then 0 and unread.
+
+    Raises:
+        ValueError: A tensor ``lr`` together with an ``lr_tensor``.
+    """
+    in_args = lr_at < len(args)
+    lr = args[lr_at] if in_args else kwargs.get("lr")
+    if not isinstance(lr, Tensor):
+        return args, kwargs
+    if kwargs.get("lr_tensor") is not None or (
+        lr_tensor_at < len(args) and args[lr_tensor_at] is not None
+    ):
+        raise ValueError(
+            f"{name}: lr is a tensor and lr_tensor is given too; pass the learning rate once, "
+            "as lr (a float or a tensor) or as lr_tensor"
+        )
+    lr_tensor = lr.detach()
+    if lr_tensor.device.type != "cpu":
+        lr_tensor = lr_tensor.to("cpu")
+    if in_args:
+        args = (*args[:lr_at], 0.0, *args[lr_at + 1 :])
+    else:
+        kwargs = {**kwargs, "lr": 0.0}
+    return args, {**kwargs, "lr_tensor": lr_tensor}
+
+
+def _any_dtensor(tensor_lists: Sequence[Sequence[Tensor] | None]) -> bool:
+    dtensor = dtensor_type()
+    return dtensor is not None and any(
+        type(t) is dtensor for part in tensor_lists if part is not None for t in part
+    )
+
+
+def _sharded_reference(
+    name: str,
+    chunk_size: int,
+    noop_flag: Tensor,
+    lists: list[Any],
+    groups: list[tuple[Any, ...]],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """The reference of ``name`` on local shards, its norms reduced over ``groups``."""
+    args = tuple(to_local(a) for a in args)
+    kwargs = {k: to_local(v) for k, v in kwargs.items()}
+    with sharded_norms(groups):
+        return REGISTRY[name].reference(
+            chunk_size, noop_flag, [part for part in lists if part is not None], *args, **kwargs
+        )
+
+
+def compiled_ops(
+    namespace: str, dispatch_key: str, path: str | Path, *, cpu_scalars: bool | None = None
+) -> types.ModuleType:
+    """The ops of ``torch.ops.<namespace>`` that have a kernel for ``dispatch_key``, as a module.
+
+    Each attribute is one op with Apex's ``amp_C`` signature (:func:`apex_convention`).
+
+    Args:
+        namespace: The dispatcher namespace (:data:`~amp_fused_ops.ops._registry.OPS_NAMESPACE`;
+            the emulation build's own).
+        dispatch_key: ``"CPU"`` or ``"CUDA"``: only the ops with a kernel for it are listed.
+        path: The shared library that registered the kernels (loaded already); the module's
+            ``__file__``.
+        cpu_scalars: As in :func:`apex_convention`.
+
+    Returns:
+        The module of ops.
+    """
+    define_schemas(namespace)
+    module = types.ModuleType(
+        f"{namespace}.{dispatch_key.lower()}",
+        f"Kernels of torch.ops.{namespace} for {dispatch_key}, with Apex's amp_C signatures.",
+    )
+    module.__file__ = str(path)
+    packets = getattr(torch.ops, namespace)
+    for name in REGISTRY:
+        qualified = f"{namespace}::{name}"
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(qualified, dispatch_key):
+            continue
+        overload = getattr(packets, name).default
+        setattr(module, name, apex_convention(name, overload, cpu_scalars=cpu_scalars))
+    return module
