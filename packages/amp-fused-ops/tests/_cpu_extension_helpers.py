@@ -112,6 +112,11 @@ def _build_in_two_processes(cache: Path) -> tuple[dict[str, object], ...]:
     return tuple(reports)
 
 
+def copy_build(source: Path, target: Path) -> None:
+    """Copy the build folder ``source`` into ``target`` (created or merged), without its locks."""
+    shutil.copytree(source, target, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.lock*"))
+
+
 def _copy_configured_build(cache: Path) -> bool:
     """Copy a verified build of the configured cache into ``cache``; False if there is none."""
     try:
@@ -119,11 +124,7 @@ def _copy_configured_build(cache: Path) -> bool:
             return False
     except ext_record.DamagedBuildError:
         return False
-    shutil.copytree(
-        CONFIGURED_BUILD,
-        cache / CONFIGURED_BUILD.name,
-        ignore=shutil.ignore_patterns("*.lock*"),
-    )
+    copy_build(CONFIGURED_BUILD, cache / CONFIGURED_BUILD.name)
     return True
 
 

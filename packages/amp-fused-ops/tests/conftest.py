@@ -14,14 +14,13 @@ private caches) still compile for real.
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-from _cpu_extension_helpers import CONFIGURED_BUILD, session_cache
+from _cpu_extension_helpers import CONFIGURED_BUILD, copy_build, session_cache
 from amp_fused_ops.extensions import _build as ext_build
 from amp_fused_ops.extensions import _lookup as ext_lookup
 from amp_fused_ops.extensions import _record as ext_record
@@ -32,19 +31,16 @@ def _configured_cache_reuses_the_run_build(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[None]:
     compile_for_real = ext_build.compile_extension
-    configured = CONFIGURED_BUILD
 
     def compile_or_copy(kind: str, build_dir: Path) -> ModuleType:
-        if kind != "cpu" or Path(build_dir).resolve() != configured:
+        if kind != "cpu" or Path(build_dir).resolve() != CONFIGURED_BUILD:
             return compile_for_real(kind, build_dir)
-        run_build = session_cache(tmp_path_factory).cache / configured.name
+        run_build = session_cache(tmp_path_factory).cache / CONFIGURED_BUILD.name
         if ext_record.verified_module(run_build) is None:
             return compile_for_real(kind, build_dir)  # nothing to copy (cannot happen)
         # The loader holds the build lock of `build_dir`: replace what it holds, then copy.
         ext_build.clean(build_dir)
-        shutil.copytree(
-            run_build, build_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.lock*")
-        )
+        copy_build(run_build, build_dir)
         module = ext_record.verified_module(build_dir)
         assert module is not None, f"the copy of {run_build} in {build_dir} does not verify"
         return ext_lookup.import_or_explain(module)

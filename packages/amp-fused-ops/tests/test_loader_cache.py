@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from _cpu_extension_helpers import SessionBuild, child_env, session_cache
+from _cpu_extension_helpers import SessionBuild, child_env, copy_build, session_cache
 from amp_fused_ops import __version__
 from amp_fused_ops.extensions import _api as api
 from amp_fused_ops.extensions import _build as ext_build
@@ -85,7 +85,7 @@ def fresh_loader(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def copy_cache(build: SessionBuild, tmp_path: Path) -> tuple[Path, Path]:
     """A private copy of the session's cache: (cache root, the built module in it)."""
     cache = tmp_path / "cache"
-    shutil.copytree(build.cache, cache, ignore=shutil.ignore_patterns("*.lock*"))
+    copy_build(build.cache, cache)
     (module,) = cache.glob("cpu-*/amp_fused_ops_cpu*.so")
     return cache, module
 
