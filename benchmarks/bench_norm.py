@@ -128,9 +128,9 @@ def kernel_unavailable_reason(device: str) -> str | None:
         return None
     if extensions.get_extension("cuda") is None:  # builds the extension on first use
         return extensions.unavailable_reason("cuda") or "the CUDA extension did not load"
-    for name in ("layer_norm_fwd", "layer_norm_bwd"):
-        if not hasattr(torch.ops.amp_fused_ops_cuda_ops, name):
-            return f"the CUDA extension has no {name}"
+    for name in ("norm_forward", "norm_backward"):
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"amp_fused_ops::{name}", "CUDA"):
+            return f"the CUDA extension has no kernel of {name}"
     return None
 
 

@@ -14,11 +14,13 @@ build runs the full set (``nox -s cuda_emulation``).
 
 from __future__ import annotations
 
+import collections
 import os
 from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 EMULATION = os.environ.get("AMP_FUSED_OPS_EMULATION", "")
 EMULATED = bool(EMULATION)
@@ -48,9 +50,32 @@ def extension() -> Any:
 
 
 def norm_ops() -> Any:
-    """The namespace of the norm and SyncBN ops (``torch.ops.<namespace>``)."""
+    """The namespace of the norm and SyncBN ops whose kernels are the CUDA sources'
+    (``torch.ops.amp_fused_ops``, or the emulated build's ``torch.ops.amp_fused_ops_emu``)."""
     extension()
-    return torch.ops.amp_fused_ops_emu_ops if EMULATED else torch.ops.amp_fused_ops_cuda_ops
+    return torch.ops.amp_fused_ops_emu if EMULATED else torch.ops.amp_fused_ops
+
+
+class OnKernelsOf(TorchDispatchMode):
+    """Sends every call of a norm or SyncBN op of ``torch.ops.amp_fused_ops`` to the same op
+    of ``namespace`` (the emulated build's), below autograd: the modules and functions run
+    their own code on those kernels."""
+
+    def __init__(self, namespace: str) -> None:
+        super().__init__()
+        from amp_fused_ops.ops._kernel_ops import KERNEL_OPS
+
+        self.names = set(KERNEL_OPS)
+        self.target = getattr(torch.ops, namespace)
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        schema = func._schema.name
+        namespace, _, name = schema.partition("::")
+        if namespace == "amp_fused_ops" and name in self.names:
+            self.calls[name] += 1
+            return getattr(self.target, name).default(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
 
 
 class Graph:

@@ -21,6 +21,7 @@ from types import ModuleType
 import pytest
 
 from _cpu_extension_helpers import CONFIGURED_BUILD, copy_build, session_cache
+from amp_fused_ops import extensions
 from amp_fused_ops.extensions import _build as ext_build
 from amp_fused_ops.extensions import _lookup as ext_lookup
 from amp_fused_ops.extensions import _record as ext_record
@@ -50,3 +51,12 @@ def _configured_cache_reuses_the_run_build(
         yield
     finally:
         ext_build.compile_extension = compile_for_real
+
+
+@pytest.fixture
+def cpu_extension() -> object:
+    """The compiled CPU extension (a test that needs it is skipped where it cannot be built)."""
+    module = extensions.get_extension("cpu")
+    if module is None:
+        pytest.skip(f"no compiled CPU extension: {extensions.unavailable_reason('cpu')}")
+    return module

@@ -2,7 +2,7 @@
 
 Only under ``nox -s cuda_emulation`` (``AMP_FUSED_OPS_EMULATION`` set): the ops of
 ``csrc/cuda/layer_norm.cu`` and ``csrc/cuda/syncbn.cu`` compiled for the CPU are compared
-with the pure-PyTorch paths (``_norm_reference``, the CPU branch of ``_syncbn``), which are the
+with the PyTorch references (``amp_fused_ops.reference._norm`` and ``_syncbn``), which are the
 oracle on every device. Sizes cross the vector width and the block sizes (1, 7, 555, 1024,
 4099 columns); a misaligned buffer takes the scalar path; SyncBN runs channels-first and
 channels-last. Tolerances as in test_cuda_kernels.py (two roundings of the output dtype).
@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from _kernel_target import EMULATED, SMALL_SIZES, norm_ops
+from _kernel_target import EMULATED, SMALL_SIZES, OnKernelsOf, norm_ops
 from _norm_helpers import (
     NORM_IDS,
     NORMS,
@@ -26,8 +26,7 @@ from _norm_helpers import (
     NormSpec,
     check_zero_weight_gradients,
 )
-from amp_fused_ops.normalization import _ops as _norm_ops
-from amp_fused_ops.normalization import _reference as _norm_reference
+from amp_fused_ops.reference import _norm as _norm_reference
 from amp_fused_ops.syncbn import _kernels as _syncbn
 
 pytestmark = [
@@ -75,7 +74,7 @@ def test_norm_forward_and_backward(ops, hidden, x_dtype, p_dtype, mixed, rms, me
     x = (buffer[1:] if misaligned else buffer[:-1]).view(rows, hidden)
     weight = (torch.rand(hidden) + 0.5).to(p_dtype)
     bias = None if rms else torch.randn(hidden).to(p_dtype)
-    y, mean, invvar = ops.layer_norm_fwd(x, weight, bias, 1e-5, rms, mixed)
+    y, mean, invvar = ops.norm_forward(x, weight, bias, 1e-5, rms, mixed, memory_efficient)
     y_ref, mean_ref, invvar_ref = _norm_reference.norm_forward_reference(
         x, weight, bias, 1e-5, rms, mixed
     )
@@ -85,7 +84,7 @@ def test_norm_forward_and_backward(ops, hidden, x_dtype, p_dtype, mixed, rms, me
 
     dy = torch.randn(rows, hidden).to(y.dtype)
     saved = y_ref if memory_efficient else x
-    got = ops.layer_norm_bwd(dy, saved, mean_ref, invvar_ref, weight, bias, rms,
+    got = ops.norm_backward(dy, saved, mean_ref, invvar_ref, weight, bias, rms,
                              memory_efficient, x_dtype)  # fmt: skip
     want = _norm_reference.norm_backward_reference(
         dy, saved, mean_ref, invvar_ref, weight, bias, rms, memory_efficient, x_dtype
@@ -95,6 +94,39 @@ def test_norm_forward_and_backward(ops, hidden, x_dtype, p_dtype, mixed, rms, me
     torch.testing.assert_close(got[1].float(), want[1].float(), rtol=2e-2, atol=2e-2)
     if bias is not None:
         torch.testing.assert_close(got[2].float(), want[2].float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize(
+    ("hidden", "x_dtype", "weight_dtype", "bias_dtype"),
+    [
+        (65537, torch.float32, torch.float32, torch.float32),  # longer rows than the kernels'
+        (33, torch.float64, torch.float64, torch.float64),  # a dtype the kernels do not take
+        (33, torch.bfloat16, torch.float32, torch.bfloat16),  # parameters of two dtypes
+        (33, torch.float32, torch.bfloat16, torch.bfloat16),  # half parameters, float32 input
+    ],
+)
+@pytest.mark.parametrize("rms", [False, True])
+def test_inputs_the_kernels_do_not_take_run_the_reference_in_cpp(
+    ops, hidden, x_dtype, weight_dtype, bias_dtype, rms
+):
+    """The op hands such inputs to its C++ reference (csrc/common/norm_reference.h) instead of
+    raising: the same values as the Python reference, forward and backward."""
+    gen = torch.Generator().manual_seed(hidden)
+    x = (torch.randn(3, hidden, generator=gen) * 2 + 0.5).to(x_dtype)
+    weight = (torch.rand(hidden, generator=gen) + 0.5).to(weight_dtype)
+    bias = torch.randn(hidden, generator=gen).to(bias_dtype)
+    got = ops.norm_forward(x, weight, bias, 1e-5, rms, False, False)
+    want = _norm_reference.norm_forward_reference(x, weight, bias, 1e-5, rms, False)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g, w, **TOL.get(g.dtype, TOL[torch.float32]))
+    dy = torch.randn(3, hidden, generator=gen).to(got[0].dtype)
+    args = (dy, x, want[1], want[2], weight, bias, rms, False, x_dtype)
+    for g, w in zip(ops.norm_backward(*args), _norm_reference.norm_backward_reference(*args),
+                    strict=True):  # fmt: skip
+        assert g.dtype == w.dtype and g.shape == w.shape
+        tol = TOL.get(g.dtype, TOL[torch.float32])
+        torch.testing.assert_close(g.float(), w.float(), rtol=max(tol["rtol"], 1e-4), atol=1e-2)
 
 
 def _batch(shape: tuple[int, ...], dtype: torch.dtype, seed: int, channel_last: bool) -> Tensor:
@@ -151,10 +183,10 @@ def test_syncbn_kernels_match_the_cpu_path(ops, dtype, shape, channel_last):
 @pytest.mark.parametrize("spec", NORMS, ids=NORM_IDS)
 @pytest.mark.parametrize(("variant", "dtype"), ZERO_WEIGHT_CASES)
 def test_memory_efficient_with_a_zero_weight_on_the_kernels(
-    ops, monkeypatch: pytest.MonkeyPatch, spec: NormSpec, variant: str, dtype: torch.dtype
+    ops, spec: NormSpec, variant: str, dtype: torch.dtype
 ):
     """The modules and Apex's Functions on the emulated kernels (sent there for CPU tensors):
     a zero weight makes the forward save the input, and the kernels' gradients are exact."""
-    monkeypatch.setattr(_norm_ops, "_kernel_supports", lambda x_dtype, x, params: x.dim() == 2)
-    monkeypatch.setattr(_norm_ops, "cuda_op", lambda name: getattr(ops, name))
-    check_zero_weight_gradients(spec, variant, dtype)
+    with OnKernelsOf("amp_fused_ops_emu") as routed:
+        check_zero_weight_gradients(spec, variant, dtype)
+    assert routed.calls["norm_forward"] >= 1 and routed.calls["norm_backward"] >= 1

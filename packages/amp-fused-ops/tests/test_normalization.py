@@ -31,6 +31,7 @@ from _norm_helpers import (
     random_params,
     run_with_grads,
 )
+from _profiled import profiled
 from amp_fused_ops import (
     FusedLayerNorm,
     FusedRMSNorm,
@@ -402,11 +403,46 @@ def test_cpu_path_needs_no_extension(monkeypatch):
         torch.testing.assert_close(out, spec.oracle(x, (40,), norm.weight, norm.bias, norm.eps))
 
 
-def test_kernel_gate_sends_other_devices_and_dtypes_to_the_reference():
-    x = torch.randn(4, 8)
-    assert not _norm_ops._kernel_supports(x.dtype, x, (None, None))  # CPU
-    meta = torch.empty(4, 8, device="meta", dtype=torch.bfloat16)
-    assert not _norm_ops._kernel_supports(meta.dtype, meta, (None,))
+def test_with_the_cpu_extension_a_step_runs_no_python_between_call_and_kernel(
+    cpu_extension: object,
+) -> None:
+    """Forward and backward of a fused norm on the CPU: the C++ autograd node, the C++ CPU
+    kernels; none of the Python fallbacks (the ATen path, the reference, the Python formula)."""
+    from amp_fused_ops.reference import _norm
+
+    python_paths = (_norm.norm_forward_aten, _norm.norm_backward_aten,
+                    _norm.norm_forward_reference, _norm.norm_backward_reference,
+                    _norm_ops._NormForward.forward, _norm_ops._autograd_kernel)  # fmt: skip
+    for spec in NORMS:
+        norm = spec.ours(8)
+        x = torch.randn(3, 8, requires_grad=True)
+        with profiled(*python_paths) as runs:
+            out = norm(x)
+            out.sum().backward()
+        assert not any(runs.values()), runs
+        node = out.grad_fn
+        assert type(node).__name__ == "CppFunction", node  # the C++ autograd node
+        assert x.grad is not None and norm.weight.grad is not None
+
+
+def test_the_python_formula_matches_the_cpp_one() -> None:
+    """Devices without a compiled extension differentiate the op with the Python formula
+    (``normalization/_ops.py``): the same gradients as the C++ one."""
+
+    torch.manual_seed(2)
+    for rms in (False, True):
+        for memory_efficient in (False, True):
+            x = torch.randn(5, 12, requires_grad=True)
+            w = (torch.rand(12) + 0.5).requires_grad_()
+            b = None if rms else torch.randn(12, requires_grad=True)
+            args = (w, b, 1e-5, rms, False, memory_efficient)
+            grads = []
+            for call in (_norm_ops.NORM_FORWARD, _norm_ops._autograd_kernel):
+                out, _, _ = call(x, *args)
+                params = [t for t in (x, w, b) if t is not None]
+                grads.append(torch.autograd.grad(out, params, torch.ones_like(out)))
+            for got, want in zip(*grads, strict=True):
+                torch.testing.assert_close(got, want)
 
 
 def test_shape_errors_name_the_fix():
@@ -507,8 +543,8 @@ def test_signatures_follow_apex(name):
 def test_cpu_layer_norm_on_aten_kernels_matches_the_fp32_reference(dtype, mixed):
     # CPU LayerNorm runs ATen's fused kernels (native_layer_norm and its backward, with fp32
     # parameters); the statistics and the math must stay those of the fp32 reference.
-    from amp_fused_ops.normalization import _ops as _norm_ops
-    from amp_fused_ops.normalization._reference import (
+    from amp_fused_ops.reference._norm import (
+        _aten_supported,
         norm_backward_reference,
         norm_forward_reference,
     )
@@ -518,7 +554,7 @@ def test_cpu_layer_norm_on_aten_kernels_matches_the_fp32_reference(dtype, mixed)
     x = (torch.randn(rows, hidden) * 3 + 1).to(dtype)
     param_dtype = torch.float32 if mixed else dtype
     w, b = torch.randn(hidden, dtype=param_dtype), torch.randn(hidden, dtype=param_dtype)
-    assert _norm_ops._cpu_native_supported(x, (w, b), rms=False)
+    assert _aten_supported(x, (w, b), rms=False)
     out, mean, invvar = torch.ops.amp_fused_ops.norm_forward(x, w, b, 1e-5, False, mixed, False)
     ref_out, ref_mean, ref_invvar = norm_forward_reference(x, w, b, 1e-5, False, mixed)
     assert out.dtype == ref_out.dtype and mean.dtype == invvar.dtype == torch.float32

@@ -29,10 +29,11 @@ from _norm_helpers import (
     random_params,
     run_with_grads,
 )
-from amp_fused_ops import FusedLayerNorm, FusedRMSNorm
+from amp_fused_ops import FusedLayerNorm, FusedRMSNorm, extensions
 from amp_fused_ops.extensions import _loader
-from amp_fused_ops.normalization import _ops as _norm_ops
-from amp_fused_ops.normalization import _reference as _norm_reference
+from amp_fused_ops.reference import _norm as _norm_reference
+
+_OPS = torch.ops.amp_fused_ops
 
 pytestmark = pytest.mark.gpu
 
@@ -47,9 +48,11 @@ TOL = {  # two roundings of the output dtype, as in test_cuda_kernels.py
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels() -> None:
-    for name in ("layer_norm_fwd", "layer_norm_bwd"):
-        if _norm_ops.cuda_op(name) is None:
-            pytest.fail(f"the CUDA op {name} is unavailable: {_loader.unavailable_reason('cuda')}")
+    _loader.get_extension("cuda")
+    for name in ("norm_forward", "norm_backward"):
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"amp_fused_ops::{name}", "CUDA"):
+            pytest.fail(f"the CUDA kernel of {name} is unavailable: "
+                        f"{_loader.unavailable_reason('cuda')}")  # fmt: skip
 
 
 def _rows_for(hidden: int) -> int:
@@ -152,7 +155,7 @@ def test_kernels_match_the_reference(rms, hidden, x_dtype, p_dtype, mixed, memor
     if p_dtype is not None:
         w = (torch.rand(hidden, device="cuda") + 0.5).to(p_dtype)
         b = None if rms else torch.randn(hidden, device="cuda").to(p_dtype)
-    kernel = _norm_ops.norm_forward(x, w, b, 1e-5, rms, mixed, memory_efficient)
+    kernel = _OPS.norm_forward(x, w, b, 1e-5, rms, mixed, memory_efficient)
     reference = _norm_reference.norm_forward_reference(x, w, b, 1e-5, rms, mixed)
     out_dtype = reference[0].dtype
     assert kernel[0].dtype == out_dtype
@@ -163,7 +166,7 @@ def test_kernels_match_the_reference(rms, hidden, x_dtype, p_dtype, mixed, memor
     dy = torch.randn(rows, hidden, device="cuda").to(out_dtype)
     saved = reference[0] if memory_efficient else x
     args = (dy, saved, reference[1], reference[2], w, b, rms, memory_efficient, x_dtype)
-    got = _norm_ops.norm_backward(*args)
+    got = _OPS.norm_backward(*args)
     want = _norm_reference.norm_backward_reference(*args)
     assert got[0].dtype == x_dtype
     torch.testing.assert_close(got[0], want[0], **TOL[x_dtype])
@@ -187,8 +190,8 @@ def test_misaligned_buffers_take_the_scalar_path(rms, dtype):
     shifted.copy_(x)
     w = (torch.rand(hidden, device="cuda") + 0.5).to(dtype)
     b = None if rms else torch.randn(hidden, device="cuda").to(dtype)
-    aligned = _norm_ops.norm_forward(x, w, b, 1e-5, rms, False, False)
-    scalar = _norm_ops.norm_forward(shifted, w, b, 1e-5, rms, False, False)
+    aligned = _OPS.norm_forward(x, w, b, 1e-5, rms, False, False)
+    scalar = _OPS.norm_forward(shifted, w, b, 1e-5, rms, False, False)
     for a, s in zip(aligned, scalar, strict=True):
         torch.testing.assert_close(s, a, **TOL[s.dtype])
     dy = torch.randn(rows, hidden, device="cuda").to(dtype)
@@ -196,8 +199,8 @@ def test_misaligned_buffers_take_the_scalar_path(rms, dtype):
     dy_shifted = dy_buf[1:].view(rows, hidden)
     dy_shifted.copy_(dy)
     rest = (aligned[1], aligned[2], w, b, rms, False, dtype)
-    grads = _norm_ops.norm_backward(dy, x, *rest)
-    grads_scalar = _norm_ops.norm_backward(dy_shifted, shifted, *rest)
+    grads = _OPS.norm_backward(dy, x, *rest)
+    grads_scalar = _OPS.norm_backward(dy_shifted, shifted, *rest)
     for g, s in zip(grads, grads_scalar, strict=True):
         torch.testing.assert_close(s, g, rtol=TOL[dtype]["rtol"], atol=1e-3)
 
@@ -255,14 +258,16 @@ def test_torch_compile_on_cuda_matches_eager(spec: NormSpec, memory_efficient):
             torch.testing.assert_close(b, a)
 
 
-def test_without_the_extension_cuda_tensors_take_the_reference(monkeypatch):
+def test_use_reference_sends_cuda_tensors_to_the_reference():
     torch.manual_seed(7)
     norm = FusedLayerNorm(300).cuda()
     random_params(norm)
     x = torch.randn(17, 300, device="cuda")
     with_kernel = norm(x)
-    monkeypatch.setattr(_norm_ops, "cuda_op", lambda name: None)
-    torch.testing.assert_close(norm(x), with_kernel, **TOL[torch.float32])
+    with extensions.use_reference() as calls:
+        on_reference = norm(x)
+    assert calls == {"amp_fused_ops::norm_forward": 1}
+    torch.testing.assert_close(on_reference, with_kernel, **TOL[torch.float32])
 
 
 def test_rows_longer_than_the_kernels_take_the_reference():
@@ -271,14 +276,25 @@ def test_rows_longer_than_the_kernels_take_the_reference():
     torch.testing.assert_close(norm(x), F.rms_norm(x, (65537,), norm.weight, norm.eps))
 
 
-def test_kernel_checks_name_the_problem():
-    op = _norm_ops.cuda_op("layer_norm_fwd")
+def test_inputs_the_kernels_do_not_take_run_the_reference():
     x = torch.randn(8, 16, device="cuda")
-    with pytest.raises(RuntimeError, match=r"contiguous \(rows, hidden\) tensor"):
-        op(x.t(), None, None, 1e-5, False, False)
+    want = _norm_reference.norm_forward_reference(
+        x.t().contiguous(), None, None, 1e-5, False, False
+    )
+    for got, ref in zip(_OPS.norm_forward(x.t(), None, None, 1e-5, False, False, False), want,
+                        strict=True):  # fmt: skip
+        torch.testing.assert_close(got, ref, **TOL[torch.float32])
+    half, weight = x.half(), torch.rand(16, device="cuda", dtype=torch.bfloat16) + 0.5
+    got = _OPS.norm_forward(half, weight, None, 1e-5, False, False, False)
+    want = _norm_reference.norm_forward_reference(half, weight, None, 1e-5, False, False)
+    torch.testing.assert_close(got[0], want[0], **TOL[torch.float16])
+
+
+def test_kernel_checks_name_the_problem():
+    x = torch.randn(8, 16, device="cuda")
     with pytest.raises(RuntimeError, match=r"parameters must be contiguous of shape \(16\)"):
-        op(x, torch.ones(15, device="cuda"), None, 1e-5, False, False)
+        _OPS.norm_forward(x, torch.ones(15, device="cuda"), None, 1e-5, False, False, False)
     with pytest.raises(RuntimeError, match="mixed-dtype variant needs a weight"):
-        op(x, None, None, 1e-5, False, True)
-    with pytest.raises(RuntimeError, match="unsupported dtypes"):
-        op(x.half(), torch.ones(16, device="cuda", dtype=torch.bfloat16), None, 1e-5, False, False)
+        _OPS.norm_forward(x, None, None, 1e-5, False, True, False)
+    with pytest.raises(RuntimeError, match="parameters must be on the input's device"):
+        _OPS.norm_forward(x, torch.ones(16), None, 1e-5, False, False, False)

@@ -21,7 +21,7 @@ from _kernel_target import DEVICE as KERNEL_DEVICE
 from _kernel_target import norm_ops
 from _op_cases import OP_CASES, missing_cases, noop_flag
 from amp_fused_ops import amp_C, extensions
-from amp_fused_ops.ops import _kernel_op_fakes
+from amp_fused_ops.ops import _kernel_ops
 from amp_fused_ops.ops._registry import REGISTRY, reference_kernel
 
 OPS = sorted(REGISTRY)
@@ -144,7 +144,7 @@ def test_the_fake_kernels_check_devices_as_the_kernels_do() -> None:
         _op("multi_tensor_scale")(64, noop_flag(), ins, [torch.empty(3)], 1.0)
 
 
-# --- the norm ops (custom ops of their own, outside the amp_C registry) --------------------
+# --- the norm ops (amp_fused_ops.ops._kernel_ops, outside the amp_C registry) --------------------
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -167,11 +167,11 @@ def test_opcheck_norm_ops(rms: bool, memory_efficient: bool, device: str) -> Non
     torch.library.opcheck(torch.ops.amp_fused_ops.norm_backward.default, backward_args)
 
 
-# --- the CUDA extension's own norm and SyncBN ops (fakes: amp_fused_ops.ops._kernel_op_fakes)
+# --- the norm and SyncBN ops on the CUDA sources' kernels (amp_fused_ops.ops._kernel_ops)
 
 
 def _kernel_op_samples(device: str) -> dict[str, list[tuple[Any, ...]]]:
-    """Sample arguments of every op of ``_kernel_op_fakes.FAKES`` (several per op)."""
+    """Sample arguments of every op of ``_kernel_ops.KERNEL_OPS`` (several per op)."""
     gen = torch.Generator().manual_seed(0)
 
     def randn(*shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -180,7 +180,7 @@ def _kernel_op_samples(device: str) -> dict[str, list[tuple[Any, ...]]]:
     def positive(*shape: int) -> Tensor:
         return (torch.rand(shape, generator=gen) + 0.5).to(device)
 
-    samples: dict[str, list[tuple[Any, ...]]] = {name: [] for name in _kernel_op_fakes.FAKES}
+    samples: dict[str, list[tuple[Any, ...]]] = {name: [] for name in _kernel_ops.KERNEL_OPS}
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for shape, channel_last in (((4, 3, 5), False), ((2, 3, 2, 3), False), ((6, 3), True)):
             channels = shape[-1] if channel_last else shape[1]
@@ -207,12 +207,12 @@ def _kernel_op_samples(device: str) -> dict[str, list[tuple[Any, ...]]]:
             param_dtype = torch.float32 if mixed else dtype
             gamma = positive(8).to(param_dtype)
             beta = None if rms else randn(8, dtype=param_dtype)
-            samples["layer_norm_fwd"].append((x, gamma, beta, 1e-5, rms, mixed))
-            y, mean, invvar = norm_ops().layer_norm_fwd(x, gamma, beta, 1e-5, rms, mixed)
+            samples["norm_forward"].append((x, gamma, beta, 1e-5, rms, mixed, False))
+            y, mean, invvar = norm_ops().norm_forward(x, gamma, beta, 1e-5, rms, mixed, False)
             dy = randn(4, 8, dtype=y.dtype)
             for memory_efficient in (False, True):
                 saved = y if memory_efficient else x
-                samples["layer_norm_bwd"].append(
+                samples["norm_backward"].append(
                     (dy, saved, mean, invvar, gamma, beta, rms, memory_efficient, dtype)
                 )
     samples["syncbn_welford_parallel"] = [
@@ -224,10 +224,9 @@ def _kernel_op_samples(device: str) -> dict[str, list[tuple[Any, ...]]]:
 
 @pytest.mark.gpu
 @pytest.mark.cuda_emulation
-@pytest.mark.parametrize("name", sorted(_kernel_op_fakes.FAKES))
+@pytest.mark.parametrize("name", sorted(_kernel_ops.KERNEL_OPS))
 def test_opcheck_kernel_ops(name: str) -> None:
-    """The norm and SyncBN ops the CUDA extension defines itself: fake kernels, schemas."""
-    ops = norm_ops()  # the CUDA extension's ops, or the emulated build's on the CPU
-    assert hasattr(ops, name), f"{name} is not an op of the CUDA extension"
+    """The norm and SyncBN ops on the CUDA sources' kernels: fake kernels, schemas, autograd."""
+    ops = norm_ops()  # torch.ops.amp_fused_ops on CUDA, or the emulated build's on the CPU
     for args in _kernel_op_samples(KERNEL_DEVICE)[name]:
         torch.library.opcheck(getattr(ops, name).default, args)

@@ -20,7 +20,6 @@ from torch import Tensor
 
 from amp_fused_ops import syncbn
 from amp_fused_ops.extensions import _loader
-from amp_fused_ops.normalization import _ops as _norm_ops
 
 HALF = (torch.float16, torch.bfloat16)
 DTYPES = (torch.float32, *HALF)
@@ -238,10 +237,12 @@ GPU_SHAPES = [(2, 3), (8, 5, 33), (16, 3, 56, 56), (64, 4, 7, 7), (3, 513, 9)]
 
 @pytest.fixture(scope="module")
 def cuda_kernels() -> None:
+    _loader.get_extension("cuda")
     for name in ("syncbn_welford_mean_var", "syncbn_welford_parallel", "syncbn_forward",
                  "syncbn_reduce", "syncbn_backward"):  # fmt: skip
-        if _norm_ops.cuda_op(name) is None:
-            pytest.fail(f"the CUDA op {name} is unavailable: {_loader.unavailable_reason('cuda')}")
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"amp_fused_ops::{name}", "CUDA"):
+            pytest.fail(f"the CUDA kernel of {name} is unavailable: "
+                        f"{_loader.unavailable_reason('cuda')}")  # fmt: skip
 
 
 def _layout(x: Tensor, channel_last: bool) -> Tensor:

@@ -10,12 +10,7 @@ cannot be built.
 
 from __future__ import annotations
 
-import inspect
-import sys
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from types import FrameType
 from typing import Any
 
 import pytest
@@ -26,11 +21,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from _kernel_target import DEVICE as KERNEL_DEVICE
 from _kernel_target import EMULATED, extension, norm_ops
 from _op_cases import OP_CASES, noop_flag
+from _profiled import profiled
 from amp_fused_ops import FusedLayerNorm, FusedRMSNorm, amp_C, extensions, multi_tensor_applier
-from amp_fused_ops.normalization import _reference as norm_reference
-from amp_fused_ops.ops import _kernel_op_fakes
 from amp_fused_ops.ops import _reference_mode as reference_mode
+from amp_fused_ops.ops._kernel_ops import KERNEL_OPS
 from amp_fused_ops.ops._registry import OPS_NAMESPACE, REGISTRY, reference_kernel
+from amp_fused_ops.reference import _norm as norm_reference
+from amp_fused_ops.reference import _syncbn as syncbn_reference
 from amp_fused_ops.syncbn import _kernels as syncbn_kernels
 
 OPS = sorted(REGISTRY)
@@ -38,32 +35,6 @@ OPS = sorted(REGISTRY)
 
 def _op(name: str, namespace: str = OPS_NAMESPACE) -> Any:
     return getattr(getattr(torch.ops, namespace), name).default
-
-
-@pytest.fixture
-def cpu_extension() -> object:
-    module = extensions.get_extension("cpu")
-    if module is None:
-        pytest.skip(f"no compiled CPU extension: {extensions.unavailable_reason('cpu')}")
-    return module
-
-
-@contextmanager
-def profiled(*functions: Callable[..., Any]) -> Iterator[dict[str, int]]:
-    """Counts the Python calls of ``functions`` (unwrapped: a decorator's frame is shared)."""
-    codes = {inspect.unwrap(f).__code__: f.__name__ for f in functions}
-    counts = dict.fromkeys(codes.values(), 0)
-
-    def profile(frame: FrameType, event: str, arg: object) -> None:
-        if event == "call" and frame.f_code in codes:
-            counts[codes[frame.f_code]] += 1
-
-    previous = sys.getprofile()
-    sys.setprofile(profile)
-    try:
-        yield counts
-    finally:
-        sys.setprofile(previous)
 
 
 class ReachesKernels(TorchDispatchMode):
@@ -254,8 +225,7 @@ def test_every_op_of_the_package_has_a_reference_in_every_namespace() -> None:
     table = reference_mode._references()
     for namespace in (OPS_NAMESPACE, "amp_fused_ops_emu"):
         assert {f"{namespace}::{name}" for name in REGISTRY} <= set(table)
-    for namespace in (_kernel_op_fakes.CUDA_NAMESPACE, _kernel_op_fakes.EMULATED_NAMESPACE):
-        assert {f"{namespace}::{name}" for name in _kernel_op_fakes.FAKES} <= set(table)
+        assert {f"{namespace}::{name}" for name in KERNEL_OPS} <= set(table)
     assert {"amp_fused_ops::norm_forward", "amp_fused_ops::norm_backward"} <= set(table)
 
 
@@ -264,19 +234,19 @@ def test_the_syncbn_references_are_the_cpu_path() -> None:
     x, dy = torch.randn(4, 3, 5, generator=gen), torch.randn(4, 3, 5, generator=gen)
     mean, var = syncbn_kernels.welford_mean_var(x)
     invstd = torch.rsqrt(var + 1e-5)
-    ref_mean, ref_var = syncbn_kernels.REFERENCES["syncbn_welford_mean_var"](x, False)
+    ref_mean, ref_var = syncbn_reference.REFERENCES["syncbn_welford_mean_var"](x, False)
     assert torch.equal(mean, ref_mean) and torch.equal(var, ref_var)
     y = syncbn_kernels.batchnorm_forward(x, mean, invstd, None, None)
-    ref_y = syncbn_kernels.REFERENCES["syncbn_forward"](
+    ref_y = syncbn_reference.REFERENCES["syncbn_forward"](
         x, mean, invstd, None, None, None, False, False
     )
     assert torch.equal(y, ref_y)
     sum_dy, sum_dy_xmu, _, _ = syncbn_kernels.reduce_bn(dy, x, mean, invstd, None)
-    ref_sums = syncbn_kernels.REFERENCES["syncbn_reduce"](dy, x, mean, False)
+    ref_sums = syncbn_reference.REFERENCES["syncbn_reduce"](dy, x, mean, False)
     assert torch.equal(sum_dy, ref_sums[0]) and torch.equal(sum_dy_xmu, ref_sums[1])
 
 
-# --- the CUDA extension's ops (a GPU, or the emulated build on the CPU) ----------------------
+# --- the ops on the CUDA kernels (a GPU, or the emulated build on the CPU) ----------
 
 
 def _kernel_op_sample(name: str, device: str) -> tuple[Any, ...]:
@@ -296,8 +266,8 @@ def _kernel_op_sample(name: str, device: str) -> tuple[Any, ...]:
         "syncbn_forward": (x, mean, invstd, None, None, None, True, False),
         "syncbn_reduce": (dy, x, mean, False),
         "syncbn_backward": (dy, x, mean, invstd, None, randn(3), randn(3), 60, False),
-        "layer_norm_fwd": (rows, None, None, 1e-5, False, False),
-        "layer_norm_bwd": (
+        "norm_forward": (rows, None, None, 1e-5, False, False, False),
+        "norm_backward": (
             randn(4, 8), rows, row_mean, row_invvar, None, None, False, False, torch.float32,
         ),
     }  # fmt: skip
@@ -307,10 +277,10 @@ def _kernel_op_sample(name: str, device: str) -> tuple[Any, ...]:
 
 @pytest.mark.gpu
 @pytest.mark.cuda_emulation
-@pytest.mark.parametrize("name", sorted(_kernel_op_fakes.FAKES))
-def test_the_cuda_extensions_norm_and_syncbn_ops_run_their_reference(name: str) -> None:
-    ops = norm_ops()  # the CUDA extension's ops, or the emulated build's
-    namespace = _kernel_op_fakes.EMULATED_NAMESPACE if EMULATED else _kernel_op_fakes.CUDA_NAMESPACE
+@pytest.mark.parametrize("name", sorted(KERNEL_OPS))
+def test_the_norm_and_syncbn_ops_on_cuda_kernels_run_their_reference(name: str) -> None:
+    ops = norm_ops()  # torch.ops.amp_fused_ops on CUDA, or the emulated build's ops
+    namespace = "amp_fused_ops_emu" if EMULATED else OPS_NAMESPACE
     args = _kernel_op_sample(name, KERNEL_DEVICE)
     before = _launches()
     with extensions.use_reference() as calls:

@@ -1,13 +1,17 @@
 // Fused LayerNorm / RMSNorm forward and backward kernels (Apex's fused_layer_norm_cuda).
 //
-// Ops, registered in torch.ops.amp_fused_ops_cuda_ops (the Python side is
+// The CUDA kernels of the dispatcher ops torch.ops.amp_fused_ops.norm_forward / norm_backward
+// (schemas, reference and fake kernels in src/amp_fused_ops/ops/_kernel_ops.py; autograd in
 // src/amp_fused_ops/normalization/_ops.py):
-//   layer_norm_fwd(x, gamma?, beta?, eps, rms, mixed) -> (y, mean, invvar)
-//   layer_norm_bwd(dy, saved, mean, invvar, gamma?, beta?, rms, memory_efficient,
-//                  input_dtype) -> (dx, dgamma, dbeta)
-// x is (rows, hidden), contiguous, hidden in [1, 65536]. Statistics are fp32 (per-row Welford
-// for LayerNorm, mean square for RMSNorm). With memory_efficient, `saved` is the output y and
-// the normalized input is recomputed as (y - beta) / gamma.
+//   norm_forward(x, weight?, bias?, eps, rms, mixed, memory_efficient) -> (y, mean, invvar)
+//   norm_backward(dy, saved, mean, invvar, weight?, bias?, rms, memory_efficient,
+//                 input_dtype) -> (dx, dweight, dbias)
+// The kernels take x as (rows, hidden), hidden in [1, 65536], float32 / float16 / bfloat16
+// with parameters of x's dtype or float32; any other input of the ops (longer rows, float64,
+// mixed parameter dtypes) runs the fp32 ATen reference of ../common/norm_reference.h.
+// Statistics are fp32 (per-row Welford for LayerNorm, mean square for RMSNorm). With
+// memory_efficient, `saved` is the output y and the normalized input is recomputed as
+// (y - beta) / gamma.
 //
 // Layout: one block per row; each thread walks the row in chunks of VEC elements (16-byte
 // loads when every pointer is aligned and hidden % VEC == 0, else VEC = 1). The backward runs
@@ -22,6 +26,8 @@
 #include <cstdint>
 #include <optional>
 
+#include "../common/norm_reference.h"
+#include "../common/ops_schema.h"
 #include "welford.cuh"
 
 namespace {
@@ -368,7 +374,7 @@ void check_rows(const at::Tensor& t, const char* name, const char* op) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(
     const at::Tensor& x, const std::optional<at::Tensor>& gamma,
     const std::optional<at::Tensor>& beta, double eps, bool rms, bool mixed) {
-  constexpr const char* op = "layer_norm_fwd";
+  constexpr const char* op = "norm_forward";
   check_rows(x, "input", op);
   check_params(x, gamma, beta, op);
   TORCH_CHECK(!mixed || gamma.has_value(), op, ": the mixed-dtype variant needs a weight");
@@ -453,7 +459,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
     const at::Tensor& invvar, const std::optional<at::Tensor>& gamma,
     const std::optional<at::Tensor>& beta, bool rms, bool memory_efficient,
     at::ScalarType input_dtype) {
-  constexpr const char* op = "layer_norm_bwd";
+  constexpr const char* op = "norm_backward";
   check_rows(dy, "grad_output", op);
   check_rows(saved, "saved tensor", op);
   TORCH_CHECK(saved.sizes() == dy.sizes() && saved.device() == dy.device(), op,
@@ -500,19 +506,71 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
   return {dx, dgamma, dbeta};
 }
 
-}  // namespace
+// --- the dispatcher ops ----------------------------------------------------------------------
 
-TORCH_LIBRARY_FRAGMENT(amp_fused_ops_cuda_ops, m) {
-  m.def(
-      "layer_norm_fwd(Tensor x, Tensor? gamma, Tensor? beta, float eps, bool rms, bool mixed)"
-      " -> (Tensor, Tensor, Tensor)");
-  m.def(
-      "layer_norm_bwd(Tensor dy, Tensor saved, Tensor mean, Tensor invvar, Tensor? gamma, "
-      "Tensor? beta, bool rms, bool memory_efficient, ScalarType input_dtype)"
-      " -> (Tensor, Tensor, Tensor)");
+bool kernel_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
 }
 
-TORCH_LIBRARY_IMPL(amp_fused_ops_cuda_ops, CUDA, m) {
-  m.impl("layer_norm_fwd", &layer_norm_fwd);
-  m.impl("layer_norm_bwd", &layer_norm_bwd);
+// Whether the kernels take these rows and parameters (else: the ATen reference). Parameters on
+// another device are an error in either path.
+bool kernels_take(const at::Tensor& rows, at::ScalarType input_dtype,
+                  const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& shift,
+                  const char* op) {
+  for (const auto* t : {&weight, &shift}) {
+    TORCH_CHECK(!t->has_value() || (*t)->device() == rows.device(), op,
+                ": parameters must be on the input's device ", rows.device(), ", got ",
+                (*t)->device());
+  }
+  if (rows.dim() != 2 || rows.size(1) < 1 || rows.size(1) > kMaxHidden ||
+      rows.size(0) > INT32_MAX || !kernel_dtype(input_dtype)) {
+    return false;
+  }
+  if (weight.has_value() && shift.has_value() && weight->scalar_type() != shift->scalar_type()) {
+    return false;
+  }
+  const auto& present = weight.has_value() ? weight : shift;
+  if (!present.has_value()) return true;
+  const at::ScalarType p = present->scalar_type();
+  return p == input_dtype || (p == at::kFloat && input_dtype != at::kFloat);
+}
+
+std::optional<at::Tensor> dense(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_forward(
+    const at::Tensor& x, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias, double eps, bool rms, bool mixed,
+    bool /*memory_efficient: what autograd saves, decided by the autograd kernel*/) {
+  amp_fused_ops::norm_reference::check_floating(x, "input");
+  if (weight.has_value()) amp_fused_ops::norm_reference::check_floating(*weight, "weight");
+  if (bias.has_value()) amp_fused_ops::norm_reference::check_floating(*bias, "bias");
+  const std::optional<at::Tensor> shift = rms ? std::nullopt : bias;
+  if (!kernels_take(x, x.scalar_type(), weight, shift, "norm_forward")) {
+    return amp_fused_ops::norm_reference::forward(x, weight, bias, eps, rms, mixed);
+  }
+  return layer_norm_fwd(x.contiguous(), dense(weight), dense(shift), eps, rms, mixed);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_backward(
+    const at::Tensor& grad_out, const at::Tensor& saved, const at::Tensor& mean,
+    const at::Tensor& invvar, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias, bool rms, bool memory_efficient,
+    at::ScalarType input_dtype) {
+  const std::optional<at::Tensor> shift = rms ? std::nullopt : bias;
+  if (!kernels_take(grad_out, input_dtype, weight, shift, "norm_backward")) {
+    return amp_fused_ops::norm_reference::backward(grad_out, saved, mean, invvar, weight, bias,
+                                                   rms, memory_efficient, input_dtype);
+  }
+  return layer_norm_bwd(grad_out.contiguous(), saved.contiguous(), mean.contiguous(),
+                        invvar.contiguous(), dense(weight), dense(shift), rms, memory_efficient,
+                        input_dtype);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(AMP_FUSED_OPS_NS, CUDA, m) {
+  m.impl("norm_forward", TORCH_FN(norm_forward));
+  m.impl("norm_backward", TORCH_FN(norm_backward));
 }

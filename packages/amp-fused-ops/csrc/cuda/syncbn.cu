@@ -1,14 +1,17 @@
 // Synchronized batch-norm kernels (Apex's syncbn extension), without the collectives.
 //
-// Ops, registered in torch.ops.amp_fused_ops_cuda_ops (the Python side, with the PyTorch
-// reference of every op, is src/amp_fused_ops/syncbn/_kernels.py):
+// The CUDA kernels of the dispatcher ops torch.ops.amp_fused_ops.syncbn_* (schemas and fake
+// kernels in src/amp_fused_ops/ops/_kernel_ops.py, the PyTorch reference of every op in
+// src/amp_fused_ops/reference/_syncbn.py, the Python functions in
+// src/amp_fused_ops/syncbn/_kernels.py):
 //   syncbn_welford_mean_var(x, channel_last) -> (mean, var_biased)
 //   syncbn_welford_parallel(means, vars, counts, eps) -> (mean, var_biased, invstd)
 //   syncbn_forward(x, mean, invstd, weight?, bias?, z?, fuse_relu, channel_last) -> y
 //   syncbn_reduce(dy, x, mean, channel_last) -> (sum_dy, sum_dy_xmu)
 //   syncbn_backward(dy, x, mean, invstd, weight?, sum_dy, sum_dy_xmu, count, channel_last) -> dx
-// x is contiguous: channels-first (N, C, *) is read as (N, C, S), channels-last (*, C) as
-// (R, C). x / dy / z / y are float32, float16 or bfloat16; statistics and sums are float32.
+// The kernels read x contiguous: channels-first (N, C, *) as (N, C, S), channels-last (*, C) as
+// (R, C). x / dy / z / y are float32, float16 or bfloat16; statistics and sums are float32
+// (the registered functions at the end make the arguments so).
 //
 // The per-channel reductions run in two steps: blocks reduce slices of the batch into
 // (slices, C) partials (Welford states for the statistics, plain sums for the backward), and
@@ -23,6 +26,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "../common/ops_schema.h"
 #include "welford.cuh"
 
 namespace {
@@ -455,27 +459,52 @@ at::Tensor syncbn_backward(const at::Tensor& dy, const at::Tensor& x, const at::
   return dx;
 }
 
-}  // namespace
+// --- the dispatcher ops: the arguments made contiguous, statistics float32 ------------------
 
-TORCH_LIBRARY_FRAGMENT(amp_fused_ops_cuda_ops, m) {
-  m.def("syncbn_welford_mean_var(Tensor x, bool channel_last) -> (Tensor, Tensor)");
-  m.def(
-      "syncbn_welford_parallel(Tensor means, Tensor vars, Tensor counts, float eps)"
-      " -> (Tensor, Tensor, Tensor)");
-  m.def(
-      "syncbn_forward(Tensor x, Tensor mean, Tensor invstd, Tensor? weight, Tensor? bias, "
-      "Tensor? z, bool fuse_relu, bool channel_last) -> Tensor");
-  m.def(
-      "syncbn_reduce(Tensor dy, Tensor x, Tensor mean, bool channel_last) -> (Tensor, Tensor)");
-  m.def(
-      "syncbn_backward(Tensor dy, Tensor x, Tensor mean, Tensor invstd, Tensor? weight, "
-      "Tensor sum_dy, Tensor sum_dy_xmu, int count, bool channel_last) -> Tensor");
+at::Tensor f32(const at::Tensor& t) { return t.to(at::kFloat).contiguous(); }
+
+std::optional<at::Tensor> dense(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt;
 }
 
-TORCH_LIBRARY_IMPL(amp_fused_ops_cuda_ops, CUDA, m) {
-  m.impl("syncbn_welford_mean_var", &syncbn_welford_mean_var);
-  m.impl("syncbn_welford_parallel", &syncbn_welford_parallel);
-  m.impl("syncbn_forward", &syncbn_forward);
-  m.impl("syncbn_reduce", &syncbn_reduce);
-  m.impl("syncbn_backward", &syncbn_backward);
+std::tuple<at::Tensor, at::Tensor> op_welford_mean_var(const at::Tensor& x, bool channel_last) {
+  return syncbn_welford_mean_var(x.contiguous(), channel_last);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> op_welford_parallel(const at::Tensor& means,
+                                                                   const at::Tensor& vars,
+                                                                   const at::Tensor& counts,
+                                                                   double eps) {
+  return syncbn_welford_parallel(f32(means), f32(vars), f32(counts), eps);
+}
+
+at::Tensor op_forward(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& invstd,
+                      const std::optional<at::Tensor>& weight,
+                      const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& z,
+                      bool fuse_relu, bool channel_last) {
+  return syncbn_forward(x.contiguous(), f32(mean), f32(invstd), weight, bias, dense(z),
+                        fuse_relu, channel_last);
+}
+
+std::tuple<at::Tensor, at::Tensor> op_reduce(const at::Tensor& dy, const at::Tensor& x,
+                                             const at::Tensor& mean, bool channel_last) {
+  return syncbn_reduce(dy.contiguous(), x.contiguous(), f32(mean), channel_last);
+}
+
+at::Tensor op_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
+                       const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
+                       const at::Tensor& sum_dy, const at::Tensor& sum_dy_xmu, int64_t count,
+                       bool channel_last) {
+  return syncbn_backward(dy.contiguous(), x.contiguous(), f32(mean), f32(invstd), weight,
+                         f32(sum_dy), f32(sum_dy_xmu), count, channel_last);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(AMP_FUSED_OPS_NS, CUDA, m) {
+  m.impl("syncbn_welford_mean_var", TORCH_FN(op_welford_mean_var));
+  m.impl("syncbn_welford_parallel", TORCH_FN(op_welford_parallel));
+  m.impl("syncbn_forward", TORCH_FN(op_forward));
+  m.impl("syncbn_reduce", TORCH_FN(op_reduce));
+  m.impl("syncbn_backward", TORCH_FN(op_backward));
 }

@@ -57,10 +57,10 @@ inline T __ldg(const T* p) {
 // The host API: the emulated "device" is the CPU. Tensors of the emulated kernels are CPU
 // tensors, so the sources' checks that a tensor is a CUDA tensor ask whether it is a CPU one,
 // their ops are registered for the CPU dispatch key, under a namespace of their own (the CPU
-// and the emulated extensions can be loaded in one process): torch.ops.amp_fused_ops_emu for
-// the multi-tensor ops (schemas in src/amp_fused_ops/ops/_registry.py),
-// torch.ops.amp_fused_ops_emu_ops for the norm and SyncBN ops.
+// and the emulated extensions can be loaded in one process): torch.ops.amp_fused_ops_emu, with
+// the schemas of torch.ops.amp_fused_ops (src/amp_fused_ops/ops/_registry.py for the
+// multi-tensor ops, src/amp_fused_ops/ops/_kernel_ops.py for the norm and SyncBN ops).
 #define is_cuda is_cpu
 #define CUDA CPU
 #define AMP_FUSED_OPS_NS amp_fused_ops_emu
-#define amp_fused_ops_cuda_ops amp_fused_ops_emu_ops
+#define AMP_FUSED_OPS_AUTOGRAD_KEY AutogradCPU

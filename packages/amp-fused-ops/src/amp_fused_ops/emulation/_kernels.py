@@ -9,8 +9,8 @@ rewrites each launch ``kernel<<<config>>>(args)`` into ``kernel % LaunchConfig(c
 The result is an extension whose ops take CPU tensors and run the GPU's code, thread by
 thread: the multi-tensor ops of the CUDA extension under ``torch.ops.amp_fused_ops_emu``
 (registered for the CPU dispatch key; :func:`load` returns them as a module with Apex's
-``amp_C`` signatures, as ``get_extension("cuda")`` does), and the norm and SyncBN ops under
-``torch.ops.amp_fused_ops_emu_ops``. Two builds:
+``amp_C`` signatures, as ``get_extension("cuda")`` does), with the norm and SyncBN ops beside
+them (``torch.ops.amp_fused_ops_emu.norm_forward`` ...). Two builds:
 
 * ``"counting"`` (the default): every global-memory access of a kernel is counted (bytes
   read and written, and those that went through aligned 16-byte vector accesses), and
@@ -41,7 +41,7 @@ from typing import NamedTuple
 
 from amp_fused_ops import amp_C
 from amp_fused_ops.extensions import _flags
-from amp_fused_ops.ops import _apex_convention, _kernel_op_fakes
+from amp_fused_ops.ops import _apex_convention, _kernel_ops
 
 __all__ = [
     "BUILDS",
@@ -224,9 +224,9 @@ def load(build: str = "counting", *, verbose: bool = False) -> ModuleType:
         is_python_module=False,
         verbose=verbose,
     )
+    _kernel_ops.define_kernel_ops(OPS_NAMESPACE)  # the norm and SyncBN ops' schemas
     # The "CUDA" kernels run on the CPU: Python numbers become float32 tensors, as for CUDA.
     module = _apex_convention.compiled_ops(OPS_NAMESPACE, "CPU", path, cpu_scalars=False)
-    _kernel_op_fakes.register_fakes(_kernel_op_fakes.EMULATED_NAMESPACE)
     if verbose:
         logger.info("emulated extension (%s) ready in %.1f s", build, time.perf_counter() - start)
     return module

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from amp_fused_ops.ops import _apex_convention, _kernel_op_fakes
+from amp_fused_ops.ops import _apex_convention
 from amp_fused_ops.ops._registry import OPS_NAMESPACE
 
 from . import _cache as cache
@@ -188,10 +188,5 @@ def _as_module(kind: str, loaded: Any) -> ModuleType:
 
 
 def ops_module(kind: str, path: Path) -> ModuleType:
-    """The module of the ops extension ``kind`` (loaded from ``path``) registered.
-
-    The CUDA extension's own norm and SyncBN ops get their fake kernels here.
-    """
-    if kind == "cuda":
-        _kernel_op_fakes.register_fakes(_kernel_op_fakes.CUDA_NAMESPACE)
+    """The module of the ops extension ``kind`` (loaded from ``path``) registered."""
     return _apex_convention.compiled_ops(OPS_NAMESPACE, DISPATCH_KEYS[kind], path)

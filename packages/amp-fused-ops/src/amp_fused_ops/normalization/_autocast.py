@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from amp_fused_ops.normalization import _ops  # noqa: F401  (defines the op registered below)
+from amp_fused_ops.ops import _kernel_ops  # noqa: F401  (defines the op registered below)
 
 __all__ = ["layer_norm_autocasts_to_fp32"]
 

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from amp_fused_ops.normalization._ops import backward_with_aten, forward_with_aten
+from amp_fused_ops.normalization import _ops  # noqa: F401  (the ops decomposed here)
+from amp_fused_ops.reference._norm import norm_backward_aten, norm_forward_aten
 
 __all__ = ["prepare_compile"]
 
@@ -30,14 +31,14 @@ def _forward_decomposition(x: Tensor, *args: Any) -> Any:
     if x.device.type == "cuda":
         return NotImplemented
     weight, bias, eps, rms, mixed, _memory_efficient = args
-    return forward_with_aten(x, weight, bias, eps, rms, mixed)
+    return norm_forward_aten(x, weight, bias, eps, rms, mixed)
 
 
 def _backward_decomposition(grad_out: Tensor, *args: Any) -> Any:
     """``norm_backward`` for Inductor: the ATen ops it runs off CUDA (CUDA keeps the op)."""
     if grad_out.device.type == "cuda":
         return NotImplemented
-    return backward_with_aten(grad_out, *args)
+    return norm_backward_aten(grad_out, *args)
 
 
 def _register_inductor_decompositions() -> bool:

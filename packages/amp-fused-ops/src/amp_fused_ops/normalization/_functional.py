@@ -1,8 +1,9 @@
 """Apex's fused LayerNorm / RMSNorm functions (``apex.normalization.fused_layer_norm``).
 
-Every entry point reshapes the input to ``(rows, hidden)`` and calls the custom op
+Every entry point reshapes the input to ``(rows, hidden)`` and calls the dispatcher op
 ``torch.ops.amp_fused_ops.norm_forward`` (CUDA kernel or fp32-accumulating PyTorch reference,
-see :mod:`amp_fused_ops.normalization._ops`); :func:`normalize` is the one call the modules of
+see :mod:`amp_fused_ops.ops._kernel_ops`; its autograd formula in
+:mod:`amp_fused_ops.normalization._ops`); :func:`normalize` is the one call the modules of
 :mod:`amp_fused_ops.normalization._modules` make too. The math is fp32 whatever the dtypes.
 Under ``torch.autocast`` they do what Apex's did: input and parameters are cast to the autocast
 dtype and the output is in it (fp32 statistics inside). Under amp O1, whose policy runs
@@ -15,16 +16,17 @@ traced graph and the exported model hold only standard operators.
 
 from __future__ import annotations
 
+import functools
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from amp_fused_ops.normalization._compile import prepare_compile
-from amp_fused_ops.normalization._ops import check_floating, norm_forward
-from amp_fused_ops.normalization._reference import output_dtype
+from amp_fused_ops.normalization._ops import NORM_FORWARD
+from amp_fused_ops.reference._norm import check_floating, output_dtype
 
 __all__ = [
     "ShapeArg",
@@ -56,7 +58,27 @@ def as_shape(normalized_shape: ShapeArg) -> tuple[int, ...]:
 
 def _exporting() -> bool:
     """Tracing, scripting or ONNX export: the graph must hold standard operators only."""
-    return torch.jit.is_tracing() or torch.jit.is_scripting() or torch.onnx.is_in_onnx_export()
+    return torch.jit.is_tracing() or torch.jit.is_scripting() or _in_onnx_export()
+
+
+@functools.cache
+def _onnx_export_check() -> Callable[[], bool]:
+    """``torch.onnx.is_in_onnx_export`` without its two imports per call (the norms ask on
+    every forward): its two flags read directly, where this torch keeps them there."""
+    try:
+        from torch.onnx._internal.exporter import _flags
+        from torch.onnx._internal.torchscript_exporter._globals import GLOBALS
+    except ImportError:
+        return torch.onnx.is_in_onnx_export
+    if not hasattr(GLOBALS, "in_onnx_export") or not hasattr(_flags, "_is_onnx_exporting"):
+        return torch.onnx.is_in_onnx_export
+    return lambda: bool(GLOBALS.in_onnx_export or _flags._is_onnx_exporting)
+
+
+def _in_onnx_export() -> bool:
+    if torch.compiler.is_compiling():  # Dynamo reads the public function's answer itself
+        return torch.onnx.is_in_onnx_export()
+    return _onnx_export_check()()
 
 
 def _plain_norm(
@@ -82,6 +104,10 @@ def _plain_norm(
     return y.to(out_dtype)
 
 
+def _floating(t: Tensor | None) -> bool:
+    return t is None or (t.is_floating_point() and not t.is_complex())
+
+
 def normalize(
     input: Tensor,
     weight: Tensor | None,
@@ -93,36 +119,50 @@ def normalize(
     mixed: bool,
     memory_efficient: bool,
 ) -> Tensor:
-    shape = as_shape(normalized_shape)
-    check_floating("FusedRMSNorm" if rms else "FusedLayerNorm", input, weight, bias)
+    # Run on every forward of the modules: each check is one cheap test on the common path.
+    shape = (
+        normalized_shape
+        if type(normalized_shape) is torch.Size
+        else torch.Size(as_shape(normalized_shape))
+    )
+    if not (_floating(input) and _floating(weight) and _floating(bias)):
+        check_floating("FusedRMSNorm" if rms else "FusedLayerNorm", input, weight, bias)
     if _exporting():  # the plain ops check the shapes themselves
         return _plain_norm(input, weight, bias if not rms else None, shape, eps, rms, mixed)
-    if tuple(input.shape[input.dim() - len(shape) :]) != shape or input.dim() < len(shape):
+    if len(shape) == 1:
+        matches = input.dim() >= 1 and input.shape[-1] == shape[0]
+    else:
+        matches = input.dim() >= len(shape) and input.shape[input.dim() - len(shape) :] == shape
+    if not matches:
         raise ValueError(
-            f"input of shape {tuple(input.shape)} does not end with normalized_shape {shape}; "
-            "the normalized dimensions must be the input's last ones"
+            f"input of shape {tuple(input.shape)} does not end with normalized_shape "
+            f"{tuple(shape)}; the normalized dimensions must be the input's last ones"
         )
-    hidden = 1
-    for d in shape:
-        hidden *= d
     for name, param in (("weight", weight), ("bias", bias)):
-        if param is not None and tuple(param.shape) != shape:
+        if param is not None and param.shape != shape:
             raise ValueError(
-                f"{name} has shape {tuple(param.shape)} but normalized_shape is {shape}; "
-                f"give a {name} of shape {shape}"
+                f"{name} has shape {tuple(param.shape)} but normalized_shape is {tuple(shape)}; "
+                f"give a {name} of shape {tuple(shape)}"
             )
     if mixed and weight is None:
         raise ValueError(
             "the mixed-dtype norms need a weight (their output takes its dtype); pass one, or "
             "use fused_layer_norm / fused_rms_norm without parameters"
         )
-    rows = input.reshape(-1, hidden).contiguous()  # (M, N)
-    flat_weight = weight.reshape(hidden).contiguous() if weight is not None else None
-    flat_bias = bias.reshape(hidden).contiguous() if bias is not None and not rms else None
+    hidden = shape.numel()
+    # The op takes rows (M, N) and parameters (N,); the kernels make their arguments contiguous
+    # where they need it.
+    rows = input if input.dim() == 2 and len(shape) == 1 else input.reshape(-1, hidden)
+    if weight is not None and weight.dim() != 1:
+        weight = weight.reshape(hidden)
+    if rms:
+        bias = None
+    elif bias is not None and bias.dim() != 1:
+        bias = bias.reshape(hidden)
     # Autocast is handled by the op's autocast kernel (it follows aten::layer_norm's policy).
     prepare_compile()
-    out, _, _ = norm_forward(rows, flat_weight, flat_bias, float(eps), rms, mixed, memory_efficient)
-    return out.view(input.shape)
+    out, _, _ = NORM_FORWARD(rows, weight, bias, float(eps), rms, mixed, memory_efficient)
+    return out if rows is input else out.view(input.shape)
 
 
 def fused_layer_norm_affine(

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from amp_fused_ops.normalization._compile import prepare_compile
-from amp_fused_ops.normalization._ops import norm_backward, norm_forward, saves_output
+from amp_fused_ops.normalization._ops import NORM_BACKWARD, NORM_FORWARD, saves_output
 
 __all__ = [
     "FusedLayerNormAffineFunction",
@@ -76,9 +76,9 @@ def _forward(
     prepare_compile()
     if device_type in _AUTOCAST_DEVICE_TYPES:
         with torch.autocast(device_type, enabled=False):
-            out, mean, invvar = norm_forward(rows, w, b, float(eps), rms, mixed, memory_efficient)
+            out, mean, invvar = NORM_FORWARD(rows, w, b, float(eps), rms, mixed, memory_efficient)
     else:
-        out, mean, invvar = norm_forward(rows, w, b, float(eps), rms, mixed, memory_efficient)
+        out, mean, invvar = NORM_FORWARD(rows, w, b, float(eps), rms, mixed, memory_efficient)
     # The output recovers the input unless a weight is zero (then the input is saved).
     memory_efficient = saves_output(bool(memory_efficient), w)
     ctx.save_for_backward(out if memory_efficient else rows, mean, invvar, w, b)
@@ -96,7 +96,7 @@ def _forward(
 def _backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
     saved, mean, invvar, w, b = ctx.saved_tensors
     grad_rows = grad_output.reshape(saved.shape).contiguous()
-    dx, dw, db = norm_backward(
+    dx, dw, db = NORM_BACKWARD(
         grad_rows, saved, mean, invvar, w, b, ctx.rms, ctx.memory_efficient, ctx.input_dtype
     )
     weight_shape, bias_shape = ctx.param_shapes

@@ -1,14 +1,13 @@
 """The op machinery of amp-fused-ops: the op registry and what calls the ops.
 
-- ``_registry``: the op registry (schema, reference and fake kernel of every op) and the
-  dispatcher ops defined from it;
+- ``_registry``: the registry of the ``amp_C`` ops (schema, reference and fake kernel of every
+  op) and the dispatcher ops defined from it;
+- ``_kernel_ops``: the same for the norm and SyncBN ops;
 - ``_apex_convention``: those ops called as Apex's ``amp_C`` calls them (tensor lists, Python
   numbers, DTensor shards), and the ops of a loaded extension so wrapped;
 - ``_preconditions``: the checks of ``chunk_size`` and the scalar arguments;
 - ``_multi_tensor_apply``: ``multi_tensor_applier`` (Apex's ``apex.multi_tensor_apply``);
 - ``_flatten``: ``flatten`` / ``unflatten`` for bucketing (Apex's ``apex_C``);
-- ``_kernel_op_fakes``: the fake kernels of the norm and SyncBN ops the CUDA extension defines
-  itself (registered when it, or the emulated build, is loaded).
 
 The public names are re-exported by :mod:`amp_fused_ops` and :mod:`amp_fused_ops.amp_C`.
 """

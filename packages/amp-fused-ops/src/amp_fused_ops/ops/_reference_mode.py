@@ -11,13 +11,9 @@ The ops it routes, by namespace (every device, since the mode sits above the dev
 
 ============================ ==================================================================
 ``amp_fused_ops``            the ``amp_C`` ops (each its reference in
-                             :data:`~amp_fused_ops.ops._registry.REGISTRY`) and
-                             ``norm_forward`` / ``norm_backward``
-                             (:mod:`amp_fused_ops.normalization._reference`)
-``amp_fused_ops_emu``        the ``amp_C`` ops of the emulated CUDA build
-``amp_fused_ops_cuda_ops``   the CUDA extension's LayerNorm / RMSNorm ops (the norm reference)
-                             and SyncBN ops (:data:`amp_fused_ops.syncbn._kernels.REFERENCES`)
-``amp_fused_ops_emu_ops``    the same ops in the emulated CUDA build
+                             :data:`~amp_fused_ops.ops._registry.REGISTRY`), the norm and SyncBN
+                             ops (:data:`~amp_fused_ops.ops._kernel_ops.KERNEL_OPS`)
+``amp_fused_ops_emu``        the same ops of the emulated CUDA build
 ============================ ==================================================================
 """
 
@@ -34,6 +30,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from amp_fused_ops.ops._kernel_ops import KERNEL_OPS
 from amp_fused_ops.ops._registry import OPS_NAMESPACE, REGISTRY, reference_kernel
 
 __all__ = ["ReferenceCalls", "use_reference"]
@@ -42,46 +39,21 @@ ReferenceCalls: TypeAlias = collections.Counter[str]
 """What :func:`use_reference` yields: ``"namespace::op"`` -> how many calls ran the reference."""
 
 _EMULATED_OPS_NAMESPACE = "amp_fused_ops_emu"  # AMP_FUSED_OPS_NS in csrc/emulation/amp_emu.h
-_KERNEL_OP_NAMESPACES = ("amp_fused_ops_cuda_ops", "amp_fused_ops_emu_ops")
 
 _table: dict[str, Callable[..., Any]] = {}
 
 
 def _references() -> dict[str, Callable[..., Any]]:
-    """``"namespace::op"`` -> the reference with the op's schema arguments (built on first use:
-    the norm and SyncBN modules import the extension loader, which imports this package)."""
+    """``"namespace::op"`` -> the reference with the op's schema arguments (built on first
+    use)."""
     if _table:
         return _table
-    from amp_fused_ops.normalization._ops import check_floating
-    from amp_fused_ops.normalization._reference import (
-        norm_backward_reference,
-        norm_forward_reference,
-    )
-    from amp_fused_ops.syncbn._kernels import REFERENCES as SYNCBN_REFERENCES
-
-    def norm_forward(
-        x: torch.Tensor,
-        weight: torch.Tensor | None,
-        bias: torch.Tensor | None,
-        eps: float,
-        rms: bool,
-        mixed: bool,
-        memory_efficient: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        check_floating("norm_forward", x, weight, bias)
-        return norm_forward_reference(x, weight, bias, eps, rms, mixed)
-
     table: dict[str, Callable[..., Any]] = {}
     for namespace in (OPS_NAMESPACE, _EMULATED_OPS_NAMESPACE):
         for name, spec in REGISTRY.items():
             table[f"{namespace}::{name}"] = reference_kernel(spec)
-    table[f"{OPS_NAMESPACE}::norm_forward"] = norm_forward
-    table[f"{OPS_NAMESPACE}::norm_backward"] = norm_backward_reference
-    for namespace in _KERNEL_OP_NAMESPACES:
-        table[f"{namespace}::layer_norm_fwd"] = norm_forward_reference
-        table[f"{namespace}::layer_norm_bwd"] = norm_backward_reference
-        for name, reference in SYNCBN_REFERENCES.items():
-            table[f"{namespace}::{name}"] = reference
+        for name, kernel_op in KERNEL_OPS.items():
+            table[f"{namespace}::{name}"] = kernel_op.reference
     _table.update(table)
     return _table
 

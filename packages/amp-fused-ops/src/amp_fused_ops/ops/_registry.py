@@ -47,6 +47,7 @@ __all__ = [
     "OPS_NAMESPACE",
     "REGISTRY",
     "OpSpec",
+    "compiled_kernel",
     "define_schemas",
     "reference_kernel",
 ]
@@ -265,7 +266,7 @@ def set_kernel_loader(loader: Callable[[str], object]) -> None:
     _kernel_loader = loader
 
 
-def _compiled_kernel(name: str, device: torch.device) -> Any | None:
+def compiled_kernel(name: str, device: torch.device) -> Any | None:
     """The op ``name`` when a compiled kernel serves ``device`` (loading its extension on
     first use), else None: the kernel of last resort then runs the reference."""
     key = _COMPILED_KEYS.get(device.type)
@@ -307,7 +308,7 @@ def _last_resort_kernel(spec: OpSpec) -> Callable[..., Any]:
     if not spec.list_counts:
 
         def plain(*args: Any) -> None:
-            compiled = _compiled_kernel(spec.name, args[0].device)
+            compiled = compiled_kernel(spec.name, args[0].device)
             if compiled is not None:
                 compiled(*args)
                 return
@@ -321,7 +322,7 @@ def _last_resort_kernel(spec: OpSpec) -> Callable[..., Any]:
         lists = [part for part in rest[:most] if part is not None]
         first = lists[0][0] if lists and lists[0] else noop_flag
         if isinstance(first, Tensor):
-            compiled = _compiled_kernel(spec.name, first.device)
+            compiled = compiled_kernel(spec.name, first.device)
             if compiled is not None:
                 return compiled(chunk_size, noop_flag, *rest)
         return reference(chunk_size, noop_flag, *rest)

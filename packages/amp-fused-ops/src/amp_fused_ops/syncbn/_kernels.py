@@ -11,23 +11,23 @@ The per-rank pieces of a synchronized batch norm, with the collectives left to t
 5. :func:`batchnorm_backward`: the input gradient from the reduced sums and the total count.
 
 Inputs are channels-first ``(N, C, *)`` or, with ``channel_last=True``, ``(*, C)``; fp32,
-fp16 or bf16, with fp32 statistics and sums whatever the input dtype. CUDA tensors use the
-kernels of ``csrc/cuda/syncbn.cu`` when the CUDA extension is loaded; everything else uses
-the PyTorch implementations in this module, which are also the kernels' test oracle.
+fp16 or bf16, with fp32 statistics and sums whatever the input dtype. Each function checks its
+arguments and calls one dispatcher op, ``torch.ops.amp_fused_ops.syncbn_*``
+(:mod:`amp_fused_ops.ops._kernel_ops`), which runs the kernel of ``csrc/cuda/syncbn.cu`` on CUDA
+and the PyTorch reference of :mod:`amp_fused_ops.reference._syncbn` elsewhere.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
 from torch import Tensor
 
-from amp_fused_ops.normalization._ops import cuda_op
+from amp_fused_ops.ops import _kernel_ops  # noqa: F401  (defines the ops called here)
+
+# The ops: their CUDA kernels, or their reference (amp_fused_ops.reference._syncbn) elsewhere.
+_OPS = torch.ops.amp_fused_ops
 
 __all__ = [
-    "REFERENCES",
     "batchnorm_backward",
     "batchnorm_forward",
     "reduce_bn",
@@ -63,23 +63,6 @@ def _check_like(x: Tensor, who: str, **tensors: Tensor | None) -> None:
             )
 
 
-def _dims(x: Tensor, channel_last: bool) -> list[int]:
-    channel = x.dim() - 1 if channel_last else 1
-    return [d for d in range(x.dim()) if d != channel]
-
-
-def _view(v: Tensor, x: Tensor, channel_last: bool) -> Tensor:
-    """A per-channel vector shaped to broadcast against ``x``."""
-    if channel_last:
-        return v.view(-1)
-    return v.view([1, -1] + [1] * (x.dim() - 2))
-
-
-def _use_kernels(*tensors: Tensor | None) -> bool:
-    present = [t for t in tensors if t is not None]
-    return bool(present) and all(t.is_cuda for t in present)
-
-
 def welford_mean_var(x: Tensor, *, channel_last: bool = False) -> tuple[Tensor, Tensor]:
     """Per-channel mean and biased variance of ``x`` in fp32 (Apex's ``welford_mean_var``).
 
@@ -97,20 +80,7 @@ def welford_mean_var(x: Tensor, *, channel_last: bool = False) -> tuple[Tensor, 
         >>> mean, var = welford_mean_var(torch.randn(8, 3, 4, 4))
     """
     _channels(x, channel_last, "welford_mean_var")
-    op = cuda_op("syncbn_welford_mean_var") if _use_kernels(x) else None
-    if op is not None:
-        mean, var = op(x.contiguous(), channel_last)
-        return mean, var
-    return _welford_mean_var_reference(x, channel_last)
-
-
-def _welford_mean_var_reference(x: Tensor, channel_last: bool) -> tuple[Tensor, Tensor]:
-    """The PyTorch implementation of ``syncbn_welford_mean_var`` (the op's arguments)."""
-    if x.numel() == 0:
-        channels = _channels(x, channel_last, "welford_mean_var")
-        zeros = torch.zeros(channels, device=x.device, dtype=torch.float32)
-        return zeros, zeros.clone()
-    var, mean = torch.var_mean(x.float(), dim=_dims(x, channel_last), correction=0)
+    mean, var = _OPS.syncbn_welford_mean_var(x, channel_last)
     return mean, var
 
 
@@ -143,25 +113,8 @@ def welford_parallel(
             f"{tuple(counts.shape)}; stack the per-rank results first"
         )
     counts = counts.to(means.device)  # counts may come from the host
-    op = cuda_op("syncbn_welford_parallel") if _use_kernels(means, vars_biased, counts) else None
-    if op is not None:
-        flat = (means.float().contiguous(), vars_biased.float().contiguous())
-        mean, var, invstd = op(*flat, counts.float().contiguous(), eps)
-        return mean, var, invstd
-    return _welford_parallel_reference(means, vars_biased, counts, eps)
-
-
-def _welford_parallel_reference(
-    means: Tensor, vars_biased: Tensor, counts: Tensor, eps: float
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The PyTorch implementation of ``syncbn_welford_parallel`` (the op's arguments)."""
-    n = counts.to(torch.float64)[:, None]  # (W, 1); float64: counts can exceed 2**24
-    m = means.to(torch.float64)
-    total = n.sum(0)
-    mean = (m * n).sum(0) / total.clamp(min=1)
-    m2 = (vars_biased.to(torch.float64) * n + n * (m - mean) ** 2).sum(0)
-    var = m2 / total.clamp(min=1)
-    return mean.float(), var.float(), torch.rsqrt(var + eps).float()
+    mean, var, invstd = _OPS.syncbn_welford_parallel(means, vars_biased, counts, eps)
+    return mean, var, invstd
 
 
 def batchnorm_forward(
@@ -203,36 +156,7 @@ def batchnorm_forward(
         channels, "batchnorm_forward", mean=mean, invstd=invstd, weight=weight, bias=bias
     )
     _check_like(x, "batchnorm_forward", z=z)
-    op = cuda_op("syncbn_forward") if _use_kernels(x, mean, invstd, weight, bias, z) else None
-    if op is not None:
-        return op(
-            x.contiguous(), mean.float().contiguous(), invstd.float().contiguous(), weight, bias,
-            z.contiguous() if z is not None else None, fuse_relu, channel_last,
-        )  # fmt: skip
-    return _forward_reference(x, mean, invstd, weight, bias, z, fuse_relu, channel_last)
-
-
-def _forward_reference(
-    x: Tensor,
-    mean: Tensor,
-    invstd: Tensor,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    z: Tensor | None,
-    fuse_relu: bool,
-    channel_last: bool,
-) -> Tensor:
-    """The PyTorch implementation of ``syncbn_forward`` (the op's arguments)."""
-    scale = invstd.float() if weight is None else invstd.float() * weight.float()
-    shift = -mean.float() * scale
-    if bias is not None:
-        shift = shift + bias.float()
-    y = x.float() * _view(scale, x, channel_last) + _view(shift, x, channel_last)
-    if z is not None:
-        y = y + z.float()
-    if fuse_relu:
-        y = torch.relu(y)
-    return y.to(x.dtype)
+    return _OPS.syncbn_forward(x, mean, invstd, weight, bias, z, fuse_relu, channel_last)
 
 
 def reduce_bn(
@@ -268,28 +192,11 @@ def reduce_bn(
     channels = _channels(x, channel_last, "reduce_bn")
     _check_vectors(channels, "reduce_bn", mean=mean, invstd=invstd, weight=weight)
     _check_like(x, "reduce_bn", grad_out=grad_out)
-    op = cuda_op("syncbn_reduce") if _use_kernels(grad_out, x, mean, invstd) else None
-    if op is not None:
-        sum_dy, sum_dy_xmu = op(
-            grad_out.contiguous(), x.contiguous(), mean.float().contiguous(), channel_last
-        )
-    else:
-        sum_dy, sum_dy_xmu = _reduce_reference(grad_out, x, mean, channel_last)
+    sum_dy, sum_dy_xmu = _OPS.syncbn_reduce(grad_out, x, mean, channel_last)
     grad_weight = sum_dy_xmu * invstd.float() if weight is not None else None
     # grad_bias is this rank's sum: its own tensor, so an in-place all-reduce of sum_dy
     # leaves it alone.
     return sum_dy, sum_dy_xmu, grad_weight, sum_dy.clone()
-
-
-def _reduce_reference(
-    grad_out: Tensor, x: Tensor, mean: Tensor, channel_last: bool
-) -> tuple[Tensor, Tensor]:
-    """The PyTorch implementation of ``syncbn_reduce``: ``(sum dy, sum dy * (x - mean))``."""
-    dims = _dims(x, channel_last)
-    dy = grad_out.float()
-    sum_dy = dy.sum(dims)
-    sum_dy_xmu = (dy * (x.float() - _view(mean.float(), x, channel_last))).sum(dims)
-    return sum_dy, sum_dy_xmu
 
 
 def batchnorm_backward(
@@ -363,46 +270,6 @@ def batchnorm_backward(
             f"batchnorm_backward needs the positive number of elements per channel over the "
             f"whole batch, got count={count}"
         )
-    tensors = (grad_out, x, mean, invstd, weight, sum_dy, sum_dy_xmu)
-    op = cuda_op("syncbn_backward") if _use_kernels(*tensors) else None
-    if op is not None:
-        return op(
-            grad_out.contiguous(), x.contiguous(), mean.float().contiguous(),
-            invstd.float().contiguous(), weight, sum_dy.float().contiguous(),
-            sum_dy_xmu.float().contiguous(), count, channel_last,
-        )  # fmt: skip
-    return _backward_reference(
+    return _OPS.syncbn_backward(
         grad_out, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count, channel_last
     )
-
-
-def _backward_reference(
-    grad_out: Tensor,
-    x: Tensor,
-    mean: Tensor,
-    invstd: Tensor,
-    weight: Tensor | None,
-    sum_dy: Tensor,
-    sum_dy_xmu: Tensor,
-    count: int,
-    channel_last: bool,
-) -> Tensor:
-    """The PyTorch implementation of ``syncbn_backward`` (the op's arguments)."""
-    inv = invstd.float()
-    scale = inv if weight is None else inv * weight.float()
-    mean_dy = sum_dy.float() / count
-    proj = sum_dy_xmu.float() * inv * inv / count
-    x_mu = x.float() - _view(mean.float(), x, channel_last)
-    dx = grad_out.float() - _view(mean_dy, x, channel_last) - x_mu * _view(proj, x, channel_last)
-    return (dx * _view(scale, x, channel_last)).to(x.dtype)
-
-
-REFERENCES: dict[str, Callable[..., Any]] = {
-    "syncbn_welford_mean_var": _welford_mean_var_reference,
-    "syncbn_welford_parallel": _welford_parallel_reference,
-    "syncbn_forward": _forward_reference,
-    "syncbn_reduce": _reduce_reference,
-    "syncbn_backward": _backward_reference,
-}
-"""Name of each SyncBN op of the CUDA extension -> its PyTorch implementation, which takes the
-op's arguments (what :func:`amp_fused_ops.extensions.use_reference` runs instead of the op)."""
