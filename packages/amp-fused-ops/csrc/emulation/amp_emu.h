@@ -63,4 +63,3 @@ inline T __ldg(const T* p) {
 #define is_cuda is_cpu
 #define CUDA CPU
 #define AMP_FUSED_OPS_NS amp_fused_ops_emu
-#define AMP_FUSED_OPS_AUTOGRAD_KEY AutogradCPU
