@@ -2,14 +2,15 @@
 
 A half param's master lives in its optimizer state (``state[p]["master_param"]``), made at its
 first step with ``master_weights=True``, or when amp O2 asks for masters through amp-core's
-``FusedMasterWeightOptimizer`` protocol (:meth:`AdamMasterWeights.amp_enable_fused_master_weights`).
-Under O2 amp exports those tensors as the weights, so they stay the masters until amp lets go
+``FusedMasterWeightOptimizer`` protocol
+(:meth:`~AdamMasterWeights.amp_enable_fused_master_weights`). Under O2 amp exports those
+tensors as the weights, so they stay the masters until amp lets go
 (:meth:`~AdamMasterWeights.amp_disable_fused_master_weights`): a state cleared or deleted by
-hand gets them back, and a loaded state dict is copied into them (``docs/architecture.rst``).
+hand gets them back, and a loaded state dict is copied into them.
 
-:class:`AdamMasterWeights` is the mixin that holds this; the Adam step itself is
-``FusedAdam``'s (its device path, which amp O2's :meth:`~AdamMasterWeights.amp_fused_master_step`
-calls with the masters' gradients).
+:class:`AdamMasterWeights` is the mixin that holds this. The Adam step is ``FusedAdam``'s: amp
+O2's :meth:`~AdamMasterWeights.amp_fused_master_step` hands it the groups to step on its device
+path, with the masters' gradients.
 """
 
 from __future__ import annotations
