@@ -6,7 +6,8 @@ group, ``torch.optim.Adam`` one ``step`` tensor per param, and torch's groups ha
 ``bias_correction`` (torch always corrects). So that a checkpoint moves between them:
 
 * :func:`add_per_param_steps` writes the group's step into each param's state as well, as a
-  float32 tensor (``FusedAdam.state_dict()`` does this), so ``torch.optim.Adam`` loads it;
+  float32 tensor (``FusedAdam.state_dict()`` does this), so ``torch.optim.Adam`` loads it, and
+  :func:`drop_per_param_steps` takes those copies out again (``FusedAdam.load_state_dict``);
 * :func:`from_torch_adam` turns a torch Adam / AdamW state dict into this format
   (``FusedAdam.load_state_dict`` calls it when the groups have no ``bias_correction``), and
   refuses what ``FusedAdam`` cannot continue (AMSGrad, ``maximize``, params at different steps).
@@ -20,7 +21,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["add_per_param_steps", "from_torch_adam", "is_torch_adam_format"]
+__all__ = [
+    "add_per_param_steps",
+    "drop_per_param_steps",
+    "from_torch_adam",
+    "is_torch_adam_format",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +50,18 @@ def add_per_param_steps(state_dict: dict[str, Any]) -> dict[str, Any]:
             if pid in state:
                 state[pid] = {**state[pid], "step": step_t.clone()}
     return {**state_dict, "state": state}
+
+
+def drop_per_param_steps(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a ``FusedAdam`` state dict without the per-param steps of
+    :func:`add_per_param_steps` (they repeat the group's)."""
+    return {
+        **state_dict,
+        "state": {
+            pid: {k: v for k, v in s.items() if k != "step"}
+            for pid, s in state_dict["state"].items()
+        },
+    }
 
 
 def is_torch_adam_format(state_dict: dict[str, Any]) -> bool:

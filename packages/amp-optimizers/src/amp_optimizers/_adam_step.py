@@ -1,19 +1,23 @@
-"""The Adam step of :class:`amp_optimizers.FusedAdam` as functions of tensor lists.
+"""The Adam step of :class:`amp_optimizers.FusedAdam` as one function of tensor lists.
 
-As ``torch.optim.adam`` keeps the math of a step in functions that take lists and numbers
-(the class only gathers the lists), :class:`~amp_optimizers.FusedAdam` gathers its params,
-gradients, moments and masters and calls one of these:
+As ``torch.optim.adam`` keeps the math of a step in one function that takes lists and numbers
+(the class only gathers the lists), :class:`~amp_optimizers.FusedAdam` gathers the gradients,
+params, moments and masters of a param group by ``(device, dtype)`` and calls
+:func:`fused_adam`, from each of its three paths (the plain step, the ``GradScaler`` step and
+amp O2's fused master-weight step). It runs one of two implementations:
 
-* :func:`adam_launch`: one ``amp_C.multi_tensor_adam`` launch, the plain path (params of any
-  float dtype stepped in place, ``lr`` and ``step`` host numbers or tensors read on the host);
-* :func:`capturable_adam`: the device path (``capturable``, master weights, a ``GradScaler``,
-  amp O2), ``amp_C.multi_tensor_adam_capturable_master`` per ``(device, dtype)`` bucket with
-  the step count, ``lr``, the inverse scale and the skip flag on the device.
+* :func:`_plain_adam`: one ``amp_C.multi_tensor_adam`` launch per bucket, params of any float
+  dtype stepped in place, ``lr`` and ``step`` host numbers or tensors read on the host;
+* :func:`_device_adam`: one ``amp_C.multi_tensor_adam_capturable_master`` launch per bucket
+  (``capturable``, master weights, a ``GradScaler``, amp O2), with the step count, ``lr``, the
+  inverse scale and the skip flag on the device.
+
+The helpers below them are the device path's small pieces: device scalars and inf/nan checks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -21,117 +25,171 @@ from torch import Tensor
 
 from amp_fused_ops import amp_C, multi_tensor_applier
 
-from ._step_helpers import group_by_device_dtype
-
 __all__ = [
-    "adam_launch",
-    "capturable_adam",
     "device_scalar",
+    "fused_adam",
     "is_device_scalar",
     "raise_on_nonfinite",
     "raise_on_nonfinite_flag",
 ]
 
 
-def adam_launch(
-    noop: Tensor,
-    lists: list[list[Tensor]],
+def fused_adam(
+    tensor_lists: Sequence[list[list[Tensor]]],
+    noop_flag: Callable[[torch.device], Tensor],
+    *,
+    device_path: bool,
+    lr: float | Tensor,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    adam_w_mode: int,
+    bias_correction: int,
+    step: int | Tensor,
+    step_tensor: Tensor | None = None,
+    seeds: Sequence[int] = (),
+    inv_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+    check_finite: bool = False,
+) -> None:
+    """One Adam step of one param group.
+
+    Args:
+        tensor_lists: One entry per ``(device, dtype)`` of the params, each the lists
+            ``[grads, params, exp_avgs, exp_avg_sqs]``, plus ``masters`` on the device path (a
+            float32 param is its own master).
+        noop_flag: The optimizer's int32 flag of a device, zeroed when asked for (before each
+            plain launch; once per group on the device path).
+        device_path: Step on the device path (:func:`_device_adam`) instead of the plain one.
+        lr: The learning rate: a number or a tensor on the plain path (a tensor stays a
+            tensor: data of a compiled step), a 0-dim float32 tensor on the device path.
+        betas: ``(beta1, beta2)``.
+        eps: Added to the denominator.
+        weight_decay: The decay.
+        adam_w_mode: 1: decoupled weight decay (AdamW); 0: L2 added to the gradient.
+        bias_correction: 1 to correct the moments' bias, else 0.
+        step: Plain path: the step count after this step (``step_arguments``). Device path:
+            the group's count before it, a 0-dim float32 tensor on the device, advanced in place
+            when the step is taken.
+        step_tensor: Plain path: the same count as a tensor, or None (``step_arguments``).
+        seeds: Plain path: one stochastic-rounding seed per bucket, or empty to round to
+            nearest.
+        inv_scale: Device path: the gradients' multiplier, a 0-dim float32 tensor (None: 1).
+        found_inf: Device path: a 0-dim float32 flag; nonzero skips the step on the device.
+        check_finite: Device path: check every bucket but the largest (launched first) for
+            inf/nan before any is written, so that an inf anywhere skips the whole group, and
+            raise ``found_inf`` when the step was skipped (not needed when ``found_inf``
+            already covers every gradient, as ``GradScaler``'s does).
+    """
+    if device_path:
+        assert isinstance(lr, Tensor) and isinstance(step, Tensor)
+        _device_adam(
+            tensor_lists,
+            noop_flag,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            adam_w_mode=adam_w_mode,
+            bias_correction=bias_correction,
+            step=step,
+            inv_scale=inv_scale,
+            found_inf=found_inf,
+            check_finite=check_finite,
+        )
+    else:
+        assert not isinstance(step, Tensor)
+        _plain_adam(
+            tensor_lists,
+            noop_flag,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            adam_w_mode=adam_w_mode,
+            bias_correction=bias_correction,
+            step=step,
+            step_tensor=step_tensor,
+            seeds=seeds,
+        )
+
+
+def _plain_adam(
+    tensor_lists: Sequence[list[list[Tensor]]],
+    noop_flag: Callable[[torch.device], Tensor],
     *,
     lr: float | Tensor,
     betas: tuple[float, float],
     eps: float,
-    step: int,
-    step_tensor: Tensor | None,
+    weight_decay: float,
     adam_w_mode: int,
     bias_correction: int,
-    weight_decay: float,
-    rounding: tuple[int, ...] = (),
+    step: int,
+    step_tensor: Tensor | None,
+    seeds: Sequence[int],
 ) -> None:
-    """One plain-path launch on ``[grads, params, exp_avgs, exp_avg_sqs]``.
-
-    Args:
-        noop: The op's int32 flag (nonzero skips the launch).
-        lists: The four tensor lists, one ``(device, dtype)`` of params.
-        lr: The learning rate; a tensor stays a tensor (data of a compiled step).
-        betas: ``(beta1, beta2)``.
-        eps: Added to the denominator.
-        step: The step count after this step (``step_arguments``).
-        step_tensor: The same count as a tensor, or None (``step_arguments``).
-        adam_w_mode: 1: decoupled weight decay (AdamW); 0: L2 added to the gradient.
-        bias_correction: 1 to correct the moments' bias, else 0.
-        weight_decay: The decay.
-        rounding: ``(seed,)`` to round bfloat16 params stochastically, else empty.
-    """
+    """:func:`fused_adam` on the plain path: ``amp_C.multi_tensor_adam`` per bucket."""
     beta1, beta2 = betas
-    multi_tensor_applier(
-        amp_C.multi_tensor_adam,
-        noop,
-        lists,
-        lr,
-        beta1,
-        beta2,
-        eps,
-        step,
-        adam_w_mode,
-        bias_correction,
-        weight_decay,
-        step_tensor,
-        *rounding,
-    )
+    for index, lists in enumerate(tensor_lists):
+        # Stochastic rounding: a seed per launch; the op keys the bits by its own step count
+        # (step or step_tensor, so a compiled step does not recompile).
+        rounding = (seeds[index],) if seeds else ()
+        multi_tensor_applier(
+            amp_C.multi_tensor_adam,
+            noop_flag(lists[1][0].device),
+            lists,
+            lr,
+            beta1,
+            beta2,
+            eps,
+            step,
+            adam_w_mode,
+            bias_correction,
+            weight_decay,
+            step_tensor,
+            *rounding,
+        )
 
 
-def capturable_adam(
-    rows: Sequence[tuple[Any, ...]],
-    noop: Tensor,
+def _device_adam(
+    tensor_lists: Sequence[list[list[Tensor]]],
+    noop_flag: Callable[[torch.device], Tensor],
     *,
-    step: Tensor,
     lr: Tensor,
     betas: tuple[float, float],
     eps: float,
+    weight_decay: float,
     adam_w_mode: int,
     bias_correction: int,
-    weight_decay: float,
-    inv_scale: Tensor,
-    precheck: bool,
+    step: Tensor,
+    inv_scale: Tensor | None,
+    found_inf: Tensor | None,
+    check_finite: bool,
 ) -> None:
-    """One device-path step of one param group; advances ``step`` in place when it was taken.
-
-    Args:
-        rows: ``(param, grad, exp_avg, exp_avg_sq, master)`` per param, on one device (a
-            float32 param is its own master).
-        noop: The int32 skip flag of that device, raised on the device by the launches.
-        step: The group's step count, a 0-dim float32 tensor on the device.
-        lr: The learning rate, a 0-dim float32 tensor on the device.
-        betas: ``(beta1, beta2)``.
-        eps: Added to the denominator.
-        adam_w_mode: 1: decoupled weight decay (AdamW); 0: L2 added to the gradient.
-        bias_correction: 1 to correct the moments' bias, else 0.
-        weight_decay: The decay.
-        inv_scale: The gradients' multiplier, a 0-dim float32 tensor.
-        precheck: Check every bucket but the largest (launched first) for inf/nan before any
-            is written, so that an inf anywhere skips the whole group.
-    """
-    if not rows:
+    """:func:`fused_adam` on the device path: ``multi_tensor_adam_capturable_master`` per
+    bucket, the skip decided on the device (the group's int32 ``noop`` flag)."""
+    if not tensor_lists:
         return
-    device = rows[0][0].device
+    device = tensor_lists[0][1][0].device
     beta1, beta2 = betas
+    if inv_scale is None:
+        inv_scale = torch.ones((), dtype=torch.float32, device=device)
+    noop = noop_flag(device)
+    if found_inf is not None:
+        noop.copy_((found_inf.to(device).reshape(1) != 0).to(torch.int32))
     # Largest bucket first: its own launch checks its gradients before writing anything and
     # raises the flag that the later launches read, so only the others need a pre-check for
     # an inf to skip the whole group.
-    buckets = sorted(
-        group_by_device_dtype(list(rows)).items(),
-        key=lambda kv: sum(t.numel() for t in kv[1][0]),
-        reverse=True,
-    )
-    if precheck:
-        for _, (_, gs, *_unused) in buckets[1:]:
-            raise_on_nonfinite(noop, gs)
+    buckets = sorted(tensor_lists, key=lambda lists: sum(t.numel() for t in lists[1]), reverse=True)
+    if check_finite:
+        for lists in buckets[1:]:
+            raise_on_nonfinite(noop, lists[0])
     next_step = step + 1
-    for _, (ps, gs, ms, vs, masters) in buckets:
+    for lists in buckets:
         multi_tensor_applier(
             amp_C.multi_tensor_adam_capturable_master,
             noop,
-            [gs, ps, ms, vs, masters],
+            lists,
             lr,
             beta1,
             beta2,
@@ -146,6 +204,9 @@ def capturable_adam(
     # tensor from here on: reading it back would sync the host). In place: a CUDA graph that
     # captured this step advances the same tensor on every replay.
     step.add_((noop.reshape(()) == 0).to(torch.float32))
+    if check_finite:
+        assert found_inf is not None
+        found_inf.copy_(torch.maximum(found_inf, noop.reshape(()).to(found_inf)))
 
 
 def device_scalar(value: float | Tensor, device: torch.device) -> Tensor:

@@ -1,7 +1,8 @@
 """``FusedAdam``: Apex's multi-tensor Adam / AdamW, on any device and dtype.
 
-Two launch paths, one algorithm (``amp_C.multi_tensor_adam`` and
-``amp_C.multi_tensor_adam_capturable_master`` compute the same Adam step):
+Shaped as ``torch.optim.Adam``: the class validates its arguments, builds and loads the state,
+and its ``step`` gathers each param group's tensor lists by ``(device, dtype)`` for one
+functional step, :func:`~amp_optimizers._adam_step.fused_adam`, on one of two paths:
 
 * the **plain path** (default): ``multi_tensor_adam`` steps params of any float dtype in place,
   with float32 moments; ``lr`` and ``step`` are Python numbers.
@@ -10,41 +11,40 @@ Two launch paths, one algorithm (``amp_C.multi_tensor_adam`` and
   gradients, multiplies them by ``inv_scale``, steps float32 masters and writes the model params
   in the same pass; ``lr``, ``step``, the inverse scale and the skip flag stay on the device, so
   nothing syncs the host and the step can be captured in a CUDA graph.
+
+The master weights, and amp O2's protocol that steps them, are in
+:mod:`amp_optimizers._adam_masters`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ._adam_state_format import add_per_param_steps, from_torch_adam, is_torch_adam_format
-from ._adam_step import (
-    adam_launch,
-    capturable_adam,
-    device_scalar,
-    is_device_scalar,
-    raise_on_nonfinite_flag,
+from ._adam_masters import HALF_DTYPES, AdamMasterWeights
+from ._adam_state_format import (
+    add_per_param_steps,
+    drop_per_param_steps,
+    from_torch_adam,
+    is_torch_adam_format,
 )
-from ._base import FusedOptimizerBase
+from ._adam_step import device_scalar, fused_adam, is_device_scalar, raise_on_nonfinite_flag
 from ._step_helpers import (
     AmpCOp,
     advance_step,
     check_betas,
     check_nonnegative,
+    group_by_device_dtype,
     params_with_grads,
     step_arguments,
     unscale_grads_in_place,
 )
 from ._step_plan import StepPlan
-from ._stochastic_round import (
-    FLAG as _SR_FLAG,
-)
-from ._stochastic_round import (
-    SEED as _SR_SEED,
-)
+from ._stochastic_round import FLAG as _SR_FLAG
+from ._stochastic_round import SEED as _SR_SEED
 from ._stochastic_round import (
     assign_default_seeds,
     check_stochastic_round_group,
@@ -56,10 +56,8 @@ from ._stochastic_round import (
 
 __all__ = ["FusedAdam"]
 
-_HALF = (torch.float16, torch.bfloat16)
 
-
-class FusedAdam(FusedOptimizerBase):
+class FusedAdam(AdamMasterWeights):
     """Adam and AdamW with one multi-tensor launch per ``(device, dtype)`` (Apex's ``FusedAdam``).
 
     Drop-in for ``apex.optimizers.FusedAdam``: same positional signature and defaults. Params
@@ -171,8 +169,7 @@ class FusedAdam(FusedOptimizerBase):
         self.capturable = capturable
         self.master_weights = master_weights
         self._amp_master = False  # amp O2 switched the master-weight path on
-        # Under amp O2: each half param's master, as amp holds it (amp exports these).
-        self._amp_masters: dict[Tensor, Tensor] = {}
+        self._amp_masters = {}  # under amp O2: each half param's master, as amp holds it
         for group in self.param_groups:
             self._check_stochastic_round(group)
         self._sr_unagreed_seed = assign_default_seeds(self.defaults, self.param_groups)
@@ -181,21 +178,6 @@ class FusedAdam(FusedOptimizerBase):
                 self._after_load_group(group)
 
     # -- state ----------------------------------------------------------------------------
-
-    @property
-    def param_groups_master(self) -> list[dict[str, list[Tensor | None]]]:
-        """Apex's view of the float32 master weights: one ``{"params": [...]}`` per param group,
-        holding each param's master (``state[p]["master_param"]``) or None where it has none
-        (a float32 param, master weights off, or before the first step created it)."""
-        return [{"params": [self._master_of(p) for p in g["params"]]} for g in self.param_groups]
-
-    def _master_of(self, p: Tensor) -> Tensor | None:
-        """The master of ``p``: the one in its state, else the one amp O2 holds (if any)."""
-        state = self.state.get(p)
-        master = state.get("master_param") if state else None
-        if master is None and self._amp_master:
-            master = self._amp_masters.get(p)
-        return master
 
     def _state(self, p: Tensor, master_source: Tensor | None = None) -> dict[str, Any]:
         """The state of ``p``, created where missing (as on its first step).
@@ -208,7 +190,7 @@ class FusedAdam(FusedOptimizerBase):
         if "exp_avg" not in state:
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-        if self._uses_masters() and p.dtype in _HALF and "master_param" not in state:
+        if self._uses_masters() and p.dtype in HALF_DTYPES and "master_param" not in state:
             master = self._amp_masters.get(p) if self._amp_master else None
             if master is None:
                 source = p if master_source is None else master_source
@@ -237,31 +219,11 @@ class FusedAdam(FusedOptimizerBase):
         """
         if is_torch_adam_format(state_dict):
             state_dict = from_torch_adam(state_dict, self.adam_w_mode)
-        else:  # the per-param steps of state_dict() repeat the group's
-            state_dict = {
-                **state_dict,
-                "state": {
-                    pid: {k: v for k, v in s.items() if k != "step"}
-                    for pid, s in state_dict["state"].items()
-                },
-            }
-        masters = {
-            id(p): master
-            for g in self.param_groups
-            for p in g["params"]
-            if (master := self._master_of(p)) is not None
-        }
+        else:
+            state_dict = drop_per_param_steps(state_dict)
+        masters = self._masters_by_id()
         super().load_state_dict(state_dict)
-        for group in self.param_groups:
-            for p in group["params"]:
-                old = masters.get(id(p))
-                if old is None:
-                    continue
-                state = self.state[p]
-                new = state.get("master_param")
-                if new is not None:
-                    old.copy_(new)
-                state["master_param"] = old
+        self._keep_masters(masters)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group; with ``capturable=True`` its ``lr`` becomes a device tensor too.
@@ -292,9 +254,6 @@ class FusedAdam(FusedOptimizerBase):
             masters=masters or self._uses_masters(),
             capturable=self.capturable,
         )
-
-    def _uses_masters(self) -> bool:
-        return self.master_weights or self._amp_master
 
     def _after_load_group(self, group: dict[str, Any]) -> None:
         if not self.capturable or not group["params"]:
@@ -340,7 +299,7 @@ class FusedAdam(FusedOptimizerBase):
             plans = self.step_plans("FusedAdam", self._moments)
             for index, (group, plan, grads) in enumerate(plans):
                 if plan is not None:
-                    self._plain_step(group, plan, grads, index)
+                    self._plain_group(group, plan, grads, index)
             return loss
         work = [(g, params_with_grads("FusedAdam", g["params"])) for g in self.param_groups]
         work = [(group, params) for group, params in work if params]
@@ -348,7 +307,7 @@ class FusedAdam(FusedOptimizerBase):
         if found_inf is not None:
             # GradScaler's found_inf already covers every gradient: no pre-check needed.
             for group, params in work:
-                self._device_step(group, params, inv_scale, found_inf, precheck=False)
+                self._device_group(group, params, inv_scale, found_inf, check_finite=False)
         elif work:
             # An inf or a nan anywhere skips every group, as one step.
             own_flag = torch.zeros((), dtype=torch.float32, device=work[0][1][0].device)
@@ -369,74 +328,53 @@ class FusedAdam(FusedOptimizerBase):
         state = self._state(p)
         return state["exp_avg"], state["exp_avg_sq"]
 
-    def _plain_step(
+    def _plain_group(
         self, group: dict[str, Any], plan: StepPlan, grads: list[Tensor], group_index: int
     ) -> None:
+        """Step one group on the plain path: its cached plan's lists, the count on the host."""
         step, step_tensor = step_arguments(advance_step(group))
-        beta1, beta2 = group["betas"]
-        # A tensor lr stays a tensor: data of a compiled step, not a constant (the op reads it).
-        lr = group["lr"]
-        bias_correction = 1 if group["bias_correction"] else 0
-        for bucket_index, bucket in enumerate(plan.buckets):
-            ps, ms, vs = bucket.columns
-            # Stochastic rounding: a seed per launch; the op keys the bits by its own step
-            # count (step or step_tensor, so a compiled step does not recompile).
-            rounding: tuple[int, ...] = ()
-            if group.get(_SR_FLAG, False):
-                if group.get(_SR_SEED) is None:  # the option was switched on in the group by hand
-                    self._settle_stochastic_round_seeds()
-                launch = (group_index << 16) + bucket_index
-                rounding = (launch_seed(group[_SR_SEED], launch),)
-            adam_launch(
-                self.noop_flag(bucket.device),
-                [bucket.grads(grads), ps, ms, vs],
-                lr=lr,
-                betas=(beta1, beta2),
-                eps=group["eps"],
-                step=step,
-                step_tensor=step_tensor,
-                adam_w_mode=self.adam_w_mode,
-                bias_correction=bias_correction,
-                weight_decay=group["weight_decay"],
-                rounding=rounding,
-            )
+        seeds: list[int] = []
+        if group.get(_SR_FLAG, False):
+            if group.get(_SR_SEED) is None:  # the option was switched on in the group by hand
+                self._settle_stochastic_round_seeds()
+            first = group_index << 16  # a seed per launch: (group, bucket)
+            seeds = [launch_seed(group[_SR_SEED], first + i) for i in range(len(plan.buckets))]
+        fused_adam(
+            [[bucket.grads(grads), *bucket.columns] for bucket in plan.buckets],
+            self.noop_flag,
+            device_path=False,
+            # A tensor lr stays a tensor: data of a compiled step, not a constant.
+            lr=group["lr"],
+            betas=group["betas"],
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            adam_w_mode=self.adam_w_mode,
+            bias_correction=1 if group["bias_correction"] else 0,
+            step=step,
+            step_tensor=step_tensor,
+            seeds=seeds,
+        )
 
-    def _device_step(
+    def _device_group(
         self,
         group: dict[str, Any],
         params: list[Tensor],
         inv_scale: Tensor | None,
         found_inf: Tensor | None,
         *,
-        precheck: bool,
+        check_finite: bool,
         use_master_grads: bool = False,
-    ) -> Tensor:
-        """Step one group on the device path; returns its skip flag (int32, one element).
-
-        Args:
-            group: The param group.
-            params: Its params that have a gradient.
-            inv_scale: Multiplier of the gradients (None: 1).
-            found_inf: Nonzero skips the step on the device (None: no external flag).
-            precheck: Check every bucket but the largest (launched first) for inf/nan before
-                any is written, so that an inf anywhere skips the whole group (not needed when
-                ``found_inf`` already covers every gradient, as GradScaler's does).
-            use_master_grads: Read a half param's gradient from its master's ``.grad`` when
-                that is set (amp put the unscaled gradient there).
-        """
+    ) -> None:
+        """Step one group on the device path: ``params`` are those with a gradient;
+        ``inv_scale``, ``found_inf`` and ``check_finite`` as :func:`fused_adam` takes them;
+        ``use_master_grads``: read a half param's gradient from its master's ``.grad`` when
+        that is set (amp put the unscaled gradient there)."""
         device = params[0].device
-        beta1, beta2 = group["betas"]
         step_t = group.get("step", 0)
         if not is_device_scalar(step_t, device):
-            # The group's own count from here on, advanced in place (see the end).
+            # The group's own count from here on, advanced in place by the step.
             step_t = group["step"] = device_scalar(step_t, device).clone()
         lr_t = device_scalar(group["lr"], device)
-        if inv_scale is None:
-            inv_scale = torch.ones((), dtype=torch.float32, device=device)
-        noop = self.noop_flag(device)
-        if found_inf is not None:
-            noop.copy_((found_inf.to(device).reshape(1) != 0).to(torch.int32))
-
         rows = []
         for p in params:
             state = self._state(p)
@@ -449,83 +387,24 @@ class FusedAdam(FusedOptimizerBase):
                 # get a temporary float32 copy that the op steps and writes back.
                 master = p if p.dtype == torch.float32 else p.float()
             rows.append((p, grad, state["exp_avg"], state["exp_avg_sq"], master))
-        capturable_adam(
-            rows,
-            noop,
-            step=step_t,
+        fused_adam(
+            [
+                [gs, ps, ms, vs, masters]
+                for ps, gs, ms, vs, masters in group_by_device_dtype(rows).values()
+            ],
+            self.noop_flag,
+            device_path=True,
             lr=lr_t,
-            betas=(beta1, beta2),
+            betas=group["betas"],
             eps=group["eps"],
+            weight_decay=group["weight_decay"],
             adam_w_mode=self.adam_w_mode,
             bias_correction=1 if group["bias_correction"] else 0,
-            weight_decay=group["weight_decay"],
+            step=step_t,
             inv_scale=inv_scale,
-            precheck=precheck,
+            found_inf=found_inf,
+            check_finite=check_finite,
         )
-        return noop
-
-    # -- amp O2: the fused master-weight protocol of amp_core ------------------------------
-
-    def amp_enable_fused_master_weights(
-        self, fp32_sources: Mapping[Tensor, Tensor]
-    ) -> list[tuple[Tensor, Tensor]]:
-        """Keep float32 masters of the half params in this optimizer (called by amp O2).
-
-        Args:
-            fp32_sources: Full-precision values of params the model cast just now, used as the
-                masters' initial values.
-
-        Returns:
-            ``(model_param, master)`` for every half param.
-        """
-        for group in self.param_groups:
-            self._check_stochastic_round(group, masters=True)
-        self._amp_master = True
-        self.invalidate_step_plans()
-        pairs = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.dtype in _HALF:
-                    state = self._state(p, fp32_sources.get(p))
-                    pairs.append((p, state["master_param"]))
-        self._amp_masters.update(pairs)
-        return pairs
-
-    def amp_disable_fused_master_weights(self) -> None:
-        """Undo :meth:`amp_enable_fused_master_weights` (masters dropped unless
-        ``master_weights=True`` was asked for at construction)."""
-        self._amp_master = False
-        self._amp_masters = {}
-        self.invalidate_step_plans()
-        if not self.master_weights:
-            for state in self.state.values():
-                state.pop("master_param", None)
-
-    @torch.no_grad()
-    def amp_fused_master_step(self, inv_scale: Tensor, found_inf: Tensor) -> None:
-        """One step reading ``grad * inv_scale``; skipped on the device when ``found_inf`` is
-        nonzero or a gradient holds an inf or a nan, in which case ``found_inf`` is raised.
-
-        A half param's gradient is its master's ``.grad`` when amp put one there (already
-        unscaled; amp then passes ``inv_scale = 1``), else the param's own ``.grad``. An inf
-        anywhere skips every group: all groups but the first are checked before any is written.
-
-        Args:
-            inv_scale: 0-dim float32 tensor, the inverse loss scale.
-            found_inf: 0-dim float32 tensor, read and raised on the device.
-        """
-        work = []
-        for group in self.param_groups:
-            params = []
-            for p in group["params"]:
-                master = self._master_of(p)
-                has_master_grad = master is not None and master.grad is not None
-                if p.grad is not None or has_master_grad:
-                    params.append(p)
-            if params:
-                params_with_grads("FusedAdam", [p for p in params if p.grad is not None])
-                work.append((group, params))
-        self._device_steps(work, inv_scale, found_inf, use_master_grads=True)
 
     def _device_steps(
         self,
@@ -542,23 +421,14 @@ class FusedAdam(FusedOptimizerBase):
         ``found_inf`` (0-dim float32, raised on the device), which the later groups read.
         """
         for _group, params in work[1:]:
-            grads = [_amp_grad(self, p) if use_master_grads else p.grad for p in params]
+            grads = [self._amp_grad(p) if use_master_grads else p.grad for p in params]
             raise_on_nonfinite_flag(found_inf, [g for g in grads if g is not None])
         for group, params in work:
-            noop = self._device_step(
+            self._device_group(
                 group,
                 params,
                 inv_scale,
                 found_inf,
-                precheck=True,
+                check_finite=True,
                 use_master_grads=use_master_grads,
             )
-            found_inf.copy_(torch.maximum(found_inf, noop.reshape(()).to(found_inf)))
-
-
-def _amp_grad(optimizer: FusedAdam, p: Tensor) -> Tensor:
-    master = optimizer._master_of(p)
-    if master is not None and master.grad is not None:
-        return master.grad
-    assert p.grad is not None
-    return p.grad
