@@ -313,6 +313,25 @@ def test_fused_adam_state_dict_round_trip_through_torch_adam_is_bitwise() -> Non
     assert_bitwise_equal(back.state_dict(), fused.state_dict())
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_torch_adam_state_dict_of_half_params_continues_in_fused_adam(dtype) -> None:
+    # torch keeps the moments of half params in half, FusedAdam in float32: the loaded
+    # moments are the same values in float32, and the next step runs.
+    params = [torch.nn.Parameter(p.detach().to(dtype)) for p in _params()]
+    ref = torch.optim.AdamW(params, lr=1e-2)
+    _train(ref, params, range(2))
+    fused = FusedAdam(params, lr=1e-2)
+    fused.load_state_dict(ref.state_dict())
+    for p in params:
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert fused.state[p][key].dtype == torch.float32
+            assert torch.equal(fused.state[p][key], ref.state[p][key].float())
+    before = [p.detach().clone() for p in params]
+    _train(fused, params, range(2, 3))
+    assert fused.param_groups[0]["step"] == 3
+    assert all(not torch.equal(p, b) for p, b in zip(params, before, strict=True))
+
+
 def test_a_torch_adam_state_dict_fused_adam_cannot_continue_is_refused() -> None:
     params = _params()
     amsgrad = torch.optim.Adam(params, amsgrad=True)

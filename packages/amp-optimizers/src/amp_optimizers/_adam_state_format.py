@@ -83,13 +83,18 @@ def from_torch_adam(state_dict: dict[str, Any], adam_w_mode: int) -> dict[str, A
     Returns:
         A new state dict: each group gets ``bias_correction`` (True unless the group says
         otherwise) and the ``step`` its params share; the per-param ``step`` entries and
-        torch's own group keys are dropped.
+        torch's own group keys are dropped; the moments are float32 (torch keeps those of
+        half params in half).
 
     Raises:
         ValueError: AMSGrad or ``maximize`` was on, or the params of one group are at different
             steps (torch steps only params that had a gradient; FusedAdam counts per group).
     """
-    state = {pid: dict(s) for pid, s in state_dict["state"].items()}
+    # torch keeps the moments of half params in half; FusedAdam keeps them in float32 (exact).
+    state = {
+        pid: {k: v.float() if k in _MOMENTS and isinstance(v, Tensor) else v for k, v in s.items()}
+        for pid, s in state_dict["state"].items()
+    }
     groups = []
     for index, group in enumerate(state_dict["param_groups"]):
         for flag in ("amsgrad", "maximize"):
@@ -126,6 +131,8 @@ def from_torch_adam(state_dict: dict[str, Any], adam_w_mode: int) -> dict[str, A
         groups.append(new)
     return {"state": state, "param_groups": groups}
 
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 # Group keys of torch's Adam that FusedAdam has no use for.
 _TORCH_ONLY_KEYS = frozenset(
