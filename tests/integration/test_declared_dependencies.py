@@ -202,6 +202,19 @@ def test_every_toolkit_import_is_declared() -> None:
     )
 
 
+def test_the_op_library_imports_no_other_toolkit_package() -> None:
+    # amp-fused-ops is the bottom of the toolkit: not even an optional import of another
+    # package (amp O1's rule for its norm is a row of amp-core's policy table instead).
+    found = [
+        f"{path.relative_to(ROOT)}:{line}: {how}"
+        for path, package, kind in _scanned_files()
+        if package == "amp-fused-ops" and kind == "src"
+        for line, module, _optional, how in imports(path.read_text())
+        if module != "amp_fused_ops"
+    ]
+    assert not found, found
+
+
 def test_the_scan_reads_every_package() -> None:
     # A package whose folder moved or whose files the scan missed would pass unchecked.
     for package in PACKAGES:

@@ -11,6 +11,7 @@ removed when casting is switched off.
 from __future__ import annotations
 
 import enum
+import inspect
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -41,7 +42,10 @@ class Cast(enum.Enum):
 
 # The policy, by aten op name (all tensor overloads of each name). Mirrors Apex's lists in
 # apex/amp/lists/{torch,functional,tensor}_overrides.py, expressed at the aten level, so the
-# Python functions, Tensor methods and nn modules that reach these ops are all covered.
+# Python functions, Tensor methods and nn modules that reach these ops are all covered. An op
+# of another library is named with its namespace ("amp_fused_ops::norm_forward"); it is covered
+# when that library has defined it by the time O1 casting is switched on, and its own autocast
+# kernel (if any) gives way to the policy's while O1 is on.
 #: Apex's O1 policy: for each :class:`Cast`, the aten op names it applies to.
 POLICY: dict[Cast, tuple[str, ...]] = {
     Cast.LOW: (
@@ -59,8 +63,9 @@ POLICY: dict[Cast, tuple[str, ...]] = {
         # reductions
         "cumprod", "cumsum", "dist", "norm", "linalg_vector_norm", "prod", "std", "sum",
         "var", "renorm",
-        # softmax and normalization
+        # softmax and normalization (the fused norms of amp-fused-ops follow layer_norm)
         "softmax", "log_softmax", "layer_norm", "group_norm", "cosine_similarity",
+        "amp_fused_ops::norm_forward",
         # interpolation
         "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
         "upsample_linear1d", "upsample_bilinear2d", "upsample_bicubic2d",
@@ -115,6 +120,13 @@ def inplace_message(name: str, dtype: torch.dtype) -> str:
 
 
 _AUTOCAST_KEYS = {"cpu": DispatchKey.AutocastCPU, "cuda": DispatchKey.AutocastCUDA}
+# Registering over a kernel that another Python library registered (an op's own autocast
+# kernel): allowed by default where torch.library has the switch, and asked for explicitly.
+_OVERRIDE = (
+    {"allow_override": True}
+    if "allow_override" in inspect.signature(torch.library.Library.impl).parameters
+    else {}
+)
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
@@ -155,8 +167,10 @@ def cast_args(
 
 
 def _tensor_overloads(name: str, *, mutable: bool = False) -> list[torch._ops.OpOverload]:
-    packet = getattr(torch.ops.aten, name, None)
-    if packet is None:
+    namespace, _, op_name = name.rpartition("::")
+    try:
+        packet = getattr(getattr(torch.ops, namespace or "aten"), op_name)
+    except (AttributeError, RuntimeError):  # an op of a library that is not loaded
         return []
     found = []
     for overload_name in packet.overloads():
@@ -258,7 +272,8 @@ class PolicyKernels:
     """
 
     def __init__(self, device_types: Iterable[str]) -> None:
-        self._lib: torch.library.Library | None = torch.library.Library("aten", "IMPL")
+        # One library per namespace of the ops registered ("aten", and other libraries' ops).
+        self._libs: dict[str, torch.library.Library] | None = {}
         self.registered: list[tuple[str, str, Cast]] = []
         for device_type in device_types:
             key = _AUTOCAST_KEYS.get(device_type)
@@ -276,22 +291,26 @@ class PolicyKernels:
     def _register(
         self, op: torch._ops.OpOverload, cast: Cast, device_type: str, key: DispatchKey
     ) -> None:
-        assert self._lib is not None
+        assert self._libs is not None
         qualified = op.name()  # "aten::softmax.int"
+        namespace, name = qualified.split("::", 1)
         has_torch_kernel = torch._C._dispatch_has_kernel_for_dispatch_key(qualified, key.name)
-        if has_torch_kernel and cast is not Cast.BANNED:
+        if has_torch_kernel and cast is not Cast.BANNED and namespace == "aten":
             return  # PyTorch's own autocast kernel already implements this op's policy
+        library = self._libs.get(namespace)
+        if library is None:
+            library = self._libs[namespace] = torch.library.Library(namespace, "IMPL")
         with warnings.catch_warnings():
-            # Replacing PyTorch's kernel for the banned op warns once; that is intended here.
+            # Replacing an autocast kernel (PyTorch's for the banned op, another library's own
+            # for its ops) warns once; that is intended here, and undone by remove().
             warnings.simplefilter("ignore")
-            self._lib.impl(
-                qualified.split("::", 1)[1], _make_kernel(op, cast, device_type, key), key.name
-            )
+            library.impl(name, _make_kernel(op, cast, device_type, key), key.name, **_OVERRIDE)
         self.registered.append((qualified, device_type, cast))
 
     def remove(self) -> None:
         """Unregister every kernel; PyTorch's own policy applies again."""
-        if self._lib is not None:
-            self._lib._destroy()
-            self._lib = None
+        if self._libs is not None:
+            for library in self._libs.values():
+                library._destroy()
+            self._libs = None
             self.registered = []
