@@ -82,11 +82,14 @@ class NormFunction : public torch::autograd::Function<NormFunction> {
     ctx->saved_data["memory_efficient"] = from_output;
     ctx->saved_data["input_dtype"] = static_cast<int64_t>(x.scalar_type());
     ctx->mark_non_differentiable({mean, invvar});
+    // No zero gradients made for mean and invvar (they have none): backward reads out's only.
+    ctx->set_materialize_grads(false);
     return {out, mean, invvar};
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
+    if (!grads[0].defined()) return torch::autograd::variable_list(7);
     const auto saved = ctx->get_saved_variables();
     const bool rms = ctx->saved_data["rms"].toBool();
     const auto input_dtype =

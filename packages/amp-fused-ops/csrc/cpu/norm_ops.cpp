@@ -44,8 +44,14 @@ bool aten_takes(const at::Tensor& rows, const std::optional<at::Tensor>& weight,
   return true;
 }
 
+// t in `dtype`, without a dispatcher call when it already is (the common case: these calls
+// are the host cost of a norm on a small input).
+at::Tensor as_dtype(const at::Tensor& t, at::ScalarType dtype) {
+  return t.scalar_type() == dtype ? t : t.to(dtype);
+}
+
 std::optional<at::Tensor> as_float(const std::optional<at::Tensor>& t) {
-  return t.has_value() ? std::optional<at::Tensor>(t->to(at::kFloat)) : std::nullopt;
+  return t.has_value() ? std::optional<at::Tensor>(as_dtype(*t, at::kFloat)) : std::nullopt;
 }
 
 Stats norm_forward_cpu(const at::Tensor& x, const std::optional<at::Tensor>& weight,
@@ -59,10 +65,11 @@ Stats norm_forward_cpu(const at::Tensor& x, const std::optional<at::Tensor>& wei
   }
   // float32 parameters: ATen's mixed-type kernel (fp32 statistics and math for half x); the
   // mixed variants output in the parameters' dtype, so they normalize an fp32 copy of x.
-  const at::Tensor source = mixed ? x.to(at::kFloat) : x;
+  const at::Tensor source = mixed ? as_dtype(x, at::kFloat) : x;
   auto [out, mean, rstd] =
       at::native_layer_norm(source, {x.size(1)}, as_float(weight), as_float(bias), eps);
-  return {out.to(norm_reference::output_dtype(x, weight, mixed)), mean.view(-1), rstd.view(-1)};
+  return {as_dtype(out, norm_reference::output_dtype(x, weight, mixed)), mean.view(-1),
+          rstd.view(-1)};
 }
 
 Stats norm_backward_cpu(const at::Tensor& grad_out, const at::Tensor& saved,
@@ -77,14 +84,14 @@ Stats norm_backward_cpu(const at::Tensor& grad_out, const at::Tensor& saved,
   // The kernel wants grad_out in the dtype of the input it normalized: fp32 when the output
   // was (the mixed variants, or a float32 input), else the half input itself.
   const at::Tensor source =
-      grad_out.scalar_type() == saved.scalar_type() ? saved : saved.to(at::kFloat);
+      grad_out.scalar_type() == saved.scalar_type() ? saved : as_dtype(saved, at::kFloat);
   const std::array<bool, 3> mask = {true, weight.has_value(), bias.has_value()};
   auto [dx, dw, db] = at::native_layer_norm_backward(
-      grad_out.to(source.scalar_type()), source, {saved.size(1)}, mean.view({-1, 1}),
+      as_dtype(grad_out, source.scalar_type()), source, {saved.size(1)}, mean.view({-1, 1}),
       invvar.view({-1, 1}), as_float(weight), as_float(bias), mask);
-  return {dx.to(input_dtype),
-          weight.has_value() ? dw.to(weight->scalar_type()) : grad_out.new_empty({0}),
-          bias.has_value() ? db.to(bias->scalar_type()) : grad_out.new_empty({0})};
+  return {as_dtype(dx, input_dtype),
+          weight.has_value() ? as_dtype(dw, weight->scalar_type()) : grad_out.new_empty({0}),
+          bias.has_value() ? as_dtype(db, bias->scalar_type()) : grad_out.new_empty({0})};
 }
 
 }  // namespace
