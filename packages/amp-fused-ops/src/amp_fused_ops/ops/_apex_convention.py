@@ -271,10 +271,7 @@ def _tensor_numbers(
     if not isinstance(first, Tensor):
         first = noop_flag
     device = first.device
-    if cpu_scalars is not None:
-        cpu = cpu_scalars
-    else:  # is_cpu is the cheaper read; traced, it would be a node of the graph
-        cpu = device.type == "cpu" if torch.compiler.is_compiling() else first.is_cpu
+    cpu = device.type == "cpu" if cpu_scalars is None else cpu_scalars
     args_list: list[Any] | None = None
     for index, argument in numbers:
         if index < len(args):
