@@ -6,14 +6,19 @@ picks the kernel by the tensors' device: the compiled CPU or CUDA kernel when th
 is loaded, else the pure-PyTorch reference; fake kernels serve ``torch.compile`` and meta
 tensors. Before the call an op
 
-1. checks ``chunk_size`` and its scalar arguments against one table
-   (:data:`amp_fused_ops.ops._preconditions.PRECONDITIONS`), so that a mistake gives the same
-   ``ValueError`` and message whichever kernel runs (the per-tensor preconditions are the
-   kernels' own, with the same exception types and words on every path);
-2. loads the compiled extension of the tensors' device on first use (building it just in time;
+1. loads the compiled extension of the tensors' device on first use (building it just in time;
    :func:`amp_fused_ops.extensions.get_extension`), so that its kernels are registered;
-3. unpacks ``tensor_lists`` into the schema's list arguments and turns a Python number given
-   where Apex passes a one-element tensor (``lr``, ``step``, ``inv_scale`` ...) into a tensor.
+2. unpacks ``tensor_lists`` into the schema's list arguments and turns a Python number given
+   where Apex passes a one-element tensor (``lr``, ``step``, ``inv_scale`` ...) into a tensor
+   (:mod:`amp_fused_ops.ops._apex_convention`).
+
+``chunk_size`` and the scalar arguments are checked once per call, by the kernel that runs
+(compiled or reference). When a call fails, the table of
+:data:`amp_fused_ops.ops._preconditions.PRECONDITIONS` is consulted before the error leaves
+``amp_C``, so that a mistake in those arguments gives the same ``ValueError`` and message
+whichever kernel runs (the per-tensor preconditions are the kernels' own, with the same
+exception types and words on every path). Under ``torch.compile``, and for the emulated
+kernels, the table is checked before the call.
 
 Every kernel bumps the autograd version counter of each tensor the op writes in place, so
 autograd detects a tensor saved for backward and modified by an op, and caches keyed on
@@ -29,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -55,10 +60,16 @@ _routes: dict[str, types.ModuleType] = {}
 def _load_kernels(device_type: str) -> None:
     """Register the compiled kernels of ``device_type`` with the dispatcher (first use only).
 
-    The loader remembers its answer per kind, so later calls are one dictionary lookup; while
+    The loader remembers its answer per kind (read here without a call); while
     ``torch.compile`` traces, nothing is loaded (the fake kernels trace the op).
     """
-    if device_type in _EXTENSION_DEVICE_TYPES and not torch.compiler.is_compiling():
+    # is_compiling first: a traced read of the loader's table would guard the graph on it,
+    # which a load after tracing would break (a recompilation).
+    if (
+        not torch.compiler.is_compiling()
+        and device_type not in _extension_api._resolved
+        and device_type in _EXTENSION_DEVICE_TYPES
+    ):
         _extension_api.get_extension(device_type)
 
 
@@ -73,11 +84,12 @@ def _first_tensor(tensor_lists: Any) -> Tensor | None:
 
 
 def _op(name: str) -> Callable[..., Any]:
-    """The ``amp_C`` op ``name``: checks, then the dispatcher op under Apex's convention."""
+    """The ``amp_C`` op ``name``: the dispatcher op under Apex's convention, its scalar
+    arguments checked against the table when the call fails (see the module docstring)."""
     spec = REGISTRY[name]
-    call = apex_convention(name, getattr(getattr(torch.ops, OPS_NAMESPACE), name).default)
 
     if not spec.list_counts:  # update_scale_hysteresis: no tensor lists, no chunk size
+        call = apex_convention(name, getattr(getattr(torch.ops, OPS_NAMESPACE), name).default)
 
         def plain(current_scale: Tensor, *args: Any, **kwargs: Any) -> Any:
             if not isinstance(current_scale, Tensor):
@@ -87,6 +99,13 @@ def _op(name: str) -> Callable[..., Any]:
 
         return functools.wraps(spec.reference)(plain)
 
+    def check(chunk_size: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+        _preconditions.check(name, chunk_size, args, kwargs)
+
+    call = apex_convention(
+        name, getattr(getattr(torch.ops, OPS_NAMESPACE), name).default, explain=check
+    )
+
     def op(
         chunk_size: int,
         noop_flag: Tensor,
@@ -94,16 +113,30 @@ def _op(name: str) -> Callable[..., Any]:
         *args: Any,
         **kwargs: Any,
     ) -> Any:
-        _preconditions.check(name, chunk_size, args, kwargs)
-        first = _first_tensor(tensor_lists)
+        compiling = torch.compiler.is_compiling()
+        if type(chunk_size) is not int or _routes or compiling:
+            # A bool or float chunk_size would reach a kernel as an int; a routed call and a
+            # traced one are checked before the call, as the error would come too late.
+            check(chunk_size, args, kwargs)
+        first: Any = None
+        if type(tensor_lists) is list and tensor_lists and type(tensor_lists[0]) is list:
+            part = tensor_lists[0]  # the usual call: lists of lists
+            first = part[0] if part and isinstance(part[0], Tensor) else None
+        else:
+            first = _first_tensor(tensor_lists)
         if not isinstance(noop_flag, Tensor) or (first is None and tensor_lists):
             # Malformed arguments: the reference raises the documented error for them.
+            check(chunk_size, args, kwargs)
             return spec.reference(chunk_size, noop_flag, tensor_lists, *args, **kwargs)
-        device_type = (noop_flag if first is None else first).device.type
-        routed = _routes.get(device_type) if _routes else None
-        if routed is not None and hasattr(routed, name):
-            return getattr(routed, name)(chunk_size, noop_flag, tensor_lists, *args, **kwargs)
-        _load_kernels(device_type)
+        tensor = noop_flag if first is None else first
+        # is_cpu is the cheaper read; traced, it would be a node of the graph.
+        device_type = "cpu" if not compiling and tensor.is_cpu else tensor.device.type
+        if _routes:
+            routed = _routes.get(device_type)
+            if routed is not None and hasattr(routed, name):
+                return getattr(routed, name)(chunk_size, noop_flag, tensor_lists, *args, **kwargs)
+        if not compiling and device_type not in _extension_api._resolved:
+            _load_kernels(device_type)
         return call(chunk_size, noop_flag, tensor_lists, *args, **kwargs)
 
     return functools.wraps(spec.reference)(op)

@@ -79,6 +79,26 @@ _SHARD_NORM_OPS = frozenset(
 _SHARD_FLAG_OPS = frozenset({"multi_tensor_adam_capturable", "multi_tensor_adam_capturable_master"})
 
 
+# Types no DTensor has: a list of these alone needs no walk (see _holds_dtensor).
+_PLAIN_TYPES = frozenset({Tensor, torch.nn.Parameter})
+
+
+def _holds_dtensor(dtensor: type, lists: Sequence[Sequence[Any] | None]) -> bool:
+    """Whether any tensor of ``lists`` is a ``dtensor``.
+
+    One set test per list for lists of plain tensors and parameters, in C; a list with other
+    types (tensor subclasses) is walked.
+    """
+    for part in lists:
+        if (
+            part is not None
+            and not _PLAIN_TYPES.issuperset(map(type, part))
+            and any(type(t) is dtensor for t in part)
+        ):
+            return True
+    return False
+
+
 def _local_shards(name: str, lists: list[Any]) -> tuple[list[Any], list[tuple[Any, ...]] | None]:
     """``lists`` with every DTensor replaced by its local shard (FSDP2 parameters and state).
 
@@ -94,9 +114,7 @@ def _local_shards(name: str, lists: list[Any]) -> tuple[list[Any], list[tuple[An
         ValueError: The tensors of one position are not sharded alike.
     """
     dtensor = dtensor_type()
-    if dtensor is None or not any(
-        type(t) is dtensor for part in lists if part is not None for t in part
-    ):
+    if dtensor is None or not _holds_dtensor(dtensor, lists):
         return lists, None
     if name not in _SHARD_LOCAL_OPS | _SHARD_NORM_OPS | _SHARD_FLAG_OPS:
         raise NotImplementedError(
@@ -130,7 +148,11 @@ def _local_shards(name: str, lists: list[Any]) -> tuple[list[Any], list[tuple[An
 
 
 def apex_convention(
-    name: str, overload: Any, *, cpu_scalars: bool | None = None
+    name: str,
+    overload: Any,
+    *,
+    cpu_scalars: bool | None = None,
+    explain: Callable[[Any, tuple[Any, ...], dict[str, Any]], None] | None = None,
 ) -> Callable[..., Any]:
     """``overload`` (an op of :data:`REGISTRY`, separate list arguments) called as Apex's
     ``amp_C.<name>(chunk_size, noop_flag, tensor_lists, *args)``.
@@ -139,6 +161,12 @@ def apex_convention(
     ``inv_scale`` ...) becomes a tensor (see :func:`_number_tensor`): float64 on the CPU and
     float32 on other devices, unless ``cpu_scalars`` says which (the emulated CUDA kernels run
     on the CPU and read float32). Ops without tensor lists are returned as they are.
+
+    ``explain(chunk_size, args, kwargs)``, when given, runs before any error of a call leaves
+    the wrapper (the kernel's, or the wrapper's own), and before the cross-rank work of a
+    sharded call: ``amp_C`` checks its table of preconditions there, so that its error, when
+    the scalar arguments break one, is the one raised, while a call that succeeds is checked
+    by its kernel only.
     """
     counts = REGISTRY[name].list_counts
     if not counts:  # update_scale_hysteresis: Apex's returns its first argument
@@ -153,7 +181,6 @@ def apex_convention(
     layouts = f"{' or '.join(map(str, counts))} tensor lists"
     scalars = overload._schema.arguments[2 + most :]
     names = [argument.name for argument in scalars]
-    inv_scale_at = names.index("inv_scale") if "inv_scale" in names else len(names)
     # A tensor given for a ``float lr`` goes to the op's ``lr_tensor`` (see _tensor_lr).
     lr_at = (names.index("lr"), names.index("lr_tensor")) if "lr_tensor" in names else None
     numbers = tuple(
@@ -161,6 +188,10 @@ def apex_convention(
         for index, argument in enumerate(scalars)
         if str(argument.type) == "Tensor"
     )
+    norm_op = name in _SHARD_NORM_OPS
+    # The dispatcher's callable behind the overload, without OpOverload.__call__'s Python frame;
+    # torch.compile traces the overload itself.
+    eager = getattr(overload, "_op", overload)
 
     def op(
         chunk_size: int,
@@ -169,50 +200,134 @@ def apex_convention(
         *args: Any,
         **kwargs: Any,
     ) -> Any:
-        given = len(tensor_lists)
-        if given not in counts:
-            raise ValueError(f"{name}: expected {layouts}, got {given}")
-        if lr_at is not None:
-            args, kwargs = _tensor_lr(name, *lr_at, args, kwargs)
-        if name in _SHARD_NORM_OPS and torch.compiler.is_compiling() and _any_dtensor(tensor_lists):
-            # The cross-rank reductions of a sharded step run outside the graph (see
-            # outside_graph), on the DTensors themselves.
-            return outside_graph(op, chunk_size, noop_flag, tensor_lists, *args, **kwargs)
-        lists: list[Any] = [*tensor_lists, *([None] * (most - given))]
-        lists, groups = _local_shards(name, lists)
-        if groups is not None and name in _SHARD_NORM_OPS:
-            return _sharded_reference(name, chunk_size, noop_flag, lists, groups, args, kwargs)
-        if groups is not None and name in _SHARD_FLAG_OPS:
-            inv_scale = kwargs.get(
-                "inv_scale", args[inv_scale_at] if inv_scale_at < len(args) else 1.0
-            )
-            agree_nonfinite(noop_flag, lists[0], to_local(inv_scale), groups)
-        if "mode" in kwargs:
-            kwargs["decay_mode"] = kwargs.pop("mode")
-        if numbers:
-            first = tensor_lists[0][0] if given and tensor_lists[0] else noop_flag
-            device = first.device if isinstance(first, Tensor) else noop_flag.device
-            cpu = device.type == "cpu" if cpu_scalars is None else cpu_scalars
-            args_list = list(args)
-            for index, argument in numbers:
-                if index < len(args_list):
-                    args_list[index] = _number_tensor(name, argument, args_list[index], device, cpu)
-                elif argument in kwargs:
-                    kwargs[argument] = _number_tensor(name, argument, kwargs[argument], device, cpu)
-            args = tuple(args_list)
+        given_args, given_kwargs = args, kwargs  # as the caller wrote them, for explain
+        sharded = False
         try:
-            return overload(chunk_size, noop_flag, *lists, *args, **kwargs)
-        except NotImplementedError:
-            # A tensor on a device the op has no kernel for ends here, before any kernel's own
-            # device check: raise that check's error instead.
-            wrong = find_wrong_device(name, noop_flag, tensor_lists)
-            if wrong is None:
-                raise
-            raise wrong from None
+            given = len(tensor_lists)
+            if given not in counts:
+                raise ValueError(f"{name}: expected {layouts}, got {given}")
+            if lr_at is not None:
+                args, kwargs = _tensor_lr(name, *lr_at, args, kwargs)
+            dtensor = dtensor_type()
+            if dtensor is not None and _holds_dtensor(dtensor, tensor_lists):
+                sharded = True
+                if explain is not None:
+                    explain(chunk_size, given_args, given_kwargs)
+                if norm_op and torch.compiler.is_compiling():
+                    # The cross-rank reductions of a sharded step run outside the graph (see
+                    # outside_graph), on the DTensors themselves.
+                    return outside_graph(op, chunk_size, noop_flag, tensor_lists, *args, **kwargs)
+                return _sharded_call(
+                    name,
+                    overload,
+                    numbers,
+                    cpu_scalars,
+                    chunk_size,
+                    noop_flag,
+                    tensor_lists,
+                    args,
+                    kwargs,
+                )
+            if kwargs and "mode" in kwargs:
+                kwargs = {**kwargs, "decay_mode": kwargs["mode"]}
+                del kwargs["mode"]
+            if numbers:
+                args, kwargs = _tensor_numbers(
+                    name, numbers, noop_flag, tensor_lists, args, kwargs, cpu_scalars
+                )
+            kernel = overload if torch.compiler.is_compiling() else eager
+            if given == most:
+                return kernel(chunk_size, noop_flag, *tensor_lists, *args, **kwargs)
+            return kernel(
+                chunk_size, noop_flag, *tensor_lists, *([None] * (most - given)), *args, **kwargs
+            )
+        except Exception as error:
+            if explain is not None and not sharded:
+                try:
+                    explain(chunk_size, given_args, given_kwargs)
+                except ValueError as mistake:
+                    raise mistake from None
+            if isinstance(error, NotImplementedError) and not sharded:
+                _raise_wrong_device(name, noop_flag, tensor_lists)
+            raise
 
     op.__name__ = op.__qualname__ = name
     op.__doc__ = f"``torch.ops.{overload.namespace}.{name}`` with Apex's ``amp_C`` arguments."
     return op
+
+
+def _tensor_numbers(
+    name: str,
+    numbers: tuple[tuple[int, str], ...],
+    noop_flag: Tensor,
+    tensor_lists: Sequence[Sequence[Tensor]],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    cpu_scalars: bool | None,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` with the Python numbers given for the schema's tensor scalars
+    (``numbers``: their positions and names) made tensors on the tensors' device."""
+    first = tensor_lists[0][0] if tensor_lists and tensor_lists[0] else noop_flag
+    if not isinstance(first, Tensor):
+        first = noop_flag
+    device = first.device
+    cpu = device.type == "cpu" if cpu_scalars is None else cpu_scalars
+    args_list: list[Any] | None = None
+    for index, argument in numbers:
+        if index < len(args):
+            value = args[index]
+            if not isinstance(value, Tensor):
+                if args_list is None:
+                    args_list = list(args)
+                args_list[index] = _number_tensor(name, argument, value, device, cpu)
+        elif argument in kwargs:
+            value = _number_tensor(name, argument, kwargs[argument], device, cpu)
+            kwargs = {**kwargs, argument: value}
+    return (args if args_list is None else tuple(args_list)), kwargs
+
+
+def _raise_wrong_device(name: str, noop_flag: Tensor, tensor_lists: Sequence[Any]) -> None:
+    """Raise the kernels' device check error when a tensor is on another device than
+    ``noop_flag``: called on the ``NotImplementedError`` of a device the op has no kernel for,
+    which the dispatcher raises before any kernel's own device check."""
+    wrong = find_wrong_device(name, noop_flag, tensor_lists)
+    if wrong is not None:
+        raise wrong from None
+
+
+def _sharded_call(
+    name: str,
+    overload: Any,
+    numbers: tuple[tuple[int, str], ...],
+    cpu_scalars: bool | None,
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: Sequence[Sequence[Tensor]],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """The op on DTensor (FSDP2) arguments: on their local shards, with the norms and overflow
+    decisions agreed across the ranks (see :func:`_local_shards`)."""
+    most = max(REGISTRY[name].list_counts)
+    lists: list[Any] = [*tensor_lists, *([None] * (most - len(tensor_lists)))]
+    lists, groups = _local_shards(name, lists)
+    assert groups is not None  # the caller found a DTensor
+    if name in _SHARD_NORM_OPS:
+        return _sharded_reference(name, chunk_size, noop_flag, lists, groups, args, kwargs)
+    if name in _SHARD_FLAG_OPS:
+        names = [argument.name for argument in overload._schema.arguments[2 + most :]]
+        at = names.index("inv_scale")
+        inv_scale = kwargs.get("inv_scale", args[at] if at < len(args) else 1.0)
+        agree_nonfinite(noop_flag, lists[0], to_local(inv_scale), groups)
+    if "mode" in kwargs:
+        kwargs["decay_mode"] = kwargs.pop("mode")
+    if numbers:
+        args, kwargs = _tensor_numbers(name, numbers, noop_flag, lists, args, kwargs, cpu_scalars)
+    try:
+        return overload(chunk_size, noop_flag, *lists, *args, **kwargs)
+    except NotImplementedError:
+        _raise_wrong_device(name, noop_flag, tensor_lists)
+        raise
 
 
 def _tensor_lr(
@@ -248,13 +363,6 @@ def _tensor_lr(
     else:
         kwargs = {**kwargs, "lr": 0.0}
     return args, {**kwargs, "lr_tensor": lr_tensor}
-
-
-def _any_dtensor(tensor_lists: Sequence[Sequence[Tensor] | None]) -> bool:
-    dtensor = dtensor_type()
-    return dtensor is not None and any(
-        type(t) is dtensor for part in tensor_lists if part is not None for t in part
-    )
 
 
 def _sharded_reference(

@@ -1,11 +1,12 @@
 """The preconditions on the scalar arguments of every ``amp_C`` op, in one table.
 
-:mod:`amp_fused_ops.amp_C` checks them once, before the dispatcher picks the compiled
-kernel or the reference, and the reference ops check them with the same function when called
-directly: a bad ``chunk_size``, ``mode``, ``bias_correction``, ``step`` ... gives the same
-``ValueError``, with the same message, on every path. The compiled kernels keep their own
-``TORCH_CHECK`` guards (a ``ValueError`` too), which only a direct call of the extension
-reaches.
+The reference ops check them with :func:`check_arguments`; the compiled kernels keep their own
+``TORCH_CHECK`` guards (a ``ValueError`` too, in other words). A call that succeeds is checked
+once, by the kernel that runs it. When an :mod:`amp_fused_ops.amp_C` call fails, ``amp_C``
+checks the call against this table (:func:`check`) before the error leaves it, so that a bad
+``chunk_size``, ``mode``, ``bias_correction``, ``step`` ... gives the same ``ValueError``, with
+the same message, on every path; the kernels' own words reach only a direct call of the
+extension. Under ``torch.compile`` ``amp_C`` checks the table before the call.
 
 The per-tensor preconditions (list count and lengths, sizes, dtypes, layouts, devices,
 overlap) stay with each path, which walks the tensors anyway; they raise the same exception
