@@ -801,6 +801,7 @@ EMULATION_TESTS = [
     "packages/amp-fused-ops/tests/test_cuda_kernels_stochastic_round.py",
     "packages/amp-fused-ops/tests/test_op_registry.py",
     "packages/amp-fused-ops/tests/test_multi_tensor_launches.py",
+    "packages/amp-fused-ops/tests/test_amp_C_call_path.py",
     "packages/amp-optimizers/tests/test_captured_steps.py",
 ]
 

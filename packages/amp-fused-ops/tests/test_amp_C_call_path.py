@@ -14,6 +14,8 @@ import torch
 from torch import Tensor
 
 from _cpu_extension_helpers import load_from, session_cache
+from _kernel_target import DEVICE as KERNEL_DEVICE
+from _kernel_target import EMULATED, norm_ops
 from _op_cases import OP_CASES
 from _op_cases import noop_flag as flag
 from amp_fused_ops import amp_C, multi_tensor_applier
@@ -157,6 +159,35 @@ def test_every_kernel_refuses_what_the_table_refuses(
     sample[at + _preconditions.PRECONDITIONS[op].arguments.index(argument)] = value
     with pytest.raises(ValueError, match=argument):
         getattr(torch.ops.amp_fused_ops, op).default(*sample)
+
+
+def _on(value: Any, device: str) -> Any:
+    if isinstance(value, Tensor):
+        return value.to(device)
+    if isinstance(value, list):
+        return [_on(v, device) for v in value]
+    return value
+
+
+@pytest.mark.gpu
+@pytest.mark.cuda_emulation
+@pytest.mark.parametrize(("op", "argument", "value"), _REFUSED)
+def test_every_cuda_kernel_refuses_what_the_table_refuses(
+    op: str, argument: str, value: int
+) -> None:
+    """The same for the kernels of csrc/cuda (on a GPU, or the emulated build on the CPU): a
+    call on CUDA tensors that succeeds is checked by them alone."""
+    ops = norm_ops()  # torch.ops.amp_fused_ops on a GPU, the emulated build's namespace else
+    qualified = f"{ops.name}::{op}"
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(
+        qualified, "CUDA" if not EMULATED else "CPU"
+    ):
+        pytest.skip(f"{op} has no kernel in csrc/cuda (the reference runs, tested above)")
+    sample = [_on(v, KERNEL_DEVICE) for v in OP_CASES[op].sample()]
+    at = 2 + max(REGISTRY[op].list_counts)
+    sample[at + _preconditions.PRECONDITIONS[op].arguments.index(argument)] = value
+    with pytest.raises(ValueError, match=argument):
+        getattr(ops, op).default(*sample)
 
 
 class _Marked(Tensor):
