@@ -2,8 +2,9 @@
 
 Times ``amp_C.multi_tensor_scale`` (2 lists; also through ``multi_tensor_applier``, as Apex's
 callers make it) and ``amp_C.multi_tensor_adam`` (4 lists) on tiny tensors, where the kernels'
-own work is negligible, and ``FusedAdam.step`` on 100 tiny tensors, against
-``torch._foreach_mul_`` (one ATen call) as the floor of a dispatcher call from Python. Each
+own work is negligible, and ``FusedAdam.step`` on 100 tiny tensors beside
+``torch.optim.AdamW(fused=True).step`` on the same, against ``torch._foreach_mul_`` (one ATen
+call) as the floor of a dispatcher call from Python. Each
 variant runs ``--calls`` times per round; rounds alternate the variants. ``--import-dtensor``
 imports ``torch.distributed.tensor`` first, as FSDP2 code does, after which the ops look for
 DTensor arguments.
@@ -40,6 +41,10 @@ def _variants(device: torch.device, tensors: int) -> dict[str, object]:
     for p in params:
         p.grad = torch.full_like(p, 0.1)
     optimizer = FusedAdam(params, lr=1e-3)
+    torch_params = [torch.nn.Parameter(torch.ones(4, device=device)) for _ in range(100)]
+    for p in torch_params:
+        p.grad = torch.full_like(p, 0.1)
+    torch_fused = torch.optim.AdamW(torch_params, lr=1e-3, fused=True)
     return {
         "torch._foreach_mul_ (floor)": lambda: torch._foreach_mul_(ys, 1.0),
         "amp_C.multi_tensor_scale": lambda: amp_C.multi_tensor_scale(
@@ -52,6 +57,7 @@ def _variants(device: torch.device, tensors: int) -> dict[str, object]:
             2048 * 32, flag, [ys, xs, m, v], 0.0, 0.9, 0.999, 1e-8, 1, 1, 1, 0.0
         ),
         "FusedAdam.step (100 tensors)": optimizer.step,
+        "torch AdamW(fused=True).step (100 tensors)": torch_fused.step,
     }
 
 
