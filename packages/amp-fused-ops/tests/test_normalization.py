@@ -445,6 +445,36 @@ def test_the_python_formula_matches_the_cpp_one() -> None:
                 torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("path", ["cpp", "python"])
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_double_backward_raises_instead_of_giving_a_partial_gradient(
+    path: str, rms: bool, cpu_extension: object
+) -> None:
+    """A gradient penalty (create_graph=True) through a fused norm: the first-order gradient is
+    right, and differentiating it raises, on the C++ formula and on the Python one alike."""
+    from amp_fused_ops.normalization import _ops as _norm_ops
+
+    torch.manual_seed(4)
+    x = torch.randn(4, 8, requires_grad=True)
+    w = (torch.rand(8) + 0.5).requires_grad_()
+    b = None if rms else torch.randn(8, requires_grad=True)
+    call = _norm_ops.NORM_FORWARD if path == "cpp" else _norm_ops._autograd_kernel
+    out, _, _ = call(x, w, b, 1e-5, rms, False, False)
+    (grad,) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
+    xr = x.detach().clone().requires_grad_()
+    ref = (
+        F.rms_norm(xr, (8,), w.detach(), 1e-5)
+        if rms
+        else F.layer_norm(xr, (8,), w.detach(), b.detach() if b is not None else None, 1e-5)
+    )
+    (want,) = torch.autograd.grad(ref.pow(2).sum(), xr)
+    torch.testing.assert_close(grad.detach(), want)
+    penalty = out.sum() + grad.pow(2).sum()
+    # The Python formula is once_differentiable itself; the C++ one says the same in its words.
+    with pytest.raises(RuntimeError, match=r"differentiable once|differentiate twice"):
+        penalty.backward()
+
+
 def test_shape_errors_name_the_fix():
     with pytest.raises(ValueError, match=r"does not end with normalized_shape \(8,\)"):
         FusedLayerNorm(8)(torch.randn(2, 9))

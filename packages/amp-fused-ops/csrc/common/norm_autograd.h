@@ -11,6 +11,7 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
 
 #include <optional>
 #include <tuple>
@@ -108,6 +109,47 @@ class NormFunction : public torch::autograd::Function<NormFunction> {
             at::Tensor()};
   }
 };
+
+// The norm is differentiable once (as torch.autograd.function.once_differentiable makes a
+// Python Function): norm_backward has no formula of its own.
+constexpr const char* kOnce =
+    "amp_fused_ops::norm_forward is differentiable once: its backward (norm_backward) has no "
+    "gradient of its own. For double backward (create_graph=True, e.g. a gradient penalty) "
+    "use torch.nn.LayerNorm / torch.nn.RMSNorm for this layer";
+
+inline bool requires_grad(const at::Tensor& t) { return t.defined() && t.requires_grad(); }
+
+// norm_backward's kernel for an Autograd key: the op below autograd; under grad mode, with an
+// input that requires grad (a backward with create_graph=True), its results carry an error
+// node, so that differentiating them raises instead of giving a silently partial gradient.
+inline Stats norm_backward_autograd(const at::Tensor& grad_out, const at::Tensor& saved,
+                                    const at::Tensor& mean, const at::Tensor& invvar,
+                                    const std::optional<at::Tensor>& weight,
+                                    const std::optional<at::Tensor>& bias, bool rms,
+                                    bool memory_efficient, at::ScalarType input_dtype) {
+  Stats result;
+  {
+    const at::AutoDispatchBelowADInplaceOrView below;
+    result = backward_op().call(grad_out, saved, mean, invvar, weight, bias, rms,
+                                memory_efficient, input_dtype);
+  }
+  if (!at::GradMode::is_enabled() ||
+      !(requires_grad(grad_out) || requires_grad(saved) ||
+        requires_grad(weight.value_or(at::Tensor())) || requires_grad(bias.value_or(at::Tensor())))) {
+    return result;
+  }
+  // The error node takes inputs that require grad (aliases of the results), as Python's
+  // once_differentiable does.
+  torch::autograd::variable_list aliases;
+  for (const at::Tensor& t : {std::get<0>(result), std::get<1>(result), std::get<2>(result)}) {
+    at::Tensor alias = t.detach();
+    alias.set_requires_grad(true);
+    aliases.push_back(std::move(alias));
+  }
+  const auto error = std::make_shared<torch::autograd::DelayedError>(kOnce, 3);
+  auto wrapped = error->apply(std::move(aliases));
+  return {wrapped[0], wrapped[1], wrapped[2]};
+}
 
 // norm_forward's kernel for an Autograd key.
 inline Stats norm_forward_autograd(const at::Tensor& x, const std::optional<at::Tensor>& weight,

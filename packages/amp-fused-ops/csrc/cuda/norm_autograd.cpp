@@ -8,4 +8,5 @@
 
 TORCH_LIBRARY_IMPL(AMP_FUSED_OPS_NS, AutogradCUDA, m) {
   m.impl("norm_forward", TORCH_FN(amp_fused_ops::norm_autograd::norm_forward_autograd));
+  m.impl("norm_backward", TORCH_FN(amp_fused_ops::norm_autograd::norm_backward_autograd));
 }

@@ -125,6 +125,45 @@ def _autograd_kernel(
         return NORM_FORWARD(x, weight, bias, eps, rms, mixed, memory_efficient)
 
 
-# Kept alive for the life of the process: dropping the library removes the registration.
+ONCE_DIFFERENTIABLE = (
+    "amp_fused_ops::norm_forward is differentiable once: its backward (norm_backward) has no "
+    "gradient of its own. For double backward (create_graph=True, e.g. a gradient penalty) "
+    "use torch.nn.LayerNorm / torch.nn.RMSNorm for this layer"
+)
+"""The error of a backward through the norm's gradients (the C++ kernels raise the same)."""
+
+
+def _backward_autograd_kernel(
+    grad_out: Tensor,
+    saved: Tensor,
+    mean: Tensor,
+    invvar: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    rms: bool,
+    memory_efficient: bool,
+    input_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``norm_backward``'s kernel for the ``Autograd`` key: the op below autograd; in a backward
+    with ``create_graph=True`` its results carry an error node, so that differentiating them
+    raises instead of giving a silently partial gradient."""
+    with torch._C._AutoDispatchBelowAutograd():
+        out = NORM_BACKWARD(
+            grad_out, saved, mean, invvar, weight, bias, rms, memory_efficient, input_dtype
+        )
+    if torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (grad_out, saved, weight, bias)
+    ):
+        # The error node takes inputs that require grad (aliases of the results), as
+        # torch.autograd.function.once_differentiable does.
+        aliases = [t.detach().requires_grad_() for t in out]
+        error = torch._C._functions.DelayedError(ONCE_DIFFERENTIABLE, 3)
+        dx, dw, db = error(*aliases)
+        return dx, dw, db
+    return out
+
+
+# Kept alive for the life of the process: dropping the library removes the registrations.
 _autograd_lib = torch.library.Library(OPS_NAMESPACE, "IMPL")
 _autograd_lib.impl("norm_forward", _autograd_kernel, "Autograd")
+_autograd_lib.impl("norm_backward", _backward_autograd_kernel, "Autograd")
