@@ -1,0 +1,108 @@
+"""Fused norms under data parallelism: two Gloo ranks train like plain PyTorch.
+
+A model with ``FusedLayerNorm`` and ``FusedRMSNorm`` (their autograd formula and CPU kernels
+in the C++ extension) is trained for a few steps on two ranks, each on its half of the batch,
+under ``torch.nn.parallel.DistributedDataParallel`` and under amp-parallel's; the same model
+with ``torch.nn.LayerNorm`` / ``torch.nn.RMSNorm`` under plain DDP on the same data is the
+reference. Every rank must end with the reference's weights.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from typing import Any, NoReturn
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from amp_fused_ops import FusedLayerNorm, FusedRMSNorm
+from amp_parallel import DistributedDataParallel as ApexDDP
+
+WORLD = 2
+STEPS = 3
+
+
+def _model(fused: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    layer_norm = FusedLayerNorm(16) if fused else torch.nn.LayerNorm(16)
+    rms_norm = FusedRMSNorm(16, eps=1e-6) if fused else torch.nn.RMSNorm(16, eps=1e-6)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), layer_norm, torch.nn.GELU(), torch.nn.Linear(16, 16), rms_norm,
+        torch.nn.Linear(16, 4),
+    )  # fmt: skip
+    with torch.no_grad():  # parameters away from their initial ones and zeros
+        for norm in (layer_norm, rms_norm):
+            norm.weight.uniform_(0.5, 1.5)
+        layer_norm.bias.uniform_(-0.5, 0.5)
+    return model
+
+
+def _train(fused: bool, wrapper: str) -> list[torch.Tensor]:
+    model = _model(fused)
+    wrapped = (
+        ApexDDP(model)
+        if wrapper == "amp_parallel"
+        else (torch.nn.parallel.DistributedDataParallel(model))
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    rank = dist.get_rank()
+    for _ in range(STEPS):
+        x, y = torch.randn(8, 8, generator=gen), torch.randn(8, 4, generator=gen)
+        half = slice(rank * 4, rank * 4 + 4)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(wrapped(x[half]), y[half]).backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def exit_passed_rank() -> NoReturn:
+    """End a spawned Gloo rank whose checks passed, without interpreter shutdown
+    (test_fsdp2_amp.py has the story)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _worker(rank: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=WORLD)  # fmt: skip
+    try:
+        results = {
+            "reference": _train(fused=False, wrapper="torch"),
+            "torch": _train(fused=True, wrapper="torch"),
+            "amp_parallel": _train(fused=True, wrapper="amp_parallel"),
+        }
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+    exit_passed_rank()
+
+
+@pytest.fixture(scope="module")
+def world_results() -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory() as folder:
+        init_file = os.path.join(folder, "init")
+        mp.spawn(_worker, args=(init_file, folder), nprocs=WORLD, join=True)
+        return [torch.load(os.path.join(folder, f"rank{r}.pt")) for r in range(WORLD)]
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+@pytest.mark.parametrize("wrapper", ["torch", "amp_parallel"])
+def test_fused_norms_train_on_two_ranks_as_torch_norms_do(
+    world_results: list[dict[str, Any]], wrapper: str
+) -> None:
+    reference = world_results[0]["reference"]
+    initial = [p.detach() for p in _model(fused=False).parameters()]
+    assert all(not torch.equal(w, i) for w, i in zip(reference, initial, strict=True))
+    for rank, results in enumerate(world_results):
+        for index, (got, want) in enumerate(zip(results[wrapper], reference, strict=True)):
+            torch.testing.assert_close(
+                got, want, rtol=1e-5, atol=1e-6,
+                msg=lambda m, r=rank, i=index: f"rank {r}, parameter {i}: {m}",
+            )  # fmt: skip
