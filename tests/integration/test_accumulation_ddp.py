@@ -19,15 +19,15 @@ import contextlib
 import itertools
 import math
 import os
-import sys
 import tempfile
-from typing import Any, NoReturn
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from amp_test_support import exit_passed_rank
 
 from amp_core import amp
 from amp_optimizers import FusedAdam
@@ -263,15 +263,6 @@ def _apex_docs_example(use_amp: bool) -> list[torch.Tensor]:
     weights = [p.detach().float().clone() for p in model.parameters()]
     amp.close()
     return weights
-
-
-def exit_passed_rank() -> NoReturn:
-    """End a spawned Gloo rank whose checks passed, without interpreter shutdown (a Gloo
-    thread can abort it while DTensor's caches keep the process group alive, PyTorch issue
-    190489; test_fsdp2_amp.py has the whole story)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _worker(rank: int, init_file: str, out_dir: str) -> None:

@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import tempfile
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from amp_test_support import exit_passed_rank
 
 from amp_core import amp
 from amp_optimizers import FusedAdam, FusedLAMB
@@ -175,21 +175,6 @@ def _check_o2_o3_refused() -> None:
             amp.close()
         # Nothing was cast: the sharded params are float32 still.
         assert all(p.dtype == torch.float32 for p in sharded.parameters()), opt_level
-
-
-def exit_passed_rank() -> NoReturn:
-    """End a spawned Gloo rank whose checks passed, without interpreter shutdown.
-
-    DTensor's caches keep the device mesh, and through it the process group, alive past
-    ``destroy_process_group``. A Gloo worker thread can then release the tensors of the last
-    collective while the interpreter shuts down, and the process aborts ("terminate called
-    without an active exception", PyTorch issue 190489): ``mp.spawn`` would report a rank
-    that passed as failed. A rank that raised still exits through ``mp.spawn``, which
-    reports its traceback.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _worker(rank: int, init_file: str) -> None:

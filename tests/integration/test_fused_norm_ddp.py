@@ -10,14 +10,14 @@ reference. Every rank must end with the reference's weights.
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
-from typing import Any, NoReturn
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from amp_test_support import exit_passed_rank
 
 from amp_fused_ops import FusedLayerNorm, FusedRMSNorm
 from amp_parallel import DistributedDataParallel as ApexDDP
@@ -58,14 +58,6 @@ def _train(fused: bool, wrapper: str) -> list[torch.Tensor]:
         torch.nn.functional.mse_loss(wrapped(x[half]), y[half]).backward()
         optimizer.step()
     return [p.detach().clone() for p in model.parameters()]
-
-
-def exit_passed_rank() -> NoReturn:
-    """End a spawned Gloo rank whose checks passed, without interpreter shutdown
-    (test_fsdp2_amp.py has the story)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _worker(rank: int, init_file: str, out_dir: str) -> None:

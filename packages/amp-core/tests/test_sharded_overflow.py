@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import tempfile
-from typing import NoReturn
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from amp_test_support import exit_passed_rank
 
 from amp_core._scaler import _NO_FUSED_UNSCALE, LossScaler
 
@@ -55,21 +54,6 @@ def _check(path: str, dtype: torch.dtype) -> None:
             for g, t in zip(grads, full, strict=True):
                 expected = (t.float() / scale).to(dtype)  # a power of two: exact
                 torch.testing.assert_close(g.full_tensor(), expected, rtol=0, atol=0, msg=name)
-
-
-def exit_passed_rank() -> NoReturn:
-    """End a spawned Gloo rank whose checks passed, without interpreter shutdown.
-
-    DTensor's caches keep the device mesh, and through it the process group, alive past
-    ``destroy_process_group``. A Gloo worker thread can then release the tensors of the last
-    collective while the interpreter shuts down, and the process aborts ("terminate called
-    without an active exception", PyTorch issue 190489): ``mp.spawn`` would report a rank
-    that passed as failed. A rank that raised still exits through ``mp.spawn``, which
-    reports its traceback.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _worker(rank: int, init_file: str) -> None:

@@ -19,7 +19,7 @@ from _kernel_target import EMULATED, norm_ops
 from _op_cases import OP_CASES
 from _op_cases import noop_flag as flag
 from amp_fused_ops import amp_C, multi_tensor_applier
-from amp_fused_ops.ops import _apex_convention, _preconditions
+from amp_fused_ops.ops import _apex_convention, _preconditions, _schema_calls
 from amp_fused_ops.ops._registry import REGISTRY
 
 
@@ -202,7 +202,7 @@ def test_dtensor_lookup_finds_one_anywhere_in_the_lists() -> None:
     plain, param = torch.ones(2), torch.nn.Parameter(torch.ones(2))
     marked = torch.ones(2).as_subclass(_Marked)
     other = torch.ones(2).as_subclass(_Other)
-    holds = _apex_convention._holds_dtensor
+    holds = _schema_calls.holds_dtensor
     assert not holds(_Marked, [[plain, param], [plain, plain], None])
     assert not holds(_Marked, [[plain, other]])  # another subclass: walked, and not one
     assert holds(_Marked, [[plain, param], [plain, marked]])
@@ -213,6 +213,7 @@ def test_a_dtensor_after_the_first_position_takes_the_sharded_path(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(_apex_convention, "dtensor_type", lambda: _Marked)
+    monkeypatch.setattr(_schema_calls, "dtensor_type", lambda: _Marked)
     lists = _adam_lists()
     lists[0].append(torch.ones(4))
     for part in lists[1:]:
@@ -221,3 +222,39 @@ def test_a_dtensor_after_the_first_position_takes_the_sharded_path(
     with pytest.raises(ValueError, match=r"tensor_lists\[3\]\[1\] and tensor_lists\[0\]\[1\]"):
         amp_C.multi_tensor_adam(64, flag(), lists, 1e-3, 0.9, 0.999, 1e-8, 1, 1, 1, 0.0)
     assert torch.equal(lists[1][0], torch.ones(4))  # nothing was stepped
+
+
+# --- the documented errors on the usual path (any kernel), not only on the reference's -------
+
+
+def test_a_number_in_a_later_list_gives_the_documented_type_error() -> None:
+    # Only tensor_lists[0][0] used to be looked at before the call: the dispatcher then failed
+    # to parse the list with an error naming no list or position.
+    ins, outs = [torch.ones(3)], [3.0]
+    with pytest.raises(TypeError, match=r"tensor_lists\[1\]\[0\] must be a tensor, got float"):
+        amp_C.multi_tensor_scale(64, flag(), [ins, outs], 0.5)
+
+
+def test_a_written_tensor_on_another_device_is_refused_not_skipped() -> None:
+    # NovoGrad's grad_norms on the meta device: the dispatcher picks the meta (fake) kernel for
+    # the call, which used to return without a word while nothing was stepped.
+    grads, params, exp_avgs = ([torch.ones(4)] for _ in range(3))
+    before = params[0].clone()
+    with pytest.raises(RuntimeError, match="grad_norms is on meta but the tensors are on cpu"):
+        amp_C.multi_tensor_novograd(
+            64,
+            flag(),
+            [grads, params, exp_avgs],
+            torch.zeros(1, device="meta"),
+            1e-3, 0.9, 0.999, 1e-8, 1, 1, 0.0, 1, 1, 2,
+        )  # fmt: skip
+    assert torch.equal(params[0], before)
+
+
+def test_a_number_for_a_written_tensor_is_refused() -> None:
+    grads, params, exp_avgs = ([torch.ones(4)] for _ in range(3))
+    with pytest.raises(TypeError, match="grad_norms must be a tensor, got float"):
+        amp_C.multi_tensor_novograd(
+            64, flag(), [grads, params, exp_avgs], 0.0,
+            1e-3, 0.9, 0.999, 1e-8, 1, 1, 0.0, 1, 1, 2,
+        )  # fmt: skip

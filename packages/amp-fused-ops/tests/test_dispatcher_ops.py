@@ -121,6 +121,48 @@ def test_the_library_registers_kernels_and_the_package_defines_the_ops(
     assert result.stdout.strip().splitlines()[-3:] == ["False", "True", "[3.0, 3.0, 3.0]"]
 
 
+# A fresh process: the first amp_C call on CPU tensors reaches the kernel of last resort (the
+# one place that loads kernels), which loads the CPU extension once; later calls go to the C++
+# kernel directly, and a call with empty lists loads nothing.
+_LOADED_ON_FIRST_USE = """
+import torch
+from amp_fused_ops import amp_C
+from amp_fused_ops.ops import _registry
+
+asked = []
+loader = _registry._kernel_loader
+_registry.set_kernel_loader(lambda kind: (asked.append(kind), loader(kind))[1])
+flag = torch.zeros(1, dtype=torch.int32)
+ins, outs = [torch.full((3,), 2.0)], [torch.zeros(3)]
+has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+print(has_kernel("amp_fused_ops::multi_tensor_scale", "CPU"))
+amp_C.multi_tensor_scale(64, flag, [[], []], 0.5)
+print(asked)
+amp_C.multi_tensor_scale(64, flag, [ins, outs], 0.5)
+amp_C.multi_tensor_scale(64, flag, [ins, outs], 0.5)
+print(asked, has_kernel("amp_fused_ops::multi_tensor_scale", "CPU"), outs[0].tolist())
+"""
+
+
+def test_the_first_op_of_a_device_loads_its_extension_once(
+    ext: Any, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    del ext  # built in the session cache the child loads from
+    result = subprocess.run(
+        [sys.executable, "-c", _LOADED_ON_FIRST_USE],
+        env=child_env(session_cache(tmp_path_factory).cache),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-3:] == [
+        "False",
+        "[]",
+        "['cpu'] True [1.0, 1.0, 1.0]",
+    ]
+
+
 # A fresh process whose first op call is from a compiled graph: torch.compile traced the fake
 # kernel and loaded nothing, so the call reaches the kernel of last resort, which must load the
 # CPU extension and hand the call to the C++ kernel (not run the reference on every step).

@@ -67,3 +67,15 @@ def test_the_routing_is_undone_when_the_block_raises() -> None:
         raise KeyError("leave")
     torch.testing.assert_close(_scale(x), x * 0.5, rtol=0, atol=0)
     assert calls == []
+
+
+def test_calls_that_bypass_amp_C_are_routed_too() -> None:
+    # The fused optimizers and torch.ops.amp_fused_ops.<op> reach the dispatcher without amp_C.
+    module, calls = _stand_in()
+    x = torch.arange(1.0, 6.0)
+    out = torch.empty_like(x)
+    flag = torch.zeros(1, dtype=torch.int32)
+    with emulation.amp_C_on_emulated_kernels(module):
+        torch.ops.amp_fused_ops.multi_tensor_scale(333, flag, [x], [out], 0.25)
+    assert calls == [(333, 0.25)]
+    assert torch.equal(out, torch.full_like(x, -7.0))

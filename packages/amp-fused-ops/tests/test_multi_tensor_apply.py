@@ -153,24 +153,6 @@ def test_meta_tensors_take_the_fake_kernels_and_load_nothing(
     assert asked == []
 
 
-def test_the_extension_of_the_device_is_loaded_on_first_use(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    asked: list[str] = []
-
-    def get_extension(kind: str) -> None:
-        asked.append(kind)
-        extension_api._resolved[kind] = None  # the loader remembers its answer
-
-    monkeypatch.setattr(extension_api, "_resolved", {})  # nothing loaded yet
-    monkeypatch.setattr(extension_api, "get_extension", get_extension)
-    flag, lists = _scale_args()
-    amp_C.multi_tensor_scale(64, flag, lists, 0.5)
-    amp_C.multi_tensor_scale(64, flag, lists, 0.5)  # answered: not asked again
-    amp_C.multi_tensor_scale(64, flag, [[], []], 0.5)  # empty lists: the reference's answer
-    assert asked == ["cpu"]
-
-
 def test_disabled_extensions_leave_the_reference_everywhere() -> None:
     code = (
         "import torch\n"

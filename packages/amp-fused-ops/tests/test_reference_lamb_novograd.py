@@ -8,6 +8,7 @@ the tolerance is that of one rounding to the storage dtype.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 from torch import Tensor
 
 from _op_cases import noop_flag as _flag
-from amp_fused_ops import amp_C, reference
+from amp_fused_ops import amp_C, extensions
 from amp_fused_ops.reference import _adam as _reference_adam
 from amp_fused_ops.reference import _layerwise as _reference_layerwise
 from amp_fused_ops.reference import _ops as _reference
@@ -30,9 +31,10 @@ STEPS = 3
 
 
 @pytest.fixture(autouse=True)
-def _reference_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run amp_C's ops on CPU tensors through the reference, whatever extensions are loaded."""
-    monkeypatch.setitem(amp_C._routes, "cpu", reference)
+def _reference_path() -> Iterator[None]:
+    """Run amp_C's ops through the reference, whatever extensions are loaded."""
+    with extensions.use_reference():
+        yield
 
 
 def _randn(dtype: torch.dtype, seed: int, scale: float = 1.0) -> list[Tensor]:

@@ -7,7 +7,7 @@ against float64 formulas, the optimizers against ``torch.optim`` (single-tensor,
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from _op_cases import noop_flag as _flag
-from amp_fused_ops import MultiTensorApply, amp_C, reference
+from amp_fused_ops import MultiTensorApply, amp_C, extensions
 
 SIZES = [1, 7, 555, 33333, 2048 * 32 + 1, 2 * 2048 * 32]
 CHUNKS = [333, 2048 * 32]
@@ -27,9 +27,10 @@ ATOL = {torch.float32: 1e-6, torch.float16: 1e-4, torch.bfloat16: 1e-3}
 
 
 @pytest.fixture(autouse=True)
-def _reference_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run amp_C's ops on CPU tensors through the reference, whatever extensions are loaded."""
-    monkeypatch.setitem(amp_C._routes, "cpu", reference)
+def _reference_path() -> Iterator[None]:
+    """Run amp_C's ops through the reference, whatever extensions are loaded."""
+    with extensions.use_reference():
+        yield
 
 
 def _randn(

@@ -9,11 +9,9 @@ A new optimizer or option gets every generic test by adding one entry to :data:`
 from __future__ import annotations
 
 import copy
-import os
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any
 
 import pytest
 import torch
@@ -364,18 +362,3 @@ def max_abs_diff(actual: Sequence[Tensor], expected: Sequence[Tensor]) -> float:
         (a.detach().float() - e.detach().float()).abs().max().item()
         for a, e in zip(actual, expected, strict=True)
     )
-
-
-def exit_passed_rank() -> NoReturn:
-    """End a spawned Gloo rank whose checks passed, without interpreter shutdown.
-
-    DTensor's caches keep the device mesh, and through it the process group, alive past
-    ``destroy_process_group``. A Gloo worker thread can then release the tensors of the last
-    collective while the interpreter shuts down, and the process aborts ("terminate called
-    without an active exception", PyTorch issue 190489): ``mp.spawn`` would report a rank
-    that passed as failed. A rank that raised still exits through ``mp.spawn``, which
-    reports its traceback.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

@@ -25,8 +25,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from amp_test_support import exit_passed_rank
 
-from _amp_optimizers_helpers import exit_passed_rank
 from amp_fused_ops import amp_C, multi_tensor_applier
 from amp_optimizers import FusedLAMB, FusedMixedPrecisionLamb, FusedNovoGrad
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from amp_test_support import exit_passed_rank
 
-from _amp_optimizers_helpers import exit_passed_rank
 from amp_optimizers import FusedAdam, FusedSGD
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

@@ -12,7 +12,9 @@ whenever no compiled kernel is available for the tensors' device.
 
 # SyncBatchNorm kernels (Apex: the syncbn extension), as the module amp_fused_ops.syncbn
 # The op namespace (Apex: the amp_C extension)
-from amp_fused_ops import amp_C, syncbn
+# extensions: the compiled kernels' loader, which the ops' kernel of last resort calls on the
+# first op of a device (installed when it is imported, here)
+from amp_fused_ops import amp_C, extensions, syncbn  # noqa: F401 (extensions: see above)
 from amp_fused_ops._version import __version__
 
 # Fused LayerNorm / RMSNorm (Apex: apex.normalization)
@@ -37,12 +39,11 @@ from amp_fused_ops.ops._flatten import flatten, unflatten
 # Multi-tensor apply (Apex: apex.multi_tensor_apply)
 from amp_fused_ops.ops._multi_tensor_apply import MultiTensorApply, multi_tensor_applier
 
+# The multi-tensor ops with their schemas' arguments (what the fused optimizers call)
+from amp_fused_ops.ops._schema_calls import multi_tensor_op
+
 # Norms of whole tensors, DTensor (FSDP2) shards reduced over their mesh
 from amp_fused_ops.ops._sharding import tensor_norms
-
-# Flatten / unflatten for bucketing (Apex: apex_C)
-
-# Multi-tensor apply (Apex: apex.multi_tensor_apply)
 
 __all__ = [
     "__version__",
@@ -51,6 +52,7 @@ __all__ = [
     "multi_tensor_applier",
     # Ops
     "amp_C",
+    "multi_tensor_op",
     "tensor_norms",
     # Normalization
     "FusedLayerNorm",

@@ -4,21 +4,22 @@ Each op is ``op(chunk_size, noop_flag, tensor_lists, *args)`` as in Apex's ``amp
 the dispatcher op ``torch.ops.amp_fused_ops.<name>`` (:mod:`amp_fused_ops.ops._registry`), which
 picks the kernel by the tensors' device: the compiled CPU or CUDA kernel when that extension
 is loaded, else the pure-PyTorch reference; fake kernels serve ``torch.compile`` and meta
-tensors. Before the call an op
-
-1. loads the compiled extension of the tensors' device on first use (building it just in time;
-   :func:`amp_fused_ops.extensions.get_extension`), so that its kernels are registered;
-2. unpacks ``tensor_lists`` into the schema's list arguments and turns a Python number given
-   where Apex passes a one-element tensor (``lr``, ``step``, ``inv_scale`` ...) into a tensor
-   (:mod:`amp_fused_ops.ops._apex_convention`).
+tensors. The first call on a device loads (or builds, just in time) that device's compiled
+extension, from the op's kernel of last resort (:mod:`amp_fused_ops.ops._registry`), the one
+place that loads kernels, however an op is called. ``amp_C`` only adapts Apex's calling
+convention: it unpacks ``tensor_lists`` into the schema's list arguments and turns a Python
+number given where Apex passes a one-element tensor (``lr``, ``step``, ``inv_scale`` ...)
+into a tensor (:mod:`amp_fused_ops.ops._apex_convention`). The fused optimizers of
+amp-optimizers call the dispatcher ops with the schema's own arguments instead
+(:func:`amp_fused_ops.multi_tensor_op`).
 
 ``chunk_size`` and the scalar arguments are checked once per call, by the kernel that runs
 (compiled or reference). When a call fails, the table of
 :data:`amp_fused_ops.ops._preconditions.PRECONDITIONS` is consulted before the error leaves
 ``amp_C``, so that a mistake in those arguments gives the same ``ValueError`` and message
 whichever kernel runs (the per-tensor preconditions are the kernels' own, with the same
-exception types and words on every path). Under ``torch.compile``, and for the emulated
-kernels, the table is checked before the call.
+exception types and words on every path). Under ``torch.compile`` the table is checked
+before the call.
 
 Every kernel bumps the autograd version counter of each tensor the op writes in place, so
 autograd detects a tensor saved for backward and modified by an op, and caches keyed on
@@ -33,14 +34,12 @@ Importable both ways::
 from __future__ import annotations
 
 import functools
-import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from amp_fused_ops.extensions import _api as _extension_api
 from amp_fused_ops.ops import _preconditions
 from amp_fused_ops.ops._apex_convention import apex_convention
 from amp_fused_ops.ops._registry import OPS_NAMESPACE, REGISTRY
@@ -48,29 +47,14 @@ from amp_fused_ops.ops._registry import OPS_NAMESPACE, REGISTRY
 # Every op of the registry, in its order (Apex's csrc/amp_C_frontend.cpp).
 __all__ = list(REGISTRY)
 
-# Device types a compiled extension may exist for.
-_EXTENSION_DEVICE_TYPES = ("cpu", "cuda")
 
-# Device type -> a module of ops (Apex's signatures) that runs instead of the dispatcher ops
-# for tensors of that device: set only inside amp_fused_ops.emulation.amp_C_on_emulated_kernels,
-# which measures whole steps on the emulated CUDA kernels.
-_routes: dict[str, types.ModuleType] = {}
+# Types that are tensors without a look at their class hierarchy (see _all_tensors).
+_PLAIN_TYPES = frozenset({Tensor, torch.nn.Parameter})
 
 
-def _load_kernels(device_type: str) -> None:
-    """Register the compiled kernels of ``device_type`` with the dispatcher (first use only).
-
-    The loader remembers its answer per kind (read here without a call); while
-    ``torch.compile`` traces, nothing is loaded (the fake kernels trace the op).
-    """
-    # is_compiling first: a traced read of the loader's table would guard the graph on it,
-    # which a load after tracing would break (a recompilation).
-    if (
-        not torch.compiler.is_compiling()
-        and device_type not in _extension_api._resolved
-        and device_type in _EXTENSION_DEVICE_TYPES
-    ):
-        _extension_api.get_extension(device_type)
+def _all_tensors(part: Sequence[Any]) -> bool:
+    """Whether every element of ``part`` is a tensor (subclasses included)."""
+    return all(isinstance(t, Tensor) for t in part)
 
 
 def _first_tensor(tensor_lists: Any) -> Tensor | None:
@@ -94,7 +78,6 @@ def _op(name: str) -> Callable[..., Any]:
         def plain(current_scale: Tensor, *args: Any, **kwargs: Any) -> Any:
             if not isinstance(current_scale, Tensor):
                 return spec.reference(current_scale, *args, **kwargs)  # raises its TypeError
-            _load_kernels(current_scale.device.type)
             return call(current_scale, *args, **kwargs)
 
         return functools.wraps(spec.reference)(plain)
@@ -113,30 +96,24 @@ def _op(name: str) -> Callable[..., Any]:
         *args: Any,
         **kwargs: Any,
     ) -> Any:
-        compiling = torch.compiler.is_compiling()
-        if type(chunk_size) is not int or _routes or compiling:
-            # A bool or float chunk_size would reach a kernel as an int; a routed call and a
-            # traced one are checked before the call, as the error would come too late.
+        if type(chunk_size) is not int or torch.compiler.is_compiling():
+            # A bool or float chunk_size would reach a kernel as an int; a traced call is
+            # checked before the call, as the error would come too late.
             check(chunk_size, args, kwargs)
-        first: Any = None
         if type(tensor_lists) is list and tensor_lists and type(tensor_lists[0]) is list:
-            part = tensor_lists[0]  # the usual call: lists of lists
-            first = part[0] if part and isinstance(part[0], Tensor) else None
+            # The usual call: lists of lists; each list checked at C speed when it holds plain
+            # tensors and parameters only.
+            malformed = not tensor_lists[0] or not all(
+                type(part) is list
+                and (_PLAIN_TYPES.issuperset(map(type, part)) or _all_tensors(part))
+                for part in tensor_lists
+            )
         else:
-            first = _first_tensor(tensor_lists)
-        if not isinstance(noop_flag, Tensor) or (first is None and tensor_lists):
+            malformed = bool(tensor_lists) and _first_tensor(tensor_lists) is None
+        if malformed or not isinstance(noop_flag, Tensor):
             # Malformed arguments: the reference raises the documented error for them.
             check(chunk_size, args, kwargs)
             return spec.reference(chunk_size, noop_flag, tensor_lists, *args, **kwargs)
-        tensor = noop_flag if first is None else first
-        # is_cpu is the cheaper read; traced, it would be a node of the graph.
-        device_type = "cpu" if not compiling and tensor.is_cpu else tensor.device.type
-        if _routes:
-            routed = _routes.get(device_type)
-            if routed is not None and hasattr(routed, name):
-                return getattr(routed, name)(chunk_size, noop_flag, tensor_lists, *args, **kwargs)
-        if not compiling and device_type not in _extension_api._resolved:
-            _load_kernels(device_type)
         return call(chunk_size, noop_flag, tensor_lists, *args, **kwargs)
 
     return functools.wraps(spec.reference)(op)

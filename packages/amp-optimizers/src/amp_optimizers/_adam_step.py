@@ -6,13 +6,16 @@ params, moments and masters of a param group by ``(device, dtype)`` and calls
 :func:`fused_adam`, from each of its three paths (the plain step, the ``GradScaler`` step and
 amp O2's fused master-weight step). It runs one of two implementations:
 
-* :func:`_plain_adam`: one ``amp_C.multi_tensor_adam`` launch per bucket, params of any float
+* :func:`_plain_adam`: one ``multi_tensor_adam`` launch per bucket, params of any float
   dtype stepped in place, ``lr`` and ``step`` host numbers or tensors read on the host;
-* :func:`_device_adam`: one ``amp_C.multi_tensor_adam_capturable_master`` launch per bucket
+* :func:`_device_adam`: one ``multi_tensor_adam_capturable_master`` launch per bucket
   (``capturable``, master weights, a ``GradScaler``, amp O2), with the step count, ``lr``, the
   inverse scale and the skip flag on the device.
 
-The helpers below them are the device path's small pieces: device scalars and inf/nan checks.
+Both call the dispatcher ops with their schemas' arguments
+(:func:`amp_fused_ops.multi_tensor_op`), in their sharded form when the caller says the params
+are DTensors (FSDP2). The helpers below them are the device path's small pieces: device
+scalars and inf/nan checks.
 """
 
 from __future__ import annotations
@@ -23,7 +26,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from amp_fused_ops import amp_C, multi_tensor_applier
+from amp_fused_ops import multi_tensor_applier, multi_tensor_op
+
+from ._step_helpers import lr_arguments
+
+# The chunk size Apex's optimizers launch with (multi_tensor_applier's); results never depend
+# on it.
+_CHUNK_SIZE = multi_tensor_applier.chunk_size
 
 __all__ = [
     "device_scalar",
@@ -51,6 +60,7 @@ def fused_adam(
     inv_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
     check_finite: bool = False,
+    sharded: bool = False,
 ) -> None:
     """One Adam step of one param group.
 
@@ -80,6 +90,7 @@ def fused_adam(
             inf/nan before any is written, so that an inf anywhere skips the whole group, and
             raise ``found_inf`` when the step was skipped (not needed when ``found_inf``
             already covers every gradient, as ``GradScaler``'s does).
+        sharded: The params are DTensors (FSDP2), decided once per step by the caller.
     """
     if device_path:
         assert isinstance(lr, Tensor) and isinstance(step, Tensor)
@@ -96,6 +107,7 @@ def fused_adam(
             inv_scale=inv_scale,
             found_inf=found_inf,
             check_finite=check_finite,
+            sharded=sharded,
         )
     else:
         assert not isinstance(step, Tensor)
@@ -111,6 +123,7 @@ def fused_adam(
             step=step,
             step_tensor=step_tensor,
             seeds=seeds,
+            sharded=sharded,
         )
 
 
@@ -127,17 +140,20 @@ def _plain_adam(
     step: int,
     step_tensor: Tensor | None,
     seeds: Sequence[int],
+    sharded: bool,
 ) -> None:
-    """:func:`fused_adam` on the plain path: ``amp_C.multi_tensor_adam`` per bucket."""
+    """:func:`fused_adam` on the plain path: ``multi_tensor_adam`` per bucket."""
+    adam = multi_tensor_op("multi_tensor_adam", sharded=sharded)
     beta1, beta2 = betas
-    for index, lists in enumerate(tensor_lists):
-        # Stochastic rounding: a seed per launch; the op keys the bits by its own step count
-        # (step or step_tensor, so a compiled step does not recompile).
-        rounding = (seeds[index],) if seeds else ()
-        multi_tensor_applier(
-            amp_C.multi_tensor_adam,
-            noop_flag(lists[1][0].device),
-            lists,
+    lr, lr_tensor = lr_arguments(lr)
+    for index, (grads, params, exp_avgs, exp_avg_sqs) in enumerate(tensor_lists):
+        adam(
+            _CHUNK_SIZE,
+            noop_flag(params[0].device),
+            grads,
+            params,
+            exp_avgs,
+            exp_avg_sqs,
             lr,
             beta1,
             beta2,
@@ -147,7 +163,11 @@ def _plain_adam(
             bias_correction,
             weight_decay,
             step_tensor,
-            *rounding,
+            # Stochastic rounding: a seed per launch; the op keys the bits by its own step
+            # count (step or step_tensor, so a compiled step does not recompile).
+            seeds[index] if seeds else None,
+            None,
+            lr_tensor,
         )
 
 
@@ -165,6 +185,7 @@ def _device_adam(
     inv_scale: Tensor | None,
     found_inf: Tensor | None,
     check_finite: bool,
+    sharded: bool,
 ) -> None:
     """:func:`fused_adam` on the device path: ``multi_tensor_adam_capturable_master`` per
     bucket, the skip decided on the device (the group's int32 ``noop`` flag)."""
@@ -185,11 +206,12 @@ def _device_adam(
         for lists in buckets[1:]:
             raise_on_nonfinite(noop, lists[0])
     next_step = step + 1
+    adam = multi_tensor_op("multi_tensor_adam_capturable_master", sharded=sharded)
     for lists in buckets:
-        multi_tensor_applier(
-            amp_C.multi_tensor_adam_capturable_master,
+        adam(
+            _CHUNK_SIZE,
             noop,
-            lists,
+            *lists,
             lr,
             beta1,
             beta2,

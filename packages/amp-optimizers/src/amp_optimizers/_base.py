@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._step_helpers import first_param_device, params_with_grads
+from ._step_helpers import first_param_device, holds_dtensors, params_with_grads
 from ._step_plan import (
     TRACE_WRITTEN_GROUP_KEYS,
     StateSnapshot,
@@ -203,7 +203,10 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         grads = [g for _, g in pairs]
         signature = ((), tuple(p.dtype for p in params), tuple(p.device for p in params))
         buckets = plan_buckets(name, params, signature, state_columns)
-        return StepPlan(group, signature, self.state, 0, -1, params, buckets), grads
+        plan = StepPlan(
+            group, signature, self.state, 0, -1, params, buckets, holds_dtensors(params)
+        )
+        return plan, grads
 
     def _build_plan(
         self,
@@ -215,7 +218,14 @@ class FusedOptimizerBase(torch.optim.Optimizer):
     ) -> StepPlan:
         buckets = plan_buckets(name, params, signature, state_columns)
         plan = StepPlan(
-            group, signature, self.state, len(self.state), self._plan_generation, params, buckets
+            group,
+            signature,
+            self.state,
+            len(self.state),
+            self._plan_generation,
+            params,
+            buckets,
+            holds_dtensors(params),
         )
         live = {id(g) for g in self.param_groups}
         self._plans = {k: v for k, v in self._plans.items() if k in live}

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from amp_fused_ops import amp_C, multi_tensor_applier
+from amp_fused_ops import multi_tensor_applier, multi_tensor_op
 
 from ._adagrad_state_format import from_adagrad_state_dict, to_torch_adagrad_format
 from ._base import FusedOptimizerBase
@@ -17,6 +17,8 @@ from ._step_helpers import (
     advance_step,
     check_nonnegative,
     group_by_device_dtype,
+    holds_dtensors,
+    lr_arguments,
     params_with_grads,
 )
 
@@ -82,22 +84,28 @@ class FusedAdagrad(FusedOptimizerBase):
         loss = self._run_closure(closure)
         for group in self.param_groups:
             rows = []
-            for p in params_with_grads("FusedAdagrad", group["params"]):
+            group_params = params_with_grads("FusedAdagrad", group["params"])
+            for p in group_params:
                 state = self.state[p]
                 if "sum" not in state:
                     state["sum"] = torch.zeros_like(p, dtype=torch.float32)
                 # Counted for torch's Adagrad format (its math here needs none).
                 advance_step(state)
                 rows.append((p, p.grad, state["sum"]))
+            adagrad = multi_tensor_op("multi_tensor_adagrad", sharded=holds_dtensors(group_params))
+            lr, lr_tensor = lr_arguments(group["lr"])
             for (device, _), (ps, gs, sums) in group_by_device_dtype(rows).items():
-                multi_tensor_applier(
-                    amp_C.multi_tensor_adagrad,
+                adagrad(
+                    multi_tensor_applier.chunk_size,
                     self.noop_flag(device),
-                    [gs, ps, sums],
-                    group["lr"],
+                    gs,
+                    ps,
+                    sums,
+                    lr,
                     group["eps"],
                     self.adagrad_w_mode,
                     group["weight_decay"],
+                    lr_tensor,
                 )
         return loss
 

@@ -38,6 +38,7 @@ from ._step_helpers import (
     check_betas,
     check_nonnegative,
     group_by_device_dtype,
+    holds_dtensors,
     params_with_grads,
     step_arguments,
     unscale_grads_in_place,
@@ -353,6 +354,7 @@ class FusedAdam(AdamMasterWeights):
             step=step,
             step_tensor=step_tensor,
             seeds=seeds,
+            sharded=plan.sharded,
         )
 
     def _device_group(
@@ -404,6 +406,7 @@ class FusedAdam(AdamMasterWeights):
             inv_scale=inv_scale,
             found_inf=found_inf,
             check_finite=check_finite,
+            sharded=holds_dtensors(params),
         )
 
     def _device_steps(

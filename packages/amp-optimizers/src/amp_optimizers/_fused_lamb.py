@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from amp_fused_ops import amp_C, multi_tensor_applier
+from amp_fused_ops import multi_tensor_applier, multi_tensor_op
 
 from ._base import FusedOptimizerBase
 from ._step_helpers import (
@@ -17,6 +17,8 @@ from ._step_helpers import (
     check_betas,
     check_nonnegative,
     group_by_device_dtype,
+    holds_dtensors,
+    lr_arguments,
     outside_graph,
     step_arguments,
     step_outside_graph,
@@ -32,17 +34,24 @@ def global_grad_norm(grads: list[Tensor], device: torch.device) -> Tensor:
         A one-element float32 tensor on ``device`` (no host sync).
     """
     buckets = group_by_device_dtype((g,) for g in grads)
-    return _bucketed_grad_norm({key: gs for key, (gs,) in buckets.items()}, device)
+    return _bucketed_grad_norm(
+        {key: gs for key, (gs,) in buckets.items()}, device, sharded=holds_dtensors(grads)
+    )
 
 
 def _bucketed_grad_norm(
-    buckets: dict[tuple[torch.device, torch.dtype], list[Tensor]], device: torch.device
+    buckets: dict[tuple[torch.device, torch.dtype], list[Tensor]],
+    device: torch.device,
+    *,
+    sharded: bool,
 ) -> Tensor:
-    """:func:`global_grad_norm` of gradients already grouped by ``(device, dtype)``."""
+    """:func:`global_grad_norm` of gradients already grouped by ``(device, dtype)``;
+    ``sharded``: some are DTensors (their norms then span the ranks' shards)."""
+    l2norm = multi_tensor_op("multi_tensor_l2norm", sharded=sharded)
     norms = []
     for (dev, _), gs in buckets.items():
         flag = torch.zeros(1, dtype=torch.int32, device=dev)
-        total, _ = multi_tensor_applier(amp_C.multi_tensor_l2norm, flag, [gs], False)
+        total, _ = l2norm(multi_tensor_applier.chunk_size, flag, gs, False)
         norms.append(total.reshape(1).to(device))
     if not norms:
         return torch.zeros(1, dtype=torch.float32, device=device)
@@ -96,8 +105,9 @@ def launch_lamb(
     max_grad_norm: float,
     adam_w_mode: int,
     use_nvlamb: bool,
+    sharded: bool = False,
 ) -> None:
-    """One ``amp_C.multi_tensor_lamb`` launch with the hyperparameters of ``group``.
+    """One ``multi_tensor_lamb`` launch with the hyperparameters of ``group``.
 
     Args:
         noop: The int32 flag of the launch's device.
@@ -111,13 +121,15 @@ def launch_lamb(
         max_grad_norm: Clipping threshold of ``global_norm``.
         adam_w_mode: 1 decoupled weight decay, 0 L2 regularisation.
         use_nvlamb: Apply the trust ratio also without weight decay.
+        sharded: The tensors are DTensors (FSDP2): the trust ratio's norms span the shards.
     """
     beta1, beta2 = group["betas"]
     step, step_tensor = step_arguments(step)
-    multi_tensor_applier(
-        amp_C.multi_tensor_lamb,
+    lr, lr_tensor = lr_arguments(lr)
+    multi_tensor_op("multi_tensor_lamb", sharded=sharded)(
+        multi_tensor_applier.chunk_size,
         noop,
-        tensor_lists,
+        *tensor_lists,
         lr,
         beta1,
         beta2,
@@ -131,6 +143,7 @@ def launch_lamb(
         max_grad_norm,
         use_nvlamb,
         step_tensor,
+        lr_tensor,
     )
 
 
@@ -241,7 +254,8 @@ class FusedLAMB(FusedOptimizerBase):
         if not by_key:
             return loss
         first = next(g for _, _, group_grads in plans for g in group_grads)
-        norm = _bucketed_grad_norm(by_key, first.device)
+        sharded = any(plan.sharded for _, plan, _ in plans if plan is not None)
+        norm = _bucketed_grad_norm(by_key, first.device, sharded=sharded)
         max_grad_norm = self.defaults["max_grad_norm"]
         for group, plan, group_grads in plans:
             if plan is None:
@@ -259,5 +273,6 @@ class FusedLAMB(FusedOptimizerBase):
                     max_grad_norm=max_grad_norm,
                     adam_w_mode=self.adam_w_mode,
                     use_nvlamb=self.use_nvlamb,
+                    sharded=plan.sharded,
                 )
         return loss

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from amp_fused_ops import amp_C, multi_tensor_applier
+from amp_fused_ops import multi_tensor_applier, multi_tensor_op
 
 from ._base import FusedOptimizerBase
 from ._fused_lamb import check_lamb_args, global_grad_norm, lamb_moments
@@ -35,6 +35,7 @@ from ._step_helpers import (
     AmpCOp,
     check_nonnegative,
     group_by_device_dtype,
+    holds_dtensors,
     params_with_grads,
     unscale_grads_in_place,
 )
@@ -249,14 +250,18 @@ class FusedMixedPrecisionLamb(FusedOptimizerBase):
                 state = self.state[p]
                 exp_avg, exp_avg_sq = lamb_moments(state, p)
                 rows.append((p, p.grad, self._stepped_tensor(state, p), exp_avg, exp_avg_sq))
+            lamb = multi_tensor_op("multi_tensor_lamb_mp", sharded=holds_dtensors(params))
             for (dev, _), (ps, gs, targets, ms, vs) in group_by_device_dtype(rows).items():
-                lists = [gs, targets, ms, vs]
-                if targets[0] is not ps[0]:  # masters are stepped and rounded into the params
-                    lists.append(ps)
-                multi_tensor_applier(
-                    amp_C.multi_tensor_lamb_mp,
+                # Masters are stepped and rounded into the params (the op's model_params).
+                model_params = ps if targets[0] is not ps[0] else None
+                lamb(
+                    multi_tensor_applier.chunk_size,
                     self.noop_flag(dev),
-                    lists,
+                    gs,
+                    targets,
+                    ms,
+                    vs,
+                    model_params,
                     group["lr"].to(dev),
                     beta1,
                     beta2,

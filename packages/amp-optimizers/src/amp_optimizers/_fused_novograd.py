@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from amp_fused_ops import amp_C, multi_tensor_applier, tensor_norms
+from amp_fused_ops import multi_tensor_applier, multi_tensor_op, tensor_norms
 
 from ._base import FusedOptimizerBase
 from ._step_helpers import (
@@ -18,6 +18,8 @@ from ._step_helpers import (
     check_betas,
     check_nonnegative,
     group_by_device_dtype,
+    holds_dtensors,
+    lr_arguments,
     outside_graph,
     params_with_grads,
     step_arguments,
@@ -145,14 +147,18 @@ class FusedNovoGrad(FusedOptimizerBase):
                     state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
                     state["exp_avg_sq"] = self._first_norm(p, group)
                 rows.append((p, p.grad, state["exp_avg"], state["exp_avg_sq"]))
+            novograd = multi_tensor_op("multi_tensor_novograd", sharded=holds_dtensors(params))
+            lr, lr_tensor = lr_arguments(group["lr"])
             for (device, _), (ps, gs, ms, norms) in group_by_device_dtype(rows).items():
                 blended = torch.stack(norms)
-                multi_tensor_applier(
-                    amp_C.multi_tensor_novograd,
+                novograd(
+                    multi_tensor_applier.chunk_size,
                     self.noop_flag(device),
-                    [gs, ps, ms],
+                    gs,
+                    ps,
+                    ms,
                     blended,
-                    group["lr"],
+                    lr,
                     beta1,
                     beta2,
                     group["eps"],
@@ -163,6 +169,7 @@ class FusedNovoGrad(FusedOptimizerBase):
                     self.moment_mode,
                     group["norm_type"],
                     step_tensor,
+                    lr_tensor,
                 )
                 torch._foreach_copy_(norms, list(blended.unbind()))
         return loss

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import required
 
-from amp_fused_ops import amp_C, multi_tensor_applier
+from amp_fused_ops import multi_tensor_applier, multi_tensor_op
 
 from ._base import FusedOptimizerBase
 from ._step_helpers import (
@@ -17,6 +17,7 @@ from ._step_helpers import (
     advance_step,
     check_nonnegative,
     group_by_device_dtype,
+    lr_arguments,
     step_arguments,
 )
 from ._stochastic_round import (
@@ -234,25 +235,32 @@ class FusedSGD(FusedOptimizerBase):
             else:
                 launches = self._split_first_run(plan.params, grads)
                 self.invalidate_step_plans()  # the next step continues every buffer
+            sgd = multi_tensor_op("multi_tensor_sgd", sharded=plan.sharded)
+            lr, lr_tensor = lr_arguments(group["lr"])
             for launch_index, (first_run, device, (gs, ps, bufs)) in enumerate(launches):
-                sr_args: tuple[int | Tensor | None, ...] = ()
+                seed = None
                 if rounding:
                     if group.get(_SR_SEED) is None:  # the option was switched on by hand
                         self._settle_stochastic_round_seeds()
                     seed = launch_seed(group[_SR_SEED], (group_index << 16) + launch_index)
-                    sr_args = (seed, sr_step, sr_step_tensor)
-                multi_tensor_applier(
-                    amp_C.multi_tensor_sgd,
+                sgd(
+                    multi_tensor_applier.chunk_size,
                     self.noop_flag(device),
-                    [gs, ps, bufs],
+                    gs,
+                    ps,
+                    bufs,
+                    None,  # no model copies
                     group["weight_decay"],
                     group["momentum"],
                     group["dampening"],
-                    group["lr"],
+                    lr,
                     group["nesterov"],
                     first_run,
                     self.wd_after_momentum,
                     1.0,
-                    *sr_args,
+                    seed,
+                    sr_step if rounding else None,
+                    sr_step_tensor,
+                    lr_tensor,
                 )
         return loss

@@ -24,6 +24,8 @@ __all__ = [
     "check_nonnegative",
     "first_param_device",
     "group_by_device_dtype",
+    "holds_dtensors",
+    "lr_arguments",
     "local_shards",
     "outside_graph",
     "params_with_grads",
@@ -63,6 +65,21 @@ def step_arguments(step: int | Tensor) -> tuple[int, Tensor | None]:
     if isinstance(step, Tensor):
         return 0, step if step.device.type == "cpu" else step.to("cpu")
     return step, None
+
+
+def lr_arguments(lr: float | Tensor) -> tuple[float, Tensor | None]:
+    """``(lr, lr_tensor)`` for an op with a ``float lr`` and the optional ``lr_tensor``.
+
+    ``torch.optim`` accepts a tensor learning rate, which under ``torch.compile`` stays data
+    of the graph (a float read from the param group would be a constant, recompiled whenever a
+    scheduler changes it). The kernels read ``lr_tensor`` on the host, so a tensor on another
+    device is copied to the CPU here (a sync, as reading it would be); ``lr`` is then 0 and
+    unread.
+    """
+    if isinstance(lr, Tensor):
+        lr_tensor = lr.detach()
+        return 0.0, lr_tensor if lr_tensor.device.type == "cpu" else lr_tensor.to("cpu")
+    return lr, None
 
 
 Bucket = list[list[Tensor]]
@@ -114,6 +131,14 @@ def local_shards(tensors: list[Tensor]) -> list[Tensor]:
     if torch.compiler.is_compiling():
         return tensors
     return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+
+
+def holds_dtensors(params: Iterable[Tensor]) -> bool:
+    """Whether any of ``params`` is a DTensor (an FSDP2 param): decided once per step (a
+    step plan keeps it), so that the ops' calls need not look at their tensors' types."""
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None)
+    return dtensor is not None and any(isinstance(p, dtensor) for p in params)
 
 
 def step_outside_graph(param_groups: Iterable[dict[str, Any]]) -> bool:

@@ -70,6 +70,8 @@ class StepPlan:
         generation: The optimizer's plan generation (bumped by ``load_state_dict`` etc.).
         params: The params with a gradient.
         buckets: One per ``(device, dtype)``, in the order of first appearance.
+        sharded: Some param is a DTensor (FSDP2): the step calls the ops' sharded form
+            (``amp_fused_ops.multi_tensor_op(name, sharded=True)``).
     """
 
     group: dict[str, Any]
@@ -79,6 +81,7 @@ class StepPlan:
     generation: int
     params: list[Tensor]
     buckets: list[PlanBucket]
+    sharded: bool = False
 
 
 _END = object()  # closes the sequence of a snapshot's objects, so that a length change shows

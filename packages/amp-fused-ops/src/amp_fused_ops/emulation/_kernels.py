@@ -34,14 +34,18 @@ import os
 import re
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-from amp_fused_ops import amp_C
+import torch
+
 from amp_fused_ops.extensions import _flags
 from amp_fused_ops.ops import _apex_convention, _kernel_ops
+from amp_fused_ops.ops._reference_mode import override_kernels
+from amp_fused_ops.ops._registry import OPS_NAMESPACE as OPS_NAMESPACE_MAIN
+from amp_fused_ops.ops._registry import REGISTRY
 
 __all__ = [
     "BUILDS",
@@ -319,20 +323,37 @@ def count_launches_only() -> Iterator[None]:
 
 @contextlib.contextmanager
 def amp_C_on_emulated_kernels(module: ModuleType) -> Iterator[None]:
-    """Inside the block, ``amp_C``'s ops on CPU tensors run the emulated CUDA kernels.
+    """Inside the block, the ``amp_C`` ops on CPU tensors run the kernels of ``module``.
 
-    For measuring whole steps (an optimizer or an amp O2 step calls ``amp_C`` itself): the
-    counters then count the launches and bytes the CUDA kernels would have made.
+    For measuring whole steps on the emulated CUDA kernels: the counters then count the
+    launches and bytes the CUDA kernels would have made. It covers every call of the ops
+    (``amp_C`` and ``multi_tensor_applier``, the fused optimizers, amp's O2 step,
+    ``torch.ops.amp_fused_ops.<op>``): the override sits at the dispatcher, as
+    :func:`amp_fused_ops.extensions.use_reference` does (and, like it, applies to this thread).
+    An op ``module`` lacks, and calls on tensors of other devices, run as usual.
 
     Args:
-        module: The emulated extension, as :func:`load` returns it.
+        module: Ops with Apex's ``amp_C`` signatures: the emulated extension, as :func:`load`
+            returns it.
     """
-    previous = amp_C._routes.get("cpu")
-    amp_C._routes["cpu"] = module
-    try:
+    most = {name: max(spec.list_counts) for name, spec in REGISTRY.items() if spec.list_counts}
+
+    def route(qualified: str, args: tuple[Any, ...]) -> Callable[..., Any] | None:
+        namespace, name = qualified.split("::", 1)
+        kernel = getattr(module, name, None) if namespace == OPS_NAMESPACE_MAIN else None
+        if kernel is None or name not in most:
+            return None
+        lists = args[2 : 2 + most[name]]
+        first = next((part[0] for part in lists if part), args[1])
+        if not isinstance(first, torch.Tensor) or not first.is_cpu:
+            return None
+        return functools.partial(_apex_call, kernel, most[name])
+
+    with override_kernels("emulated", route):
         yield
-    finally:
-        if previous is None:
-            del amp_C._routes["cpu"]
-        else:
-            amp_C._routes["cpu"] = previous
+
+
+def _apex_call(kernel: Callable[..., Any], most: int, *args: Any) -> Any:
+    """``kernel`` (Apex's convention) called with an op's schema arguments ``args``."""
+    lists = [list(part) for part in args[2 : 2 + most] if part is not None]
+    return kernel(args[0], args[1], lists, *args[2 + most :])

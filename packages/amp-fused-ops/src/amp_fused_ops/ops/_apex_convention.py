@@ -20,28 +20,31 @@ import torch
 from torch import Tensor
 
 from amp_fused_ops.ops._registry import REGISTRY, define_schemas
-from amp_fused_ops.ops._sharding import (
-    agree_nonfinite,
-    dtensor_type,
-    outside_graph,
-    shard_groups,
-    sharded_norms,
-    to_local,
+from amp_fused_ops.ops._schema_calls import (
+    SHARD_NORM_OPS,
+    holds_dtensor,
+    raise_wrong_device,
+    sharded_call,
 )
-from amp_fused_ops.reference._common import find_wrong_device
+from amp_fused_ops.ops._sharding import dtensor_type, outside_graph
 
 __all__ = ["apex_convention", "compiled_ops"]
 
 
-def _number_tensor(op: str, name: str, value: Any, device: torch.device, cpu: bool) -> Any:
+def _number_tensor(
+    op: str, name: str, value: Any, device: torch.device, cpu: bool, written: bool = False
+) -> Any:
     """``value`` as a one-element tensor when it is a Python number.
 
     Apex's callers pass ``lr``, ``step``, ``inv_scale`` ... as numbers or tensors; the schema
     takes a tensor: float64 on the CPU (the C++ kernels read it in double), float32 on the
-    device otherwise.
+    device otherwise. A tensor the op writes (``written``, NovoGrad's ``grad_norms``) must be
+    given as one.
     """
     if isinstance(value, Tensor):
         return value
+    if written:
+        raise TypeError(f"{op}: {name} must be a tensor, got {type(value).__name__}")
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(
             f"{op}: {name} must be a tensor or a number, got {type(value).__name__}; pass a "
@@ -50,101 +53,6 @@ def _number_tensor(op: str, name: str, value: Any, device: torch.device, cpu: bo
     if cpu:
         return torch.tensor(float(value), dtype=torch.float64)
     return torch.full((1,), float(value), dtype=torch.float32, device=device)
-
-
-# Ops whose kernels work element by element and never raise the noop flag: on DTensor
-# (sharded) arguments they step each rank's local shards, which is the whole answer.
-_SHARD_LOCAL_OPS = frozenset({"multi_tensor_adam", "multi_tensor_sgd", "multi_tensor_adagrad"})
-
-# Ops that take norms of whole tensors (and raise the noop flag only from those norms): on
-# DTensor arguments their reference runs on the local shards with each norm all-reduced over
-# the ranks that hold the tensor's other shards (amp_fused_ops.ops._sharding). A compiled kernel
-# takes a norm inside one launch and cannot wait for other ranks.
-_SHARD_NORM_OPS = frozenset(
-    {
-        "multi_tensor_l2norm",
-        "multi_tensor_l2norm_mp",
-        "multi_tensor_unscale_l2norm",
-        "multi_tensor_l2norm_scale",
-        "multi_tensor_lamb",
-        "multi_tensor_lamb_mp",
-        "multi_tensor_novograd",
-    }
-)
-
-
-# Ops that skip the whole step when a gradient read is not finite (and raise the flag): on
-# DTensor arguments the ranks first agree on that decision (amp_fused_ops.ops._sharding), then each
-# steps its local shards.
-_SHARD_FLAG_OPS = frozenset({"multi_tensor_adam_capturable", "multi_tensor_adam_capturable_master"})
-
-
-# Types no DTensor has: a list of these alone needs no walk (see _holds_dtensor).
-_PLAIN_TYPES = frozenset({Tensor, torch.nn.Parameter})
-
-
-def _holds_dtensor(dtensor: type, lists: Sequence[Sequence[Any] | None]) -> bool:
-    """Whether any tensor of ``lists`` is a ``dtensor``.
-
-    One set test per list for lists of plain tensors and parameters, in C; a list with other
-    types (tensor subclasses) is walked.
-    """
-    for part in lists:
-        if (
-            part is not None
-            and not _PLAIN_TYPES.issuperset(map(type, part))
-            and any(type(t) is dtensor for t in part)
-        ):
-            return True
-    return False
-
-
-def _local_shards(name: str, lists: list[Any]) -> tuple[list[Any], list[tuple[Any, ...]] | None]:
-    """``lists`` with every DTensor replaced by its local shard (FSDP2 parameters and state).
-
-    Returns:
-        ``(lists, groups)``: ``groups`` is None when no argument is a DTensor, else the process
-        groups each position's norm spans (:func:`amp_fused_ops.ops._sharding.shard_groups`).
-
-    Raises:
-        NotImplementedError: DTensor arguments to an op of none of :data:`_SHARD_LOCAL_OPS`,
-            :data:`_SHARD_NORM_OPS` and :data:`_SHARD_FLAG_OPS`: it raises the noop flag from
-            the values it reads, and on one rank's shards that would be that rank's answer
-            only.
-        ValueError: The tensors of one position are not sharded alike.
-    """
-    dtensor = dtensor_type()
-    if dtensor is None or not _holds_dtensor(dtensor, lists):
-        return lists, None
-    if name not in _SHARD_LOCAL_OPS | _SHARD_NORM_OPS | _SHARD_FLAG_OPS:
-        raise NotImplementedError(
-            f"{name} got DTensor (sharded) arguments: the op raises the overflow flag from the "
-            "values it reads, and on one rank's shards it would give that rank's answer only. "
-            "Step sharded (FSDP2) parameters with the fused optimizers instead (FusedAdam, "
-            "FusedSGD, FusedAdagrad, FusedLAMB, FusedNovoGrad, FusedMixedPrecisionLamb), "
-            "which take their norms and overflow decisions across the shards"
-        )
-    local: list[Any] = []
-    for index, part in enumerate(lists):
-        if part is None:
-            local.append(None)
-            continue
-        shards = []
-        for position, t in enumerate(part):
-            reference = lists[0][position]
-            # A plain param (an nn.Parameter) beside its plain gradient is alike.
-            if (type(t) is dtensor) != (type(reference) is dtensor) or (
-                type(t) is dtensor
-                and (t.placements, t.device_mesh) != (reference.placements, reference.device_mesh)
-            ):
-                raise ValueError(
-                    f"{name}: tensor_lists[{index}][{position}] and tensor_lists[0][{position}] "
-                    "are not sharded alike (a DTensor and a plain tensor, or other placements "
-                    "or meshes); the optimizer state must be sharded as its parameter"
-                )
-            shards.append(t.to_local() if type(t) is dtensor else t)
-        local.append(shards)
-    return local, [shard_groups(name, t) for t in lists[0]]
 
 
 def apex_convention(
@@ -184,11 +92,15 @@ def apex_convention(
     # A tensor given for a ``float lr`` goes to the op's ``lr_tensor`` (see _tensor_lr).
     lr_at = (names.index("lr"), names.index("lr_tensor")) if "lr_tensor" in names else None
     numbers = tuple(
-        (index, argument.name)
+        (
+            index,
+            argument.name,
+            argument.alias_info is not None and argument.alias_info.is_write,
+        )
         for index, argument in enumerate(scalars)
         if str(argument.type) == "Tensor"
     )
-    norm_op = name in _SHARD_NORM_OPS
+    norm_op = name in SHARD_NORM_OPS
     # The dispatcher's callable behind the overload, without OpOverload.__call__'s Python frame;
     # torch.compile traces the overload itself.
     eager = getattr(overload, "_op", overload)
@@ -209,7 +121,7 @@ def apex_convention(
             if lr_at is not None:
                 args, kwargs = _tensor_lr(name, *lr_at, args, kwargs)
             dtensor = dtensor_type()
-            if dtensor is not None and _holds_dtensor(dtensor, tensor_lists):
+            if dtensor is not None and holds_dtensor(dtensor, tensor_lists):
                 sharded = True
                 if explain is not None:
                     explain(chunk_size, given_args, given_kwargs)
@@ -217,16 +129,20 @@ def apex_convention(
                     # The cross-rank reductions of a sharded step run outside the graph (see
                     # outside_graph), on the DTensors themselves.
                     return outside_graph(op, chunk_size, noop_flag, tensor_lists, *args, **kwargs)
-                return _sharded_call(
-                    name,
-                    overload,
-                    numbers,
-                    cpu_scalars,
-                    chunk_size,
-                    noop_flag,
-                    tensor_lists,
-                    args,
-                    kwargs,
+
+                def scalars(lists: list[Any], args: Any, kwargs: Any) -> Any:
+                    # For the kernel (a norm op's reference takes Apex's arguments as given).
+                    if "mode" in kwargs:
+                        kwargs = {**kwargs, "decay_mode": kwargs["mode"]}
+                        del kwargs["mode"]
+                    if not numbers:
+                        return args, kwargs
+                    return _tensor_numbers(
+                        name, numbers, noop_flag, lists, args, kwargs, cpu_scalars
+                    )
+
+                return sharded_call(
+                    name, overload, chunk_size, noop_flag, tensor_lists, args, kwargs, scalars
                 )
             if kwargs and "mode" in kwargs:
                 kwargs = {**kwargs, "decay_mode": kwargs["mode"]}
@@ -248,7 +164,7 @@ def apex_convention(
                 except ValueError as mistake:
                     raise mistake from None
             if isinstance(error, NotImplementedError) and not sharded:
-                _raise_wrong_device(name, noop_flag, tensor_lists)
+                raise_wrong_device(name, noop_flag, tensor_lists)
             raise
 
     op.__name__ = op.__qualname__ = name
@@ -258,7 +174,7 @@ def apex_convention(
 
 def _tensor_numbers(
     name: str,
-    numbers: tuple[tuple[int, str], ...],
+    numbers: tuple[tuple[int, str, bool], ...],
     noop_flag: Tensor,
     tensor_lists: Sequence[Sequence[Tensor]],
     args: tuple[Any, ...],
@@ -266,68 +182,25 @@ def _tensor_numbers(
     cpu_scalars: bool | None,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``(args, kwargs)`` with the Python numbers given for the schema's tensor scalars
-    (``numbers``: their positions and names) made tensors on the tensors' device."""
+    (``numbers``: their positions, names and whether the op writes them) made tensors on the
+    tensors' device."""
     first = tensor_lists[0][0] if tensor_lists and tensor_lists[0] else noop_flag
     if not isinstance(first, Tensor):
         first = noop_flag
     device = first.device
     cpu = device.type == "cpu" if cpu_scalars is None else cpu_scalars
     args_list: list[Any] | None = None
-    for index, argument in numbers:
+    for index, argument, written in numbers:
         if index < len(args):
             value = args[index]
             if not isinstance(value, Tensor):
                 if args_list is None:
                     args_list = list(args)
-                args_list[index] = _number_tensor(name, argument, value, device, cpu)
+                args_list[index] = _number_tensor(name, argument, value, device, cpu, written)
         elif argument in kwargs:
-            value = _number_tensor(name, argument, kwargs[argument], device, cpu)
+            value = _number_tensor(name, argument, kwargs[argument], device, cpu, written)
             kwargs = {**kwargs, argument: value}
     return (args if args_list is None else tuple(args_list)), kwargs
-
-
-def _raise_wrong_device(name: str, noop_flag: Tensor, tensor_lists: Sequence[Any]) -> None:
-    """Raise the kernels' device check error when a tensor is on another device than
-    ``noop_flag``: called on the ``NotImplementedError`` of a device the op has no kernel for,
-    which the dispatcher raises before any kernel's own device check."""
-    wrong = find_wrong_device(name, noop_flag, tensor_lists)
-    if wrong is not None:
-        raise wrong from None
-
-
-def _sharded_call(
-    name: str,
-    overload: Any,
-    numbers: tuple[tuple[int, str], ...],
-    cpu_scalars: bool | None,
-    chunk_size: int,
-    noop_flag: Tensor,
-    tensor_lists: Sequence[Sequence[Tensor]],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> Any:
-    """The op on DTensor (FSDP2) arguments: on their local shards, with the norms and overflow
-    decisions agreed across the ranks (see :func:`_local_shards`)."""
-    most = max(REGISTRY[name].list_counts)
-    lists: list[Any] = [*tensor_lists, *([None] * (most - len(tensor_lists)))]
-    lists, groups = _local_shards(name, lists)
-    assert groups is not None  # the caller found a DTensor
-    if name in _SHARD_NORM_OPS:
-        return _sharded_reference(name, chunk_size, noop_flag, lists, groups, args, kwargs)
-    if name in _SHARD_FLAG_OPS:
-        names = [argument.name for argument in overload._schema.arguments[2 + most :]]
-        at = names.index("inv_scale")
-        inv_scale = kwargs.get("inv_scale", args[at] if at < len(args) else 1.0)
-        agree_nonfinite(noop_flag, lists[0], to_local(inv_scale), groups)
-    if "mode" in kwargs:
-        kwargs["decay_mode"] = kwargs.pop("mode")
-    if numbers:
-        args, kwargs = _tensor_numbers(name, numbers, noop_flag, lists, args, kwargs, cpu_scalars)
-    try:
-        return overload(chunk_size, noop_flag, *lists, *args, **kwargs)
-    except NotImplementedError:
-        _raise_wrong_device(name, noop_flag, tensor_lists)
-        raise
 
 
 def _tensor_lr(
@@ -363,24 +236,6 @@ def _tensor_lr(
     else:
         kwargs = {**kwargs, "lr": 0.0}
     return args, {**kwargs, "lr_tensor": lr_tensor}
-
-
-def _sharded_reference(
-    name: str,
-    chunk_size: int,
-    noop_flag: Tensor,
-    lists: list[Any],
-    groups: list[tuple[Any, ...]],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> Any:
-    """The reference of ``name`` on local shards, its norms reduced over ``groups``."""
-    args = tuple(to_local(a) for a in args)
-    kwargs = {k: to_local(v) for k, v in kwargs.items()}
-    with sharded_norms(groups):
-        return REGISTRY[name].reference(
-            chunk_size, noop_flag, [part for part in lists if part is not None], *args, **kwargs
-        )
 
 
 def compiled_ops(

@@ -33,12 +33,15 @@ from torch.utils._pytree import tree_leaves
 from amp_fused_ops.ops._kernel_ops import KERNEL_OPS
 from amp_fused_ops.ops._registry import OPS_NAMESPACE, REGISTRY, reference_kernel
 
-__all__ = ["ReferenceCalls", "use_reference"]
+__all__ = ["ReferenceCalls", "Router", "override_kernels", "use_reference"]
 
 ReferenceCalls: TypeAlias = collections.Counter[str]
 """What :func:`use_reference` yields: ``"namespace::op"`` -> how many calls ran the reference."""
 
 _EMULATED_OPS_NAMESPACE = "amp_fused_ops_emu"  # AMP_FUSED_OPS_NS in csrc/emulation/amp_emu.h
+
+# The namespaces whose ops an override may reroute, as qualified-name prefixes.
+_NAMESPACES = (f"{OPS_NAMESPACE}::", f"{_EMULATED_OPS_NAMESPACE}::")
 
 _table: dict[str, Callable[..., Any]] = {}
 
@@ -109,11 +112,17 @@ def _positional(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tup
     return tuple(values)
 
 
-class _ReferenceMode(TorchDispatchMode):
-    """Runs the reference of this package's ops; every other op passes through unchanged."""
+Router: TypeAlias = Callable[[str, tuple[Any, ...]], Callable[..., Any] | None]
+"""``(qualified op name, positional arguments) -> the kernel to run instead, or None``."""
 
-    def __init__(self) -> None:
+
+class _OverrideMode(TorchDispatchMode):
+    """Runs, for this package's ops, the kernel its router names (with the op's schema
+    arguments, all positional); every other call passes through unchanged."""
+
+    def __init__(self, route: Router) -> None:
         super().__init__()
+        self.route = route
         self.counters: list[ReferenceCalls] = []
         self.lock = threading.Lock()  # autograd's device threads run backward ops too
 
@@ -122,20 +131,53 @@ class _ReferenceMode(TorchDispatchMode):
     ):
         kwargs = kwargs or {}
         qualified = func._schema.name
-        reference = _references().get(qualified) if "::" in qualified else None
-        if reference is None or _without_data(args, kwargs):
+        if "::" not in qualified or not qualified.startswith(_NAMESPACES):
+            return func(*args, **kwargs)
+        positional = _positional(func, args, kwargs)
+        kernel = self.route(qualified, positional)
+        if kernel is None or _without_data(args, kwargs):
             return func(*args, **kwargs)
         with self.lock:
             for calls in self.counters:
                 calls[qualified] += 1
-        positional = _positional(func, args, kwargs)
-        out = reference(*positional)
+        out = kernel(*positional)
         _bump_versions(positional, _written(func))
         return out
 
 
-# The override of this thread while a block is open (``mode``; None or absent otherwise). The
-# counters of the blocks that share it are on the mode.
+def _reference_route(qualified: str, positional: tuple[Any, ...]) -> Callable[..., Any] | None:
+    return _references().get(qualified)
+
+
+@contextlib.contextmanager
+def override_kernels(key: str, route: Router) -> Iterator[ReferenceCalls]:
+    """Run this package's ops on the kernels ``route`` names while the block is open, on this
+    thread; yields the count of the calls it rerouted, by qualified op name.
+
+    Blocks of one ``key`` nest and share one override (see :func:`use_reference`); a block of
+    another key opened inside takes precedence over it while it is open.
+    """
+    calls: ReferenceCalls = collections.Counter()
+    modes: dict[str, _OverrideMode] = _local.__dict__.setdefault("modes", {})
+    mode = modes.get(key)
+    outermost = mode is None
+    if mode is None:
+        mode = _OverrideMode(route)
+        modes[key] = mode
+        mode.__enter__()
+    mode.counters.append(calls)
+    try:
+        yield calls
+    finally:
+        # By identity: two counters with the same counts are equal.
+        mode.counters[:] = [c for c in mode.counters if c is not calls]
+        if outermost:
+            del modes[key]
+            mode.__exit__(None, None, None)
+
+
+# The overrides of this thread while their blocks are open (``modes``: key -> mode). The
+# counters of the blocks that share one are on the mode.
 _local = threading.local()
 
 
@@ -183,19 +225,5 @@ def use_reference() -> Iterator[ReferenceCalls]:
         >>> calls["amp_fused_ops::multi_tensor_adam"]
         1
     """
-    calls: ReferenceCalls = collections.Counter()
-    mode: _ReferenceMode | None = getattr(_local, "mode", None)
-    outermost = mode is None
-    if mode is None:
-        mode = _ReferenceMode()
-        _local.mode = mode
-        mode.__enter__()
-    mode.counters.append(calls)
-    try:
+    with override_kernels("reference", _reference_route) as calls:
         yield calls
-    finally:
-        # By identity: two counters with the same counts are equal.
-        mode.counters[:] = [c for c in mode.counters if c is not calls]
-        if outermost:
-            _local.mode = None
-            mode.__exit__(None, None, None)

@@ -337,12 +337,31 @@ def _fake_kernel(spec: OpSpec) -> Callable[..., Any]:
     if not spec.list_counts:
         return spec.fake
     most = max(spec.list_counts)
+    # The tensors besides the lists that the op writes (NovoGrad's grad_norms): on the noop
+    # flag's device too (with another device's tensor among them the dispatcher picks this
+    # kernel, the meta one, before any real kernel could check).
+    arguments = torch._C.parse_schema(spec.schema).arguments
+    written = [
+        (index - 2, argument.name)
+        for index, argument in enumerate(arguments)
+        if index >= 2 + most
+        and str(argument.type) == "Tensor"
+        and argument.alias_info is not None
+        and argument.alias_info.is_write
+    ]
 
     def fake(chunk_size: int, noop_flag: Tensor, *rest: Any) -> Any:
         lists = [list(part) for part in rest[:most] if part is not None]
         wrong = find_wrong_device(spec.name, noop_flag, lists)
         if wrong is not None:
             raise wrong
+        for index, name in written:
+            value = rest[index] if index < len(rest) else None
+            if isinstance(value, Tensor) and value.device != noop_flag.device:
+                raise RuntimeError(
+                    f"{spec.name}: {name} is on {value.device} but the tensors are on "
+                    f"{noop_flag.device}; create it on the tensors' device"
+                )
         return spec.fake(chunk_size, noop_flag, *rest)
 
     fake.__name__ = fake.__qualname__ = f"{spec.name}_fake"
