@@ -301,9 +301,16 @@ def test_amp_C_on_the_emulated_kernels_runs_the_reference() -> None:
     module = extension()
     src, dst = [torch.arange(4.0)], [torch.empty(4)]
     emulation.reset_counters()
+    # Both are overrides at the dispatcher; the one opened last sees the call first.
     with emulation.amp_C_on_emulated_kernels(module), extensions.use_reference() as calls:
         amp_C.multi_tensor_scale(64, noop_flag(), [src, dst], 0.5)
-    assert calls == {"amp_fused_ops_emu::multi_tensor_scale": 1}
+    assert calls == {"amp_fused_ops::multi_tensor_scale": 1}
+    assert emulation.counters().launches == 0
+    assert torch.equal(dst[0], src[0] / 2)
+    dst[0].zero_()
+    with extensions.use_reference() as calls, emulation.amp_C_on_emulated_kernels(module):
+        amp_C.multi_tensor_scale(64, noop_flag(), [src, dst], 0.5)
+    assert calls == {"amp_fused_ops_emu::multi_tensor_scale": 1}  # routed, then the reference
     assert emulation.counters().launches == 0
     assert torch.equal(dst[0], src[0] / 2)
     with emulation.amp_C_on_emulated_kernels(module):

@@ -12,6 +12,7 @@ from typing import Any
 
 from amp_fused_ops.emulation._kernels import OPS_NAMESPACE
 from amp_fused_ops.ops import _registry as _library
+from amp_fused_ops.ops._reference_mode import run_overridden
 
 __all__ = ["Graph"]
 
@@ -184,6 +185,13 @@ def _capture_mode_class() -> type:
                     f"a host synchronization ({func}, e.g. .item()) during a capture: a CUDA "
                     "graph cannot capture it; keep the value on the device"
                 )
+            if func.namespace == _library.OPS_NAMESPACE:
+                # An override open below this mode (amp_C_on_emulated_kernels, use_reference):
+                # its kernel, with this mode active, so that what it launches is recorded.
+                with self:
+                    done, out = run_overridden(func, args, kwargs)
+                if done:
+                    return out
             if func.namespace == OPS_NAMESPACE or _runs_reference(func):
                 # An emulated multi-tensor op: run its kernel with this mode active, so that the
                 # ATen ops of its launcher are recorded between its launches. A registry op with

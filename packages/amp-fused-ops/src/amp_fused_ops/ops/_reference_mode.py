@@ -33,7 +33,13 @@ from torch.utils._pytree import tree_leaves
 from amp_fused_ops.ops._kernel_ops import KERNEL_OPS
 from amp_fused_ops.ops._registry import OPS_NAMESPACE, REGISTRY, reference_kernel
 
-__all__ = ["ReferenceCalls", "Router", "override_kernels", "use_reference"]
+__all__ = [
+    "ReferenceCalls",
+    "Router",
+    "override_kernels",
+    "run_overridden",
+    "use_reference",
+]
 
 ReferenceCalls: TypeAlias = collections.Counter[str]
 """What :func:`use_reference` yields: ``"namespace::op"`` -> how many calls ran the reference."""
@@ -130,19 +136,40 @@ class _OverrideMode(TorchDispatchMode):
         self, func, types, args=(), kwargs=None
     ):
         kwargs = kwargs or {}
+        done, out = self.run(func, args, kwargs)
+        return out if done else func(*args, **kwargs)
+
+    def run(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, Any]:
+        """``(True, result)`` when the route names a kernel for this call (which then ran),
+        else ``(False, None)``."""
         qualified = func._schema.name
         if "::" not in qualified or not qualified.startswith(_NAMESPACES):
-            return func(*args, **kwargs)
+            return False, None
         positional = _positional(func, args, kwargs)
         kernel = self.route(qualified, positional)
         if kernel is None or _without_data(args, kwargs):
-            return func(*args, **kwargs)
+            return False, None
         with self.lock:
             for calls in self.counters:
                 calls[qualified] += 1
         out = kernel(*positional)
         _bump_versions(positional, _written(func))
-        return out
+        return True, out
+
+
+def run_overridden(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, Any]:
+    """Run ``func`` on the kernel an override open on this thread names for it, the latest
+    opened first: ``(True, result)``, or ``(False, None)`` when none does.
+
+    For a dispatch mode above the overrides that handles this package's ops itself (the
+    emulator's CUDA-graph capture), which would otherwise bypass them.
+    """
+    modes: dict[str, _OverrideMode] = getattr(_local, "modes", {})
+    for mode in reversed(list(modes.values())):
+        done, out = mode.run(func, args, kwargs)
+        if done:
+            return True, out
+    return False, None
 
 
 def _reference_route(qualified: str, positional: tuple[Any, ...]) -> Callable[..., Any] | None:
