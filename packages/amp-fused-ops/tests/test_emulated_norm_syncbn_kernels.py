@@ -190,3 +190,43 @@ def test_memory_efficient_with_a_zero_weight_on_the_kernels(
     with OnKernelsOf("amp_fused_ops_emu") as routed:
         check_zero_weight_gradients(spec, variant, dtype)
     assert routed.calls["norm_forward"] >= 1 and routed.calls["norm_backward"] >= 1
+
+
+@pytest.mark.parametrize("channel_last", [False, True])
+def test_syncbn_float64_runs_the_reference_in_cpp(ops, channel_last):
+    """float64, a dtype the SyncBN kernels do not take: each op hands it to its C++ reference
+    (csrc/common/syncbn_reference.h) instead of raising, with the Python reference's values
+    (fp32 math, the result in the input's dtype)."""
+    from amp_fused_ops.reference import _syncbn as _syncbn_reference
+
+    shape = (6, 5) if channel_last else (4, 5, 7)
+    x = _batch(shape, torch.float64, 3, channel_last)
+    dy = _batch(shape, torch.float64, 4, channel_last)
+    z = _batch(shape, torch.float64, 5, channel_last)
+    gen = torch.Generator().manual_seed(6)
+    weight = torch.rand(5, generator=gen, dtype=torch.float64) + 0.5
+    bias = torch.randn(5, generator=gen, dtype=torch.float64)
+    f32 = {"rtol": 1e-5, "atol": 1e-5}
+
+    got = ops.syncbn_welford_mean_var(x, channel_last)
+    want = _syncbn_reference.syncbn_welford_mean_var(x, channel_last)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype == torch.float32
+        torch.testing.assert_close(g, w, **f32)
+    mean, var = want
+    invstd = torch.rsqrt(var + 1e-5)
+    y = ops.syncbn_forward(x, mean, invstd, weight, bias, z, True, channel_last)
+    y_ref = _syncbn_reference.syncbn_forward(x, mean, invstd, weight, bias, z, True, channel_last)
+    assert y.dtype == torch.float64
+    torch.testing.assert_close(y, y_ref, **f32)
+    sums = ops.syncbn_reduce(dy, x, mean, channel_last)
+    sums_ref = _syncbn_reference.syncbn_reduce(dy, x, mean, channel_last)
+    for g, w in zip(sums, sums_ref, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4)
+    count = x.numel() // 5
+    dx = ops.syncbn_backward(dy, x, mean, invstd, weight, *sums_ref, count, channel_last)
+    dx_ref = _syncbn_reference.syncbn_backward(
+        dy, x, mean, invstd, weight, *sums_ref, count, channel_last
+    )
+    assert dx.dtype == torch.float64
+    torch.testing.assert_close(dx, dx_ref, **f32)

@@ -11,7 +11,8 @@
 //   syncbn_backward(dy, x, mean, invstd, weight?, sum_dy, sum_dy_xmu, count, channel_last) -> dx
 // The kernels read x contiguous: channels-first (N, C, *) as (N, C, S), channels-last (*, C) as
 // (R, C). x / dy / z / y are float32, float16 or bfloat16; statistics and sums are float32
-// (the registered functions at the end make the arguments so).
+// (the registered functions at the end make the arguments so). A float64 x (or dy) runs the
+// fp32 ATen reference of ../common/syncbn_reference.h instead, as the ops do off CUDA.
 //
 // The per-channel reductions run in two steps: blocks reduce slices of the batch into
 // (slices, C) partials (Welford states for the statistics, plain sums for the backward), and
@@ -27,6 +28,7 @@
 #include <optional>
 
 #include "../common/ops_schema.h"
+#include "../common/syncbn_reference.h"
 #include "welford.cuh"
 
 namespace {
@@ -467,7 +469,19 @@ std::optional<at::Tensor> dense(const std::optional<at::Tensor>& t) {
   return t.has_value() ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt;
 }
 
+// Inputs the kernels do not take (float64) that the reference does: it serves them.
+bool reference_input(const at::Tensor& t) { return t.scalar_type() == at::kDouble; }
+
+void check_batched(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.dim() >= 2, op, ": input needs a batch and a channel dimension, got sizes ",
+              x.sizes());
+}
+
 std::tuple<at::Tensor, at::Tensor> op_welford_mean_var(const at::Tensor& x, bool channel_last) {
+  if (reference_input(x)) {
+    check_batched(x, "syncbn_welford_mean_var");
+    return amp_fused_ops::syncbn_reference::welford_mean_var(x, channel_last);
+  }
   return syncbn_welford_mean_var(x.contiguous(), channel_last);
 }
 
@@ -482,12 +496,21 @@ at::Tensor op_forward(const at::Tensor& x, const at::Tensor& mean, const at::Ten
                       const std::optional<at::Tensor>& weight,
                       const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& z,
                       bool fuse_relu, bool channel_last) {
+  if (reference_input(x)) {
+    check_batched(x, "syncbn_forward");
+    return amp_fused_ops::syncbn_reference::forward(x, mean, invstd, weight, bias, z, fuse_relu,
+                                                    channel_last);
+  }
   return syncbn_forward(x.contiguous(), f32(mean), f32(invstd), weight, bias, dense(z),
                         fuse_relu, channel_last);
 }
 
 std::tuple<at::Tensor, at::Tensor> op_reduce(const at::Tensor& dy, const at::Tensor& x,
                                              const at::Tensor& mean, bool channel_last) {
+  if (reference_input(x) || reference_input(dy)) {
+    check_batched(x, "syncbn_reduce");
+    return amp_fused_ops::syncbn_reference::reduce(dy, x, mean, channel_last);
+  }
   return syncbn_reduce(dy.contiguous(), x.contiguous(), f32(mean), channel_last);
 }
 
@@ -495,6 +518,13 @@ at::Tensor op_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tens
                        const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
                        const at::Tensor& sum_dy, const at::Tensor& sum_dy_xmu, int64_t count,
                        bool channel_last) {
+  if (reference_input(x) || reference_input(dy)) {
+    check_batched(x, "syncbn_backward");
+    TORCH_CHECK(count > 0, "syncbn_backward: count (elements per channel over the whole batch) "
+                "must be positive, got ", count);
+    return amp_fused_ops::syncbn_reference::backward(dy, x, mean, invstd, weight, sum_dy,
+                                                     sum_dy_xmu, count, channel_last);
+  }
   return syncbn_backward(dy.contiguous(), x.contiguous(), f32(mean), f32(invstd), weight,
                          f32(sum_dy), f32(sum_dy_xmu), count, channel_last);
 }

@@ -11,7 +11,9 @@ The per-rank pieces of a synchronized batch norm, with the collectives left to t
 5. :func:`batchnorm_backward`: the input gradient from the reduced sums and the total count.
 
 Inputs are channels-first ``(N, C, *)`` or, with ``channel_last=True``, ``(*, C)``; fp32,
-fp16 or bf16, with fp32 statistics and sums whatever the input dtype. Each function checks its
+fp16 or bf16, with fp32 statistics and sums whatever the input dtype (a float64 input is
+taken too, on every device: computed in fp32 as the others, the result in float64; on CUDA
+by the kernels' C++ reference instead of the kernels). Each function checks its
 arguments and calls one dispatcher op, ``torch.ops.amp_fused_ops.syncbn_*``
 (:mod:`amp_fused_ops.ops._kernel_ops`), which runs the kernel of ``csrc/cuda/syncbn.cu`` on CUDA
 and the PyTorch reference of :mod:`amp_fused_ops.reference._syncbn` elsewhere.
