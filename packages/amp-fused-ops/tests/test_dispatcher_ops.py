@@ -121,6 +121,19 @@ def test_the_library_registers_kernels_and_the_package_defines_the_ops(
     assert result.stdout.strip().splitlines()[-3:] == ["False", "True", "[3.0, 3.0, 3.0]"]
 
 
+def _child_lines(code: str, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """The lines ``code`` prints in a fresh Python that loads the session's CPU extension."""
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env=child_env(session_cache(tmp_path_factory).cache),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip().splitlines()
+
+
 # A fresh process: the first amp_C call on CPU tensors reaches the kernel of last resort (the
 # one place that loads kernels), which loads the CPU extension once; later calls go to the C++
 # kernel directly, and a call with empty lists loads nothing.
@@ -148,15 +161,7 @@ def test_the_first_op_of_a_device_loads_its_extension_once(
     ext: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     del ext  # built in the session cache the child loads from
-    result = subprocess.run(
-        [sys.executable, "-c", _LOADED_ON_FIRST_USE],
-        env=child_env(session_cache(tmp_path_factory).cache),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().splitlines()[-3:] == [
+    assert _child_lines(_LOADED_ON_FIRST_USE, tmp_path_factory)[-3:] == [
         "False",
         "[]",
         "['cpu'] True [1.0, 1.0, 1.0]",
@@ -199,15 +204,7 @@ def test_a_compiled_graph_loads_and_runs_the_cpu_kernels(
     ext: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     del ext  # built in the session cache the child loads from
-    result = subprocess.run(
-        [sys.executable, "-c", _COMPILED_FIRST],
-        env=child_env(session_cache(tmp_path_factory).cache),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr
-    before, after, aten_ops, same = result.stdout.strip().splitlines()[-4:]
+    before, after, aten_ops, same = _child_lines(_COMPILED_FIRST, tmp_path_factory)[-4:]
     assert (before, after) == ("False", "True")
     # The C++ kernel calls no ATen op; the reference computes the step with ATen ops.
     assert aten_ops == "[]", aten_ops
