@@ -13,11 +13,13 @@ compiled kernel            registered here for ``CompositeExplicitAutograd``
 ``Meta`` / fake tensors    a fake kernel registered here: output shapes, no data
 ========================== ====================================================================
 
-The extension of a device is loaded on its first op call (:func:`set_kernel_loader`): by
-``amp_C`` before it calls the op, and by the kernel of last resort when the op is called
-otherwise, from a graph of ``torch.compile`` (which traced the fake kernel without loading
-anything) or as ``torch.ops.amp_fused_ops.<name>``. That kernel then hands the call to the
-compiled kernel, which serves every later call directly.
+The extension of a device is loaded on its first op call (:func:`set_kernel_loader`), by the
+kernel of last resort, the one place that loads kernels: however the op is called (``amp_C``,
+the fused optimizers through :func:`amp_fused_ops.multi_tensor_op`, a graph of
+``torch.compile``, which traced the fake kernel without loading anything, or
+``torch.ops.amp_fused_ops.<name>``), the dispatcher reaches that kernel while the device has
+no compiled kernel registered. It then hands the call to the compiled kernel, which serves
+every later call directly.
 
 The extensions register only kernels (``TORCH_LIBRARY_IMPL``); the schemas are defined here,
 from :data:`REGISTRY`, when this module is imported, so the ops exist (and trace under
