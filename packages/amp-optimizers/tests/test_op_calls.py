@@ -1,0 +1,87 @@
+"""The fused optimizers call the dispatcher ops with the schemas' own arguments.
+
+Apex's calling convention (``amp_C`` through ``multi_tensor_applier``) is for code written
+against Apex; a step of these optimizers goes to ``torch.ops.amp_fused_ops.<op>`` directly:
+no Apex-convention wrapper in between, and no look at the tensors' types on each call (whether
+the params are DTensors is decided once per step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from amp_fused_ops.ops import _apex_convention, _schema_calls
+from amp_optimizers import (
+    FusedAdagrad,
+    FusedAdam,
+    FusedLAMB,
+    FusedMixedPrecisionLamb,
+    FusedNovoGrad,
+    FusedSGD,
+)
+
+OPTIMIZERS: dict[str, tuple[Callable[[list[torch.Tensor]], Any], set[str]]] = {
+    "FusedAdam": (lambda ps: FusedAdam(ps, lr=1e-2), {"multi_tensor_adam"}),
+    "FusedAdam capturable": (
+        lambda ps: FusedAdam(ps, lr=1e-2, capturable=True),
+        {"multi_tensor_adam_capturable_master"},
+    ),
+    "FusedSGD": (lambda ps: FusedSGD(ps, lr=1e-2, momentum=0.9), {"multi_tensor_sgd"}),
+    "FusedLAMB": (
+        lambda ps: FusedLAMB(ps, lr=1e-2),
+        {"multi_tensor_l2norm", "multi_tensor_lamb"},
+    ),
+    "FusedNovoGrad": (lambda ps: FusedNovoGrad(ps, lr=1e-2), {"multi_tensor_novograd"}),
+    "FusedAdagrad": (lambda ps: FusedAdagrad(ps, lr=1e-2), {"multi_tensor_adagrad"}),
+    "FusedMixedPrecisionLamb": (
+        lambda ps: FusedMixedPrecisionLamb(ps, lr=1e-2),
+        {"multi_tensor_l2norm", "multi_tensor_lamb_mp"},
+    ),
+}
+
+
+class _OpNames(TorchDispatchMode):
+    """Records the names of this package's ops that reach the dispatcher."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        namespace, _, name = func._schema.name.partition("::")
+        if namespace == "amp_fused_ops":
+            self.names.add(name)
+        return func(*args, **kwargs or {})
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_step_calls_the_ops_without_the_apex_convention(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    looked: list[str] = []
+    for module in (_apex_convention, _schema_calls):
+        real = module.dtensor_type
+        monkeypatch.setattr(
+            module, "dtensor_type", lambda real=real: looked.append("dtensor") or real()
+        )
+    real_holds = _schema_calls.holds_dtensor
+    monkeypatch.setattr(
+        _schema_calls, "holds_dtensor", lambda *a: looked.append("holds") or real_holds(*a)
+    )
+    make, ops = OPTIMIZERS[name]
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.randn(n, generator=generator).requires_grad_() for n in (3, 40)]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=generator)
+    optimizer = make(params)
+    before = [p.detach().clone() for p in params]
+    with _OpNames() as seen:
+        optimizer.step()
+    assert seen.names == ops
+    assert looked == []  # no per-call DTensor lookup: not the amp_C path
+    assert all(not torch.equal(p, b) for p, b in zip(params, before, strict=True))
