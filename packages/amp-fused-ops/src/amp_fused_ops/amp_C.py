@@ -43,13 +43,10 @@ from torch import Tensor
 from amp_fused_ops.ops import _preconditions
 from amp_fused_ops.ops._apex_convention import apex_convention
 from amp_fused_ops.ops._registry import OPS_NAMESPACE, REGISTRY
+from amp_fused_ops.ops._schema_calls import PLAIN_TENSOR_TYPES
 
 # Every op of the registry, in its order (Apex's csrc/amp_C_frontend.cpp).
 __all__ = list(REGISTRY)
-
-
-# Types that are tensors without a look at their class hierarchy (see _all_tensors).
-_PLAIN_TYPES = frozenset({Tensor, torch.nn.Parameter})
 
 
 def _all_tensors(part: Sequence[Any]) -> bool:
@@ -105,7 +102,7 @@ def _op(name: str) -> Callable[..., Any]:
             # tensors and parameters only.
             malformed = not tensor_lists[0] or not all(
                 type(part) is list
-                and (_PLAIN_TYPES.issuperset(map(type, part)) or _all_tensors(part))
+                and (PLAIN_TENSOR_TYPES.issuperset(map(type, part)) or _all_tensors(part))
                 for part in tensor_lists
             )
         else:

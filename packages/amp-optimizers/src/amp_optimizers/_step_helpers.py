@@ -153,11 +153,7 @@ def step_outside_graph(param_groups: Iterable[dict[str, Any]]) -> bool:
     """
     if not torch.compiler.is_compiling():
         return False
-    module = sys.modules.get("torch.distributed.tensor")
-    dtensor = getattr(module, "DTensor", None)
-    return dtensor is not None and any(
-        isinstance(p, dtensor) for group in param_groups for p in group["params"]
-    )
+    return holds_dtensors(p for group in param_groups for p in group["params"])
 
 
 _eager_call: Callable[..., Any] | None = None

@@ -37,6 +37,7 @@ __all__ = [
     "SHARD_FLAG_OPS",
     "SHARD_LOCAL_OPS",
     "SHARD_NORM_OPS",
+    "PLAIN_TENSOR_TYPES",
     "holds_dtensor",
     "multi_tensor_op",
     "raise_wrong_device",
@@ -134,7 +135,7 @@ SHARD_FLAG_OPS = frozenset({"multi_tensor_adam_capturable", "multi_tensor_adam_c
 
 
 # Types no DTensor has: a list of these alone needs no walk (see holds_dtensor).
-_PLAIN_TYPES = frozenset({Tensor, torch.nn.Parameter})
+PLAIN_TENSOR_TYPES = frozenset({Tensor, torch.nn.Parameter})
 
 
 def holds_dtensor(dtensor: type, lists: Sequence[Sequence[Any] | None]) -> bool:
@@ -146,7 +147,7 @@ def holds_dtensor(dtensor: type, lists: Sequence[Sequence[Any] | None]) -> bool:
     for part in lists:
         if (
             part is not None
-            and not _PLAIN_TYPES.issuperset(map(type, part))
+            and not PLAIN_TENSOR_TYPES.issuperset(map(type, part))
             and any(type(t) is dtensor for t in part)
         ):
             return True
