@@ -2,8 +2,8 @@
 
 Apex's calling convention (``amp_C`` through ``multi_tensor_applier``) is for code written
 against Apex; a step of these optimizers goes to ``torch.ops.amp_fused_ops.<op>`` directly:
-no Apex-convention wrapper in between, and no look at the tensors' types on each call (whether
-the params are DTensors is decided once per step).
+no call of an ``amp_C`` op in between (Apex's convention, with its per-call checks; whether the
+params are DTensors is decided once per step instead).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from amp_fused_ops.ops import _apex_convention, _schema_calls
+from amp_fused_ops import amp_C
 from amp_optimizers import (
     FusedAdagrad,
     FusedAdam,
@@ -63,16 +63,15 @@ class _OpNames(TorchDispatchMode):
 def test_a_step_calls_the_ops_without_the_apex_convention(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    looked: list[str] = []
-    for module in (_apex_convention, _schema_calls):
-        real = module.dtensor_type
-        monkeypatch.setattr(
-            module, "dtensor_type", lambda real=real: looked.append("dtensor") or real()
-        )
-    real_holds = _schema_calls.holds_dtensor
-    monkeypatch.setattr(
-        _schema_calls, "holds_dtensor", lambda *a: looked.append("holds") or real_holds(*a)
-    )
+    through_amp_C: list[str] = []
+    for op_name in amp_C.__all__:
+        real = getattr(amp_C, op_name)
+
+        def recorded(*args: Any, _real: Any = real, _name: str = op_name, **kwargs: Any) -> Any:
+            through_amp_C.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(amp_C, op_name, recorded)
     make, ops = OPTIMIZERS[name]
     generator = torch.Generator().manual_seed(0)
     params = [torch.randn(n, generator=generator).requires_grad_() for n in (3, 40)]
@@ -83,5 +82,5 @@ def test_a_step_calls_the_ops_without_the_apex_convention(
     with _OpNames() as seen:
         optimizer.step()
     assert seen.names == ops
-    assert looked == []  # no per-call DTensor lookup: not the amp_C path
+    assert through_amp_C == []  # the dispatcher ops directly, not Apex's amp_C convention
     assert all(not torch.equal(p, b) for p, b in zip(params, before, strict=True))
