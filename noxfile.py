@@ -17,6 +17,7 @@ README.md shows.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -29,7 +30,13 @@ import shlex
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None  # type: ignore[assignment]
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -156,6 +163,33 @@ def _shared_torch(session: nox.Session) -> Path:
     target = (Path(session.cache_dir) / "torch" / f"{python}-{label}-{digest}").resolve()
     if (target / "torch").is_dir():
         return target
+    # Two nox processes at once (.ci/run compiles beside the tests) install it once: the
+    # second waits here for the first, then finds it installed.
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(target.with_name(target.name + ".lock")):
+        if not (target / "torch").is_dir():
+            _install_shared_torch(session, label, attempts, target)
+    return target
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the file ``path`` (created if missing) while in the block;
+    without ``fcntl`` (Windows), no lock."""
+    if fcntl is None:
+        yield
+        return
+    with path.open("a") as file:
+        fcntl.flock(file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(file, fcntl.LOCK_UN)
+
+
+def _install_shared_torch(
+    session: nox.Session, label: str, attempts: list[list[str]], target: Path
+) -> None:
     partial = target.with_name(target.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     size = "several GB with the CUDA libraries" if label == "cuda" else "about 880 MB"
@@ -183,7 +217,6 @@ def _shared_torch(session: nox.Session) -> Path:
     if not (partial / "torch").is_dir():
         session.error(f"torch was not installed into {partial}")
     partial.rename(target)
-    return target
 
 
 def _site_packages(python: str, session: nox.Session) -> Path:
@@ -851,11 +884,13 @@ def cuda_emulation(session: nox.Session) -> None:
     The .cu sources of amp-fused-ops are compiled as C++ through
     packages/amp-fused-ops/csrc/emulation (threads as fibers, launch and barrier checks) twice: the
     counting build (misaligned vector accesses raise), then with AddressSanitizer + UBSan in a
-    process that preloads libasan. No GPU and no CUDA toolkit needed. The builds are cached in the
-    session's folder (.nox/...). ``-- <pytest args>`` narrows the tests;
-    ``AMP_EMULATION_BUILDS=counting`` or ``=asan`` runs one build (CI runs each as its own
-    step). The tests of a build run in one pytest-xdist worker per CPU, as every test session's
-    (``AMP_TEST_WORKERS``, see ``_xdist``).
+    process that preloads libasan. No GPU and no CUDA toolkit needed. The builds are kept in
+    .nox/.cache/emulated-kernels (``AMP_FUSED_OPS_CACHE`` sets another folder), which outlives the
+    session's virtualenv: a later run recompiles only what changed. ``-- <pytest args>`` narrows
+    the tests; ``AMP_EMULATION_BUILDS=counting`` or ``=asan`` runs one build (CI runs each as
+    its own step); ``AMP_EMULATION_COMPILE_ONLY=1`` compiles the builds and runs no test (.ci/run
+    compiles them so beside its other steps). The tests of a build run in one pytest-xdist
+    worker per CPU, as every test session's (``AMP_TEST_WORKERS``, see ``_xdist``).
 
     The counting build runs the multi-tensor tests at every emulated size (up to 33333
     elements, chunks of 333 and 2048 * 32); the asan build at the small sizes (1, 7, 555, chunk
@@ -866,8 +901,11 @@ def cuda_emulation(session: nox.Session) -> None:
     _install_checkout(session, "pytest", "pytest-xdist", "ninja")
     session.env["MAX_JOBS"] = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
     session.env["AMP_FUSED_OPS_CACHE"] = os.environ.get(
-        "AMP_FUSED_OPS_CACHE", str(Path(session.create_tmp()) / "amp_fused_ops_cache")
+        "AMP_FUSED_OPS_CACHE", str((Path(session.cache_dir) / "emulated-kernels").resolve())
     )
+    compile_only = os.environ.get("AMP_EMULATION_COMPILE_ONLY", "")
+    if compile_only not in ("", "0", "1"):
+        session.error(f"AMP_EMULATION_COMPILE_ONLY={compile_only!r}: expected 1 or 0, or unset")
     # The CPU tensors stand for CUDA ones: an op without a CUDA kernel must take the reference,
     # as on a GPU, not the C++ CPU kernels (which would also be compiled here for nothing).
     session.env["AMP_FUSED_OPS_DISABLE"] = os.environ.get("AMP_FUSED_OPS_DISABLE", "cpu")
@@ -900,6 +938,8 @@ def cuda_emulation(session: nox.Session) -> None:
             **extra,
         }
         session.run("python", "-c", _EMULATION_BUILD, build, env=env)
+        if compile_only == "1":
+            continue
         session.run(
             "python", "-m", "pytest", "-m", "cuda_emulation", "-q", "-p", "no:cacheprovider",
             "--durations=5", *xdist_args, *tests, *session.posargs, env={**env, **xdist_env},
