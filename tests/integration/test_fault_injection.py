@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from amp_test_support import HALF_DTYPES
 from torch import nn
 
 from amp_core import amp
@@ -26,7 +27,6 @@ STEPS = 300
 LONG_BURST = range(100, 150)  # 50 bad batches: more halvings than any scale here needs
 BURSTS = [range(20, 23), range(60, 62), LONG_BURST, range(200, 204)]
 BAD_STEPS = {s for burst in BURSTS for s in burst}
-HALF_DTYPES = [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")]
 W_TRUE = torch.tensor([[0.5, -1.0, 0.25, 2.0], [1.5, 0.5, -0.75, 0.0]])
 
 

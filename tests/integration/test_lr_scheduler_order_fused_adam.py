@@ -9,11 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from amp_test_support import HALF_DTYPES
 
 from amp_core import amp
 from amp_optimizers import FusedAdam
-
-HALF_DTYPES = [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")]
 
 
 def _mlp(seed: int = 0) -> torch.nn.Module:

@@ -10,12 +10,12 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from amp_test_support import HALF_DTYPES
 from torch import nn
 
 from amp_core import amp
 from amp_optimizers import FusedAdam
 
-HALF_DTYPES = [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")]
 LEVELS = ["O0", "O1", "O2", "O3"]
 TOL = {
     torch.float16: dict(rtol=1e-2, atol=5e-3),

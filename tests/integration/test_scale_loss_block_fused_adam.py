@@ -14,17 +14,12 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from amp_test_support import CHAIN_TOL, HALF_DTYPES
 from torch import nn
 
 from amp_core import amp
 from amp_optimizers import FusedAdam
 
-HALF_DTYPES = [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")]
-# Forward + backward + one step of a small net: each matmul rounds its output once.
-CHAIN_TOL = {
-    torch.float16: dict(rtol=1e-2, atol=5e-3),
-    torch.bfloat16: dict(rtol=6e-2, atol=4e-2),
-}
 OPT_LEVEL = "O2"  # FusedAdam keeps the masters itself at O2 only
 
 # Adam's first step is lr * sign(grad) for a small eps: a gradient element near 0 rounds to

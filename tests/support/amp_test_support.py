@@ -9,7 +9,45 @@ import os
 import sys
 from typing import NoReturn
 
-__all__ = ["exit_passed_rank"]
+import pytest
+import torch
+
+__all__ = ["CHAIN_TOL", "DEVICES", "HALF_DTYPES", "OP_TOL", "exit_passed_rank"]
+
+# The low-precision dtypes a test runs in, with short ids.
+HALF_DTYPES = [
+    pytest.param(torch.float16, id="fp16"),
+    pytest.param(torch.bfloat16, id="bf16"),
+]
+
+# Same test bodies on both devices; the cuda variant is skipped without CUDA (each package's
+# conftest also skips `gpu` tests without CUDA; this keeps a test module self-contained).
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param(
+        "cuda",
+        id="cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        ],
+    ),
+]
+
+# One low-precision op against its float32 reference (the rtol is
+# torch.testing.assert_close's default for the dtype).
+OP_TOL = {
+    torch.float16: dict(rtol=1e-3, atol=1e-3),
+    torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2),
+}
+
+# Results that chain a few low-precision ops (forward + backward + one optimizer step of a
+# 2-layer net): each matmul rounds its output once, so the error is a small multiple of one
+# op's bound.
+CHAIN_TOL = {
+    torch.float16: dict(rtol=1e-2, atol=5e-3),
+    torch.bfloat16: dict(rtol=6e-2, atol=4e-2),
+}
 
 
 def exit_passed_rank() -> NoReturn:

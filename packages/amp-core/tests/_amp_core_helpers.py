@@ -7,40 +7,6 @@ import copy
 import pytest
 import torch
 
-HALF_DTYPES = [
-    pytest.param(torch.float16, id="fp16"),
-    pytest.param(torch.bfloat16, id="bf16"),
-]
-
-# Same test bodies on both devices; the cuda variant is skipped without CUDA
-# (the root conftest also skips `gpu` tests, this keeps the package self-contained).
-DEVICES = [
-    pytest.param("cpu", id="cpu"),
-    pytest.param(
-        "cuda",
-        id="cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-        ],
-    ),
-]
-
-# Tolerances for one low-precision op against its float32 reference (the rtol is
-# torch.testing.assert_close's default for the dtype).
-OP_TOL = {
-    torch.float16: dict(rtol=1e-3, atol=1e-3),
-    torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2),
-}
-
-# Tolerances for results that chain a few low-precision ops (forward + backward +
-# one optimizer step of a 2-layer net): each matmul rounds its output once, so the
-# error is a small multiple of one op's bound.
-CHAIN_TOL = {
-    torch.float16: dict(rtol=1e-2, atol=5e-3),
-    torch.bfloat16: dict(rtol=6e-2, atol=4e-2),
-}
-
 
 def tiny_mlp(seed: int = 0, din: int = 4, dhid: int = 8, dout: int = 3) -> torch.nn.Module:
     torch.manual_seed(seed)

@@ -7,8 +7,9 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
+from amp_test_support import DEVICES, HALF_DTYPES
 
-from _amp_core_helpers import DEVICES, HALF_DTYPES, batch, tiny_bn_net
+from _amp_core_helpers import batch, tiny_bn_net
 from amp_core import amp
 
 N_FIRST, N_TOTAL = 3, 6

@@ -14,8 +14,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from amp_test_support import HALF_DTYPES
 
-from _amp_core_helpers import HALF_DTYPES, batch, tiny_bn_net
+from _amp_core_helpers import batch, tiny_bn_net
 from amp_core import amp
 
 N_STEPS, SAVE_AFTER, POISONED = 6, 3, 1

@@ -8,8 +8,9 @@ import gc
 import pytest
 import torch
 import torch.nn.functional as F
+from amp_test_support import CHAIN_TOL, HALF_DTYPES
 
-from _amp_core_helpers import CHAIN_TOL, HALF_DTYPES, batch, fp32_copy, tiny_mlp
+from _amp_core_helpers import batch, fp32_copy, tiny_mlp
 from amp_core import amp
 
 DEFAULT_FLOOR = 2.0**-24  # the documented floor of a dynamic scale without min_loss_scale

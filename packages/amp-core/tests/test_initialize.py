@@ -10,8 +10,9 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from amp_test_support import DEVICES, HALF_DTYPES
 
-from _amp_core_helpers import DEVICES, HALF_DTYPES, amp_log_records, tiny_bn_net, tiny_mlp
+from _amp_core_helpers import amp_log_records, tiny_bn_net, tiny_mlp
 from amp_core import amp
 
 OPT_LEVELS = ["O0", "O1", "O2", "O3"]

@@ -8,8 +8,9 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from amp_test_support import CHAIN_TOL, DEVICES, HALF_DTYPES
 
-from _amp_core_helpers import CHAIN_TOL, DEVICES, HALF_DTYPES, amp_log_records, batch, tiny_mlp
+from _amp_core_helpers import amp_log_records, batch, tiny_mlp
 from amp_core import amp
 
 OVERFLOW_MSG = re.compile(

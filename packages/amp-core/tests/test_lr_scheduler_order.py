@@ -7,8 +7,9 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from amp_test_support import HALF_DTYPES
 
-from _amp_core_helpers import HALF_DTYPES, MasterAdam, batch, tiny_mlp
+from _amp_core_helpers import MasterAdam, batch, tiny_mlp
 from amp_core import amp
 
 

@@ -14,10 +14,11 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
+from amp_test_support import CHAIN_TOL, HALF_DTYPES
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
-from _amp_core_helpers import CHAIN_TOL, HALF_DTYPES, batch, fp32_copy, tiny_mlp
+from _amp_core_helpers import batch, fp32_copy, tiny_mlp
 from amp_core import amp
 
 LEVELS = ["O0", "O1", "O2", "O3"]

@@ -6,8 +6,9 @@ import types
 
 import pytest
 import torch
+from amp_test_support import DEVICES, HALF_DTYPES
 
-from _amp_core_helpers import DEVICES, HALF_DTYPES, tiny_mlp
+from _amp_core_helpers import tiny_mlp
 from amp_core import amp
 
 

@@ -7,8 +7,9 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from amp_test_support import CHAIN_TOL, DEVICES, HALF_DTYPES
 
-from _amp_core_helpers import CHAIN_TOL, DEVICES, HALF_DTYPES, batch, tiny_mlp
+from _amp_core_helpers import batch, tiny_mlp
 from amp_core import amp
 
 OPT_LEVELS = ["O1", "O2"]

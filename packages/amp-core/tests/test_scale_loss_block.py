@@ -10,9 +10,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from amp_test_support import CHAIN_TOL, HALF_DTYPES
 from torch import nn
 
-from _amp_core_helpers import CHAIN_TOL, HALF_DTYPES, MasterAdam, batch, tiny_mlp
+from _amp_core_helpers import MasterAdam, batch, tiny_mlp
 from amp_core import amp
 from amp_core._optimizer import optimizer_state
 

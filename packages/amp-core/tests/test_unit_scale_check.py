@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from amp_test_support import HALF_DTYPES
 
-from _amp_core_helpers import HALF_DTYPES, batch, tiny_mlp
+from _amp_core_helpers import batch, tiny_mlp
 from amp_core import amp
 
 # O1 with an explicit scale of one, and O3, whose default static scale is one.

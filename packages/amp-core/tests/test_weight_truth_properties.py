@@ -29,9 +29,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
+from amp_test_support import HALF_DTYPES
 from torch import nn
 
-from _amp_core_helpers import HALF_DTYPES, batch
+from _amp_core_helpers import batch
 from amp_core import amp
 
 LEVELS = ["O0", "O1", "O2", "O3"]

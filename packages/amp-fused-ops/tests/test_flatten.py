@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from amp_test_support import DEVICES
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from amp_fused_ops import flatten, unflatten
-
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def _tensors(device: str, dtype: torch.dtype) -> list[torch.Tensor]:

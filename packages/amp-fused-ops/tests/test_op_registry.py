@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from amp_test_support import DEVICES
 from torch import Tensor
 
 from _kernel_target import DEVICE as KERNEL_DEVICE
@@ -40,9 +41,6 @@ def _to(value: Any, device: str) -> Any:
     if isinstance(value, list | tuple):
         return type(value)(_to(v, device) for v in value)
     return value
-
-
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def test_every_registered_op_has_a_case() -> None:

@@ -2,39 +2,7 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
-
-HALF_DTYPES = [
-    pytest.param(torch.float16, id="fp16"),
-    pytest.param(torch.bfloat16, id="bf16"),
-]
-
-DEVICES = [
-    pytest.param("cpu", id="cpu"),
-    pytest.param(
-        "cuda",
-        id="cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-        ],
-    ),
-]
-
-# One low-precision op against its fp32 reference (the rtol is torch.testing.assert_close's
-# default for the dtype).
-OP_TOL = {
-    torch.float16: dict(rtol=1e-3, atol=1e-3),
-    torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2),
-}
-
-# A forward + backward + step of a 2-layer net: each matmul rounds once, so a small multiple
-# of one op's bound.
-CHAIN_TOL = {
-    torch.float16: dict(rtol=1e-2, atol=5e-3),
-    torch.bfloat16: dict(rtol=6e-2, atol=4e-2),
-}
 
 
 class MixedNet(torch.nn.Module):

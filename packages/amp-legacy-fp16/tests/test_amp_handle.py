@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from amp_test_support import CHAIN_TOL, HALF_DTYPES
 
-from _legacy_helpers import CHAIN_TOL, HALF_DTYPES, batch
+from _legacy_helpers import batch
 from amp_core import amp as core_amp
 from amp_core import o1_casting_active
 from amp_legacy_fp16 import amp

@@ -15,9 +15,10 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from amp_test_support import CHAIN_TOL, HALF_DTYPES
 from torch.optim import lr_scheduler
 
-from _legacy_helpers import CHAIN_TOL, HALF_DTYPES, batch
+from _legacy_helpers import batch
 from amp_legacy_fp16 import amp
 
 SCHEDULERS: dict[str, Callable[[torch.optim.Optimizer], lr_scheduler.LRScheduler]] = {

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from amp_test_support import HALF_DTYPES
 
-from _legacy_helpers import HALF_DTYPES, tiny_mlp
+from _legacy_helpers import tiny_mlp
 from amp_legacy_fp16 import (
     BN_convert_float,
     FP16Model,

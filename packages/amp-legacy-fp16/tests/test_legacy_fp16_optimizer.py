@@ -14,8 +14,9 @@ import pickle
 import pytest
 import torch
 import torch.nn.functional as F
+from amp_test_support import CHAIN_TOL, DEVICES, HALF_DTYPES
 
-from _legacy_helpers import CHAIN_TOL, DEVICES, HALF_DTYPES, MixedNet, batch, fp32_copy, tiny_mlp
+from _legacy_helpers import MixedNet, batch, fp32_copy, tiny_mlp
 from amp_legacy_fp16 import FP16_Optimizer
 
 

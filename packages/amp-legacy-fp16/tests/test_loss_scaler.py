@@ -6,8 +6,8 @@ import random
 
 import pytest
 import torch
+from amp_test_support import HALF_DTYPES
 
-from _legacy_helpers import HALF_DTYPES
 from amp_legacy_fp16 import DynamicLossScaler, LossScaler
 
 

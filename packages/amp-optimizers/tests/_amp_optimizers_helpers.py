@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import pytest
 import torch
 from torch import Tensor
 
@@ -26,23 +25,6 @@ OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 FP32_ATOL = 1e-5
 # Low-precision params against a float32-master reference, relative to the param scale.
 HALF_RTOL = {torch.float16: 1e-3, torch.bfloat16: 1.6e-2}
-
-HALF_DTYPES = [
-    pytest.param(torch.float16, id="fp16"),
-    pytest.param(torch.bfloat16, id="bf16"),
-]
-
-DEVICES = [
-    pytest.param("cpu", id="cpu"),
-    pytest.param(
-        "cuda",
-        id="cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-        ],
-    ),
-]
 
 
 @dataclass(frozen=True)

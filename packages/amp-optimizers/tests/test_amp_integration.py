@@ -26,9 +26,10 @@ from typing import Any
 
 import pytest
 import torch
+from amp_test_support import HALF_DTYPES
 from torch import Tensor, nn
 
-from _amp_optimizers_helpers import HALF_DTYPES, assert_bitwise_equal
+from _amp_optimizers_helpers import assert_bitwise_equal
 from amp_core import amp
 from amp_optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
 

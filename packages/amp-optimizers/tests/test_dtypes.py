@@ -18,12 +18,11 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from amp_test_support import DEVICES, HALF_DTYPES
 
 from _amp_optimizers_helpers import (
     ACTIVE,
-    DEVICES,
     FP32_ATOL,
-    HALF_DTYPES,
     HALF_RTOL,
     NO_GRAD,
     SPECS,

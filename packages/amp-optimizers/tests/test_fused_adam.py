@@ -11,13 +11,12 @@ import io
 
 import pytest
 import torch
+from amp_test_support import DEVICES, HALF_DTYPES
 
 from _amp_optimizers_helpers import (
     ACTIVE,
-    DEVICES,
     FP32_ATOL,
     GROUP_SHAPES,
-    HALF_DTYPES,
     assert_bitwise_equal,
     float_copies,
     loss_of,

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from amp_test_support import DEVICES
 
 from _amp_optimizers_helpers import (
     ACTIVE,
-    DEVICES,
     SPECS,
     OptimizerSpec,
     assert_bitwise_equal,

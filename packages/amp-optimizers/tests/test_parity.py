@@ -12,9 +12,9 @@ from contextlib import AbstractContextManager, nullcontext
 
 import pytest
 import torch
+from amp_test_support import DEVICES
 
 from _amp_optimizers_helpers import (
-    DEVICES,
     NO_GRAD,
     SPECS,
     OptimizerSpec,

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 import torch
+from amp_test_support import DEVICES
 
 from _amp_optimizers_helpers import (
     ACTIVE,
-    DEVICES,
     GROUP_SHAPES,
     SPECS,
     OptimizerSpec,
