@@ -134,16 +134,8 @@ def test_the_kernels_own_error_stands_when_the_scalars_are_right(ext: Any) -> No
 
 # (op, argument, a value the table refuses) for every row of the table.
 _REFUSED = [
-    *(
-        (op, name, 7)
-        for op, rule in _preconditions.PRECONDITIONS.items()
-        for name, _ in rule.choices
-    ),
-    *(
-        (op, "step", 0)
-        for op, rule in _preconditions.PRECONDITIONS.items()
-        if rule.step_at_least_one
-    ),
+    *((op, name, 7) for op, rule in _preconditions.rules().items() for name, _ in rule.choices),
+    *((op, "step", 0) for op, rule in _preconditions.rules().items() if rule.step_at_least_one),
 ]
 
 
@@ -156,7 +148,7 @@ def test_every_kernel_refuses_what_the_table_refuses(
     del ext
     sample = list(OP_CASES[op].sample())
     at = 2 + max(REGISTRY[op].list_counts)
-    sample[at + _preconditions.PRECONDITIONS[op].arguments.index(argument)] = value
+    sample[at + _preconditions.rules()[op].arguments.index(argument)] = value
     with pytest.raises(ValueError, match=argument):
         getattr(torch.ops.amp_fused_ops, op).default(*sample)
 
@@ -185,7 +177,7 @@ def test_every_cuda_kernel_refuses_what_the_table_refuses(
         pytest.skip(f"{op} has no kernel in csrc/cuda (the reference runs, tested above)")
     sample = [_on(v, KERNEL_DEVICE) for v in OP_CASES[op].sample()]
     at = 2 + max(REGISTRY[op].list_counts)
-    sample[at + _preconditions.PRECONDITIONS[op].arguments.index(argument)] = value
+    sample[at + _preconditions.rules()[op].arguments.index(argument)] = value
     with pytest.raises(ValueError, match=argument):
         getattr(ops, op).default(*sample)
 

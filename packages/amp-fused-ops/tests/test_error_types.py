@@ -369,7 +369,9 @@ def test_amp_C_gives_the_reference_message_on_the_kernel_path(
         call(cpu_ext)
 
 
-def test_the_table_names_the_arguments_of_every_op() -> None:
+def test_the_preconditions_name_the_arguments_of_every_op() -> None:
+    """The scalar arguments an entry's preconditions take from its schema are the reference's
+    (Apex's order), so a positional call is checked argument by argument."""
     import inspect
 
     from amp_fused_ops.ops import _preconditions
@@ -379,4 +381,4 @@ def test_the_table_names_the_arguments_of_every_op() -> None:
             continue
         parameters = list(inspect.signature(getattr(_reference, op)).parameters)
         assert parameters[:3] == ["chunk_size", "noop_flag", "tensor_lists"], op
-        assert tuple(parameters[3:]) == _preconditions.PRECONDITIONS[op].arguments, op
+        assert tuple(parameters[3:]) == _preconditions.rules()[op].arguments, op

@@ -23,7 +23,7 @@ from _kernel_target import norm_ops
 from _op_cases import OP_CASES, missing_cases, noop_flag
 from amp_fused_ops import amp_C, extensions
 from amp_fused_ops.ops import _kernel_ops
-from amp_fused_ops.ops._registry import REGISTRY, reference_kernel
+from amp_fused_ops.ops._registry import REGISTRY, OpSpec, reference_kernel
 
 OPS = sorted(REGISTRY)
 
@@ -51,6 +51,23 @@ def test_the_case_check_names_an_op_without_a_case() -> None:
     registered = {**REGISTRY, "multi_tensor_new": REGISTRY["multi_tensor_scale"]}
     del registered["multi_tensor_adam"]
     assert missing_cases(registered) == (["multi_tensor_new"], ["multi_tensor_adam"])
+
+
+def test_an_entry_takes_its_preconditions_arguments_from_its_schema() -> None:
+    spec = REGISTRY["multi_tensor_adagrad"]
+    assert spec.preconditions is not None
+    assert spec.preconditions.arguments == ("lr", "epsilon", "mode", "weight_decay", "lr_tensor")
+    assert spec.preconditions.choices == (("mode", (0, 1)),)
+    assert REGISTRY["update_scale_hysteresis"].preconditions is None  # no Apex lists
+
+
+def test_an_entry_refuses_a_switch_its_schema_does_not_have() -> None:
+    scale = REGISTRY["multi_tensor_scale"]
+    with pytest.raises(ValueError, match="choice 'mode' is not an argument of the op"):
+        OpSpec(scale.schema, scale.reference, list_counts=(2,), choices=(("mode", (0, 1)),))
+    hysteresis = REGISTRY["update_scale_hysteresis"]
+    with pytest.raises(ValueError, match="preconditions need Apex's convention"):
+        OpSpec(hysteresis.schema, hysteresis.reference, step_at_least_one=True)
 
 
 def test_every_registered_op_is_in_amp_C() -> None:

@@ -14,11 +14,11 @@ amp-optimizers call the dispatcher ops with the schema's own arguments instead
 (:func:`amp_fused_ops.multi_tensor_op`).
 
 ``chunk_size`` and the scalar arguments are checked once per call, by the kernel that runs
-(compiled or reference). When a call fails, the table of
-:data:`amp_fused_ops.ops._preconditions.PRECONDITIONS` is consulted before the error leaves
+(compiled or reference). When a call fails, the op's preconditions (its registry entry's,
+:func:`amp_fused_ops.ops._preconditions.rules`) are consulted before the error leaves
 ``amp_C``, so that a mistake in those arguments gives the same ``ValueError`` and message
 whichever kernel runs (the per-tensor preconditions are the kernels' own, with the same
-exception types and words on every path). Under ``torch.compile`` the table is checked
+exception types and words on every path). Under ``torch.compile`` they are checked
 before the call.
 
 Every kernel bumps the autograd version counter of each tensor the op writes in place, so

@@ -1,12 +1,16 @@
-"""The preconditions on the scalar arguments of every ``amp_C`` op, in one table.
+"""The preconditions on the scalar arguments of every ``amp_C`` op: how they are checked.
 
-The reference ops check them with :func:`check_arguments`; the compiled kernels keep their own
-``TORCH_CHECK`` guards (a ``ValueError`` too, in other words). A call that succeeds is checked
-once, by the kernel that runs it. When an :mod:`amp_fused_ops.amp_C` call fails, ``amp_C``
-checks the call against this table (:func:`check`) before the error leaves it, so that a bad
-``chunk_size``, ``mode``, ``bias_correction``, ``step`` ... gives the same ``ValueError``, with
-the same message, on every path; the kernels' own words reach only a direct call of the
-extension. Under ``torch.compile`` ``amp_C`` checks the table before the call.
+Each op's preconditions are part of its registry entry
+(:attr:`amp_fused_ops.ops._registry.OpSpec.preconditions`: the scalar arguments in Apex's
+order, taken from the schema, the allowed values of its switches and the ``step`` rule);
+:func:`rules` lists them by op. The reference ops check them with :func:`check_arguments`; the
+compiled kernels keep their own ``TORCH_CHECK`` guards (a ``ValueError`` too, in other words).
+A call that succeeds is checked once, by the kernel that runs it. When an
+:mod:`amp_fused_ops.amp_C` call fails, ``amp_C`` checks the call against them (:func:`check`)
+before the error leaves it, so that a bad ``chunk_size``, ``mode``, ``bias_correction``,
+``step`` ... gives the same ``ValueError``, with the same message, on every path; the kernels'
+own words reach only a direct call of the extension. Under ``torch.compile`` ``amp_C`` checks
+them before the call.
 
 The per-tensor preconditions (list count and lengths, sizes, dtypes, layouts, devices,
 overlap) stay with each path, which walks the tensors anyway; they raise the same exception
@@ -19,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MAX_CHUNK_SIZE", "PRECONDITIONS", "OpPreconditions", "check", "check_arguments"]
+__all__ = ["MAX_CHUNK_SIZE", "OpPreconditions", "check", "check_arguments", "rules"]
 
 # Largest chunk_size every path accepts (the CUDA launcher indexes chunks with int).
 MAX_CHUNK_SIZE = 1 << 30
@@ -52,115 +56,23 @@ class OpPreconditions:
                 raise ValueError(f"choice {name!r} is not an argument of the op")
 
 
-_FLAG = (0, 1)
-_ADAM_ARGS = (
-    "lr",
-    "beta1",
-    "beta2",
-    "eps",
-    "step",
-    "mode",
-    "bias_correction",
-    "weight_decay",
-)
-_ADAM_CHOICES = (("mode", _FLAG), ("bias_correction", _FLAG))
-_LAMB_ARGS = (
-    "lr",
-    "beta1",
-    "beta2",
-    "epsilon",
-    "step",
-    "bias_correction",
-    "weight_decay",
-    "grad_averaging",
-    "mode",
-    "global_grad_norm",
-    "max_grad_norm",
-    "use_nvlamb",
-)
-_LAMB_CHOICES = (("bias_correction", _FLAG), ("grad_averaging", _FLAG), ("mode", _FLAG))
+_rules: Mapping[str, OpPreconditions] | None = None
 
-# Every op of Apex's amp_C (csrc/amp_C_frontend.cpp) that takes a chunk_size.
-PRECONDITIONS: Mapping[str, OpPreconditions] = {
-    "multi_tensor_scale": OpPreconditions(("scale",)),
-    "multi_tensor_sgd": OpPreconditions(
-        (
-            "weight_decay",
-            "momentum",
-            "dampening",
-            "lr",
-            "nesterov",
-            "first_run",
-            "wd_after_momentum",
-            "scale",
-            "sr_seed",
-            "sr_step",
-            "step_tensor",
-            "lr_tensor",
-        )
-    ),
-    "multi_tensor_axpby": OpPreconditions(
-        ("a", "b", "arg_to_check"), choices=(("arg_to_check", (-1, 0, 1)),)
-    ),
-    "multi_tensor_l2norm": OpPreconditions(("per_tensor",)),
-    "multi_tensor_l2norm_mp": OpPreconditions(("per_tensor",)),
-    "multi_tensor_l2norm_scale": OpPreconditions(("scale", "per_tensor")),
-    "multi_tensor_unscale_l2norm": OpPreconditions(("inv_scale", "per_tensor")),
-    "multi_tensor_lamb_stage1_cuda": OpPreconditions(
-        (
-            "per_tensor_decay",
-            "step",
-            "beta1",
-            "beta2",
-            "epsilon",
-            "global_grad_norm",
-            "max_global_grad_norm",
-            "step_tensor",
-        )
-    ),
-    "multi_tensor_lamb_stage2_cuda": OpPreconditions(
-        ("per_tensor_param_norm", "per_tensor_update_norm", "lr", "weight_decay", "use_nvlamb")
-    ),
-    "multi_tensor_adam": OpPreconditions(
-        (*_ADAM_ARGS, "step_tensor", "sr_seed", "sr_step", "lr_tensor"),
-        choices=_ADAM_CHOICES,
-        step_at_least_one=True,
-    ),
-    # step is a device tensor here: checking it would synchronize the host.
-    "multi_tensor_adam_capturable": OpPreconditions(
-        (*_ADAM_ARGS, "inv_scale"), choices=_ADAM_CHOICES
-    ),
-    "multi_tensor_adam_capturable_master": OpPreconditions(
-        (*_ADAM_ARGS, "inv_scale"), choices=_ADAM_CHOICES
-    ),
-    "multi_tensor_adagrad": OpPreconditions(
-        ("lr", "epsilon", "mode", "weight_decay", "lr_tensor"), choices=(("mode", _FLAG),)
-    ),
-    "multi_tensor_novograd": OpPreconditions(
-        (
-            "grad_norms",
-            "lr",
-            "beta1",
-            "beta2",
-            "epsilon",
-            "step",
-            "bias_correction",
-            "weight_decay",
-            "grad_averaging",
-            "mode",
-            "norm_type",
-            "step_tensor",
-            "lr_tensor",
-        ),
-        choices=(*_LAMB_CHOICES, ("norm_type", (0, 2))),
-    ),
-    "multi_tensor_lamb": OpPreconditions(
-        (*_LAMB_ARGS, "step_tensor", "lr_tensor"), choices=_LAMB_CHOICES
-    ),
-    "multi_tensor_lamb_mp": OpPreconditions(
-        (*_LAMB_ARGS, "found_inf", "inv_scale"), choices=_LAMB_CHOICES
-    ),
-}
+
+def rules() -> Mapping[str, OpPreconditions]:
+    """Every ``amp_C`` op that takes a chunk size, by name: its entry's preconditions
+    (:attr:`amp_fused_ops.ops._registry.OpSpec.preconditions`)."""
+    global _rules
+    if _rules is None:
+        # Imported on first use: the registry imports the references, which import this module.
+        from amp_fused_ops.ops._registry import REGISTRY
+
+        _rules = {
+            name: spec.preconditions
+            for name, spec in REGISTRY.items()
+            if spec.preconditions is not None
+        }
+    return _rules
 
 
 def check_chunk_size(op: str, chunk_size: Any) -> None:
@@ -177,16 +89,16 @@ def check_chunk_size(op: str, chunk_size: Any) -> None:
 
 
 def check_arguments(op: str, values: Mapping[str, Any]) -> None:
-    """Check the scalar arguments ``values`` (by name) of ``op`` against its row of the table.
+    """Check the scalar arguments ``values`` (by name) of ``op`` against its preconditions.
 
     Args:
-        op: The op's name (a key of :data:`PRECONDITIONS`).
+        op: The op's name (a key of :func:`rules`).
         values: Argument values by name; arguments not given are not checked.
 
     Raises:
         ValueError: A switch is out of range, or ``step`` is below 1 with bias correction.
     """
-    rule = PRECONDITIONS[op]
+    rule = rules()[op]
     for name, allowed in rule.choices:
         if name in values and values[name] not in allowed:
             raise ValueError(f"{op}: {name} must be one of {list(allowed)}, got {values[name]!r}")
@@ -205,10 +117,10 @@ def check(op: str, chunk_size: Any, args: Sequence[Any], kwargs: Mapping[str, An
 
     Raises:
         ValueError: ``chunk_size`` out of [1, 2**30], or a scalar argument breaks the op's
-            row of :data:`PRECONDITIONS`.
+            preconditions.
     """
     check_chunk_size(op, chunk_size)
-    rule = PRECONDITIONS.get(op)
+    rule = rules().get(op)
     if rule is None:
         return
     values = dict(zip(rule.arguments, args, strict=False))

@@ -29,8 +29,8 @@ mutable); :func:`amp_fused_ops.ops._apex_convention.apex_convention` turns such 
 Apex's ``op(chunk_size, noop_flag, tensor_lists, *args)``.
 
 Adding an op: one :class:`OpSpec` in :data:`REGISTRY` (schema, reference, fake kernel, the
-numbers of lists Apex passes), its preconditions row in :mod:`amp_fused_ops.ops._preconditions`,
-and its compiled kernels registered under the same name.
+numbers of lists Apex passes, the preconditions of its scalar arguments) and its compiled
+kernels registered under the same name.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from amp_fused_ops.ops import _preconditions
+from amp_fused_ops.ops._preconditions import OpPreconditions
 from amp_fused_ops.reference import _ops as _reference
 from amp_fused_ops.reference._common import find_wrong_device
 
@@ -94,12 +96,24 @@ class OpSpec:
         fake: The fake (meta) kernel, with the schema's arguments.
         list_counts: The numbers of tensor lists Apex passes (the schema's list arguments, the
             last ones optional when fewer are given); empty for an op without tensor lists.
+        choices: ``(argument, allowed values)`` of the op's integer switches (Apex's names:
+            ``mode`` for ``decay_mode``).
+        step_at_least_one: The op's integer ``step`` must be >= 1 when ``bias_correction``
+            is 1 (unless a ``step_tensor`` replaces it).
+        preconditions: What ``choices`` and ``step_at_least_one`` make of the scalar
+            arguments the schema lists after the tensor lists (Apex's order); ``amp_C`` and
+            the references check calls against it (:mod:`amp_fused_ops.ops._preconditions`).
     """
 
     schema: str
     reference: Callable[..., Any]
     fake: Callable[..., Any] = _no_outputs
     list_counts: tuple[int, ...] = ()
+    choices: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    step_at_least_one: bool = False
+    preconditions: OpPreconditions | None = dataclasses.field(
+        init=False, default=None, compare=False, repr=False
+    )
 
     @property
     def name(self) -> str:
@@ -108,7 +122,21 @@ class OpSpec:
     def __post_init__(self) -> None:
         if self.name != self.reference.__name__:
             raise ValueError(f"{self.name}: the reference is {self.reference.__name__}")
+        if self.list_counts:  # an op of Apex's convention: its scalars follow the lists
+            schema = torch._C.parse_schema(f"{OPS_NAMESPACE}::{self.schema}")
+            scalars = tuple(
+                "mode" if argument.name == "decay_mode" else argument.name
+                for argument in schema.arguments[2 + max(self.list_counts) :]
+            )
+            rule = OpPreconditions(scalars, self.choices, self.step_at_least_one)
+            object.__setattr__(self, "preconditions", rule)
+        elif self.choices or self.step_at_least_one:
+            raise ValueError(f"{self.name}: preconditions need Apex's convention (list_counts)")
 
+
+_FLAG = (0, 1)
+_ADAM_CHOICES = (("mode", _FLAG), ("bias_correction", _FLAG))
+_LAMB_CHOICES = (("bias_correction", _FLAG), ("grad_averaging", _FLAG), ("mode", _FLAG))
 
 # In the order of Apex's csrc/amp_C_frontend.cpp.
 _SPECS = (
@@ -132,6 +160,7 @@ _SPECS = (
         "Tensor(b!)[] outs, float a, float b, int arg_to_check) -> ()",
         _reference.multi_tensor_axpby,
         list_counts=(3,),
+        choices=(("arg_to_check", (-1, 0, 1)),),
     ),
     OpSpec(
         "multi_tensor_l2norm(int chunk_size, Tensor(a!) noop_flag, Tensor[] xs, "
@@ -185,6 +214,8 @@ _SPECS = (
         "Tensor? lr_tensor=None) -> ()",
         _reference.multi_tensor_adam,
         list_counts=(4,),
+        choices=_ADAM_CHOICES,
+        step_at_least_one=True,
     ),
     OpSpec(
         "multi_tensor_adam_capturable(int chunk_size, Tensor(a!) noop_flag, "
@@ -194,6 +225,7 @@ _SPECS = (
         "Tensor inv_scale) -> ()",
         _reference.multi_tensor_adam_capturable,
         list_counts=(4,),
+        choices=_ADAM_CHOICES,  # step is a device tensor: checking it would sync the host
     ),
     OpSpec(
         "multi_tensor_adam_capturable_master(int chunk_size, Tensor(a!) noop_flag, "
@@ -203,6 +235,7 @@ _SPECS = (
         "Tensor inv_scale) -> ()",
         _reference.multi_tensor_adam_capturable_master,
         list_counts=(5,),
+        choices=_ADAM_CHOICES,
     ),
     OpSpec(
         "multi_tensor_adagrad(int chunk_size, Tensor noop_flag, Tensor[] grads, "
@@ -210,6 +243,7 @@ _SPECS = (
         "float weight_decay, Tensor? lr_tensor=None) -> ()",
         _reference.multi_tensor_adagrad,
         list_counts=(3,),
+        choices=(("mode", _FLAG),),
     ),
     OpSpec(
         "multi_tensor_novograd(int chunk_size, Tensor(a!) noop_flag, Tensor[] grads, "
@@ -219,6 +253,7 @@ _SPECS = (
         "Tensor? step_tensor=None, Tensor? lr_tensor=None) -> ()",
         _reference.multi_tensor_novograd,
         list_counts=(3,),
+        choices=(*_LAMB_CHOICES, ("norm_type", (0, 2))),
     ),
     OpSpec(
         "multi_tensor_lamb(int chunk_size, Tensor(a!) noop_flag, Tensor[] grads, "
@@ -229,6 +264,7 @@ _SPECS = (
         "Tensor? lr_tensor=None) -> ()",
         _reference.multi_tensor_lamb,
         list_counts=(4,),
+        choices=_LAMB_CHOICES,
     ),
     OpSpec(
         "multi_tensor_lamb_mp(int chunk_size, Tensor(a!) noop_flag, Tensor[] grads, "
@@ -239,6 +275,7 @@ _SPECS = (
         "Tensor inv_scale) -> ()",
         _reference.multi_tensor_lamb_mp,
         list_counts=(4, 5),
+        choices=_LAMB_CHOICES,
     ),
     OpSpec(
         "update_scale_hysteresis(Tensor(a!) current_scale, Tensor(b!) growth_tracker, "
@@ -251,6 +288,9 @@ _SPECS = (
 REGISTRY: dict[str, OpSpec] = {spec.name: spec for spec in _SPECS}
 """Every ``amp_C`` op by name: the one list the schemas, the fallback kernels, the fake
 kernels, ``amp_C`` itself and the op tests are made from."""
+
+# The preconditions by op, gathered now: a call that torch.compile traces then only reads them.
+_preconditions.rules()
 
 _libraries: dict[str, torch.library.Library] = {}
 
