@@ -70,6 +70,26 @@ def test_an_entry_refuses_a_switch_its_schema_does_not_have() -> None:
         OpSpec(hysteresis.schema, hysteresis.reference, step_at_least_one=True)
 
 
+def test_the_autocast_kernels_follow_the_entries_rules() -> None:
+    has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+    for name, spec in _kernel_ops.KERNEL_OPS.items():
+        for key in ("AutocastCPU", "AutocastCUDA"):
+            registered = has_kernel(f"amp_fused_ops::{name}", key)
+            assert registered == (spec.autocast == "lower_precision"), (name, key)
+    assert _kernel_ops.KERNEL_OPS["norm_forward"].autocast == "lower_precision"
+    for name in OPS:  # the multi-tensor ops run in their tensors' dtypes under autocast
+        assert not has_kernel(f"amp_fused_ops::{name}", "AutocastCPU"), name
+
+
+def test_an_entry_refuses_an_unknown_autocast_rule() -> None:
+    spec = _kernel_ops.KERNEL_OPS["syncbn_forward"]
+    with pytest.raises(ValueError, match="autocast must be one of"):
+        _kernel_ops.KernelOpSpec(spec.schema, spec.reference, spec.fake, autocast="fp32")
+    scale = REGISTRY["multi_tensor_scale"]
+    with pytest.raises(ValueError, match="runs in its tensors' dtypes"):
+        OpSpec(scale.schema, scale.reference, list_counts=(2,), autocast="lower_precision")  # type: ignore[arg-type]
+
+
 def test_every_registered_op_is_in_amp_C() -> None:
     assert sorted(amp_C.__all__) == OPS
     for name in OPS:

@@ -6,10 +6,7 @@ FusedLayerNorm``); the autograd Functions and functional forms are in
 :mod:`amp_fused_ops.normalization.fused_layer_norm`, as in Apex.
 """
 
-from amp_fused_ops.normalization import (
-    _autocast,  # noqa: F401  (registers the autocast kernels)
-    fused_layer_norm,
-)
+from amp_fused_ops.normalization import fused_layer_norm
 from amp_fused_ops.normalization._modules import (
     FusedLayerNorm,
     FusedRMSNorm,

@@ -7,8 +7,8 @@ kernel the dispatcher picks) and records ``norm_backward`` as its gradient. So a
 ``FusedLayerNorm`` forward is one op call, and its backward is one more, with no Python op body
 between the dispatcher and the kernel. Calls that need no gradient skip the autograd node.
 
-The autocast kernels are in :mod:`amp_fused_ops.normalization._autocast`, the Inductor
-decompositions used off CUDA in :mod:`amp_fused_ops.normalization._compile`.
+The autocast kernels follow the op's entry (:mod:`amp_fused_ops.ops._autocast`), the Inductor
+decompositions used off CUDA are in :mod:`amp_fused_ops.normalization._compile`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The op machinery of amp-fused-ops: the op registry and what calls the ops.
 
-- ``_registry``: the registry of the ``amp_C`` ops (schema, reference and fake kernel of every
-  op) and the dispatcher ops defined from it;
+- ``_registry``: the registry of the ``amp_C`` ops (schema, reference, fake kernel,
+  preconditions and autocast rule of every op) and the dispatcher ops defined from it;
 - ``_kernel_ops``: the same for the norm and SyncBN ops;
+- ``_autocast``: the autocast kernels that the entries' rules make;
 - ``_schema_calls``: those ops called with their schemas' own arguments
   (``multi_tensor_op``, what the fused optimizers call), on tensors or DTensor shards;
 - ``_apex_convention``: those ops called as Apex's ``amp_C`` calls them (tensor lists, Python

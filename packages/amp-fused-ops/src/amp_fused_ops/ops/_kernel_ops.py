@@ -24,8 +24,9 @@ compiled kernel            ``CompositeExplicitAutograd``
 ========================== ====================================================================
 
 The kernel of last resort loads the device's extension on the op's first call there and then
-hands the call to its kernel, as the ``amp_C`` ops' does. The autocast kernels of
-``norm_forward`` are registered by :mod:`amp_fused_ops.normalization._autocast`. The emulated
+hands the call to its kernel, as the ``amp_C`` ops' does. The autocast kernels follow each
+entry's ``autocast`` rule (:mod:`amp_fused_ops.ops._autocast`; ``norm_forward`` casts to the
+autocast dtype). The emulated
 CUDA build registers its kernels for the same schemas under ``torch.ops.amp_fused_ops_emu``
 (:func:`define_kernel_ops` with that namespace).
 """
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from amp_fused_ops.ops._autocast import AUTOCAST_RULES, register_autocast_kernels
 from amp_fused_ops.ops._registry import OPS_NAMESPACE, compiled_kernel
 from amp_fused_ops.reference import _norm, _syncbn
 
@@ -154,6 +156,8 @@ class KernelOpSpec:
         compiled_on: The device types whose extension registers a kernel of the op.
         fallback: The kernel where no compiled one serves, when it is not the reference (the
             norms take ATen's fused CPU LayerNorm where it computes the same).
+        autocast: What ``torch.autocast`` does to the op: ``None`` (nothing, it runs in its
+            tensors' dtypes) or ``"lower_precision"`` (see :mod:`amp_fused_ops.ops._autocast`).
     """
 
     schema: str
@@ -161,10 +165,15 @@ class KernelOpSpec:
     fake: Callable[..., Any]
     compiled_on: tuple[str, ...] = ("cuda",)
     fallback: Callable[..., Any] | None = None
+    autocast: str | None = None
 
     @property
     def name(self) -> str:
         return self.schema[: self.schema.index("(")]
+
+    def __post_init__(self) -> None:
+        if self.autocast not in AUTOCAST_RULES:
+            raise ValueError(f"{self.name}: autocast must be one of {AUTOCAST_RULES}")
 
 
 _SPECS = (
@@ -175,6 +184,7 @@ _SPECS = (
         _norm_forward_fake,
         ("cpu", "cuda"),
         _norm_forward_aten,
+        autocast="lower_precision",  # as Apex's fused norms under torch.autocast
     ),
     KernelOpSpec(
         "norm_backward(Tensor grad_out, Tensor saved, Tensor mean, Tensor invvar, "
@@ -260,3 +270,4 @@ def define_kernel_ops(namespace: str = OPS_NAMESPACE) -> None:
 
 
 define_kernel_ops()
+register_autocast_kernels(KERNEL_OPS.values(), OPS_NAMESPACE)

@@ -100,6 +100,9 @@ class OpSpec:
             ``mode`` for ``decay_mode``).
         step_at_least_one: The op's integer ``step`` must be >= 1 when ``bias_correction``
             is 1 (unless a ``step_tensor`` replaces it).
+        autocast: What ``torch.autocast`` does to the op: ``None`` only (it runs in its tensors'
+            dtypes): a multi-tensor op writes its tensors in place, which a cast would redirect
+            to copies (:mod:`amp_fused_ops.ops._autocast`).
         preconditions: What ``choices`` and ``step_at_least_one`` make of the scalar
             arguments the schema lists after the tensor lists (Apex's order); ``amp_C`` and
             the references check calls against it (:mod:`amp_fused_ops.ops._preconditions`).
@@ -111,6 +114,7 @@ class OpSpec:
     list_counts: tuple[int, ...] = ()
     choices: tuple[tuple[str, tuple[int, ...]], ...] = ()
     step_at_least_one: bool = False
+    autocast: None = None
     preconditions: OpPreconditions | None = dataclasses.field(
         init=False, default=None, compare=False, repr=False
     )
@@ -122,6 +126,8 @@ class OpSpec:
     def __post_init__(self) -> None:
         if self.name != self.reference.__name__:
             raise ValueError(f"{self.name}: the reference is {self.reference.__name__}")
+        if self.autocast is not None:
+            raise ValueError(f"{self.name}: a multi-tensor op runs in its tensors' dtypes")
         if self.list_counts:  # an op of Apex's convention: its scalars follow the lists
             schema = torch._C.parse_schema(f"{OPS_NAMESPACE}::{self.schema}")
             scalars = tuple(
