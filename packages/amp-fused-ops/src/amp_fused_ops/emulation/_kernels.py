@@ -284,16 +284,12 @@ def asan_environment() -> dict[str, str]:
 
 def counters(module: ModuleType | None = None) -> Counters:
     """The counters of the emulated extension (loaded by :func:`load`)."""
-    import torch
-
     del module
     return Counters(*torch.ops.amp_emu.counters())
 
 
 def reset_counters() -> None:
     """Set every counter to zero."""
-    import torch
-
     torch.ops.amp_emu.reset_counters()
 
 
@@ -311,8 +307,6 @@ def count_launches_only() -> Iterator[None]:
         ...     optimizer.step()
         >>> emulation.counters().blocks  # doctest: +SKIP
     """
-    import torch
-
     previous = bool(torch.ops.amp_emu.count_only())
     torch.ops.amp_emu.set_count_only(True)
     try:
