@@ -26,9 +26,8 @@ compiled kernel            ``CompositeExplicitAutograd``
 The kernel of last resort loads the device's extension on the op's first call there and then
 hands the call to its kernel, as the ``amp_C`` ops' does. The autocast kernels follow each
 entry's ``autocast`` rule (:mod:`amp_fused_ops.ops._autocast`; ``norm_forward`` casts to the
-autocast dtype). The emulated
-CUDA build registers its kernels for the same schemas under ``torch.ops.amp_fused_ops_emu``
-(:func:`define_kernel_ops` with that namespace).
+autocast dtype). The emulated CUDA build registers its kernels for the same schemas under
+``torch.ops.amp_fused_ops_emu`` (:func:`define_kernel_ops` with that namespace).
 """
 
 from __future__ import annotations
