@@ -42,6 +42,12 @@ ONE_ROUNDING: Mapping[torch.dtype, Tolerance] = MappingProxyType(
 )
 
 
+# The ways an op runs (``_op_paths.py``): its pure-PyTorch reference, the C++ CPU kernel, the
+# CUDA kernel (on a GPU, or its emulated build on the CPU).
+PATHS = ("reference", "cpu", "cuda")
+REFERENCE_ONLY = frozenset({"reference"})
+
+
 def noop_flag(value: int = 0, device: str | torch.device = "cpu") -> Tensor:
     """Apex's overflow buffer: a one-element int32 tensor holding ``value``."""
     return torch.full((1,), value, dtype=torch.int32, device=device)
@@ -70,14 +76,16 @@ class OpCase:
             on CPU tensors; a new call each time (the op writes some of them).
         writes: The arguments the op writes in place, as the schema must mark them.
         tolerances: Per dtype, how close a kernel's results must be to the reference's.
-        cpu_kernel: Whether the CPU extension has a kernel for the op (else the reference runs
-            for CPU tensors).
+        paths: The paths that have an implementation of the op (``PATHS``): the reference
+            always; ``"cpu"`` where the C++ CPU extension has a kernel (else CPU tensors take
+            the reference), ``"cuda"`` where the CUDA extension has one (else CUDA tensors
+            take the reference).
     """
 
     sample: Callable[[], tuple[Any, ...]]
     writes: frozenset[str]
     tolerances: Mapping[torch.dtype, Tolerance] = field(default_factory=lambda: TWO_ROUNDINGS)
-    cpu_kernel: bool = True
+    paths: frozenset[str] = frozenset(PATHS)
 
 
 def _writes(*names: str) -> frozenset[str]:
@@ -112,7 +120,7 @@ OP_CASES: dict[str, OpCase] = {
     "multi_tensor_l2norm_scale": OpCase(
         lambda: (64, noop_flag(), _lists(0), _zeros(), 0.5, True),
         _writes("noop_flag", "outs"),
-        cpu_kernel=False,  # a CUDA kernel only: CPU tensors take the reference
+        paths=REFERENCE_ONLY,  # no kernel: every device takes the reference
     ),
     "multi_tensor_unscale_l2norm": OpCase(
         lambda: (64, noop_flag(), _lists(0), _one(0.5), True), _writes("noop_flag")
@@ -181,7 +189,7 @@ OP_CASES: dict[str, OpCase] = {
             _one(0.0), _one(1.0),
         ),
         _writes("noop_flag", *_ADAM_STATE, "model_params"),
-        cpu_kernel=False,  # a CUDA kernel only: CPU tensors take the reference
+        paths=REFERENCE_ONLY,  # no kernel: every device takes the reference
     ),
     "update_scale_hysteresis": OpCase(
         lambda: (
@@ -189,7 +197,7 @@ OP_CASES: dict[str, OpCase] = {
             _one(0.0), 2.0, 0.5, 2000, 2,
         ),
         _writes("current_scale", "growth_tracker", "hysteresis_tracker"),
-        cpu_kernel=False,  # a CUDA kernel only: CPU tensors take the reference
+        paths=frozenset({"reference", "cuda"}),  # a CUDA kernel only
     ),
 }  # fmt: skip
 

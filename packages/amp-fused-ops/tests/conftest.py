@@ -21,6 +21,7 @@ from types import ModuleType
 import pytest
 
 from _cpu_extension_helpers import CONFIGURED_BUILD, copy_build, session_cache
+from _op_paths import OpPath, open_path
 from amp_fused_ops import extensions
 from amp_fused_ops.extensions import _build as ext_build
 from amp_fused_ops.extensions import _lookup as ext_lookup
@@ -60,3 +61,10 @@ def cpu_extension() -> object:
     if module is None:
         pytest.skip(f"no compiled CPU extension: {extensions.unavailable_reason('cpu')}")
     return module
+
+
+@pytest.fixture
+def path(request: pytest.FixtureRequest) -> Iterator[OpPath]:
+    """The path a contract test runs its op on (``_op_paths.py``); parametrise it indirectly
+    with ``_op_paths.paths(...)``."""
+    yield from open_path(request.param, request)

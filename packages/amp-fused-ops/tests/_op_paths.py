@@ -1,0 +1,145 @@
+"""The paths an ``amp_C`` op runs on, as one test parameter: the contract tests' ``path``.
+
+An op has one contract (its registry entry and its case in ``_op_cases.py``) and up to three
+implementations. A contract test takes the ``path`` fixture and runs on each of them:
+
+``reference``
+    ``amp_C`` on CPU tensors inside :func:`amp_fused_ops.extensions.use_reference`: the
+    pure-PyTorch reference, with ``amp_C``'s own argument checks in front. Every successful
+    call is proven to have reached the reference (its call count).
+``cpu``
+    The compiled C++ CPU extension (built once per test run, ``_cpu_extension_helpers``),
+    called in Apex's convention on CPU tensors.
+``cuda``
+    The CUDA kernels: the CUDA extension on a GPU, or under ``nox -s cuda_emulation`` the same
+    sources compiled for the CPU, on CPU tensors (``_kernel_target``). These parameters carry
+    the ``gpu`` and ``cuda_emulation`` marks, so the CPU test run leaves them out and the GPU
+    and emulated runs select them.
+
+:func:`paths` gives the parameters for a test of some ops: the paths where every one of them
+has a kernel (``OpCase.paths``), so no test is generated only to be skipped.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from _kernel_target import DEVICE as CUDA_DEVICE
+from _kernel_target import EMULATED, SMALL_SIZES
+from _op_cases import OP_CASES, PATHS, noop_flag
+
+__all__ = ["PATHS", "OpPath", "open_path", "paths"]
+
+# Tensor sizes that cross the vector width (1, 7), the chunk sizes (333 and 2048 * 32, so
+# chunks start both misaligned and aligned) and, on a GPU, the launch batches.
+_CPU_SIZES = (1, 7, 555, 33333, 2048 * 32 + 1)
+if SMALL_SIZES:
+    _CUDA_SIZES: tuple[int, ...] = (1, 7, 555)
+elif EMULATED:
+    _CUDA_SIZES = (1, 7, 555, 33333)
+else:
+    _CUDA_SIZES = (1, 7, 555, 33333, 2048 * 32 + 1, 2 * 2048 * 32)
+_CHUNKS = (333, 2048 * 32)
+
+
+@dataclass(frozen=True)
+class OpPath:
+    """One way of running the ``amp_C`` ops, with the tensors to run them on.
+
+    Attributes:
+        name: ``"reference"``, ``"cpu"`` or ``"cuda"``.
+        device: Where the path's tensors live (``"cpu"`` for the emulated CUDA kernels too).
+        sizes: The tensor sizes a test of this path runs over.
+        chunks: The chunk sizes a test of this path runs with.
+    """
+
+    name: str
+    device: str
+    sizes: tuple[int, ...]
+    chunks: tuple[int, ...]
+    _module: Any
+    _counts: Any = None
+
+    def op(self, name: str) -> Callable[..., Any]:
+        """Op ``name`` of this path, in Apex's calling convention (``amp_C``'s)."""
+        function = getattr(self._module, name)
+        if self._counts is None:
+            return function  # type: ignore[no-any-return]
+
+        key = f"amp_fused_ops::{name}"
+
+        @functools.wraps(function)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            before = self._counts[key]
+            result = function(*args, **kwargs)
+            assert self._counts[key] > before, f"{name} did not run on the reference"
+            return result
+
+        return counted
+
+    def flag(self, value: int = 0) -> Tensor:
+        """Apex's noop flag on this path's device."""
+        return noop_flag(value, self.device)
+
+    def randn(
+        self,
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+        sizes: tuple[int, ...] | None = None,
+        *,
+        scale: float = 1.0,
+        positive: bool = False,
+    ) -> list[Tensor]:
+        """One tensor per size (``self.sizes`` by default), the same values on every path."""
+        generator = torch.Generator().manual_seed(seed)
+        out = []
+        for n in self.sizes if sizes is None else sizes:
+            t = torch.randn(n, generator=generator) * scale
+            out.append((t.abs() if positive else t).to(device=self.device, dtype=dtype))
+        return out
+
+    def tensor(self, value: Any, dtype: torch.dtype | None = None) -> Tensor:
+        """``torch.tensor(value)`` on this path's device."""
+        return torch.tensor(value, dtype=dtype, device=self.device)
+
+
+def paths(*ops: str) -> list[Any]:
+    """``path`` parameters (indirect) for a test of ``ops``: every path that has a kernel of
+    each of them, the ``cuda`` one marked ``gpu`` and ``cuda_emulation``."""
+    unknown = [op for op in ops if op not in OP_CASES]
+    if unknown:
+        raise ValueError(f"no case in _op_cases.OP_CASES for {unknown}")
+    out = []
+    for name in PATHS:
+        if all(name in OP_CASES[op].paths for op in ops):
+            marks = [pytest.mark.gpu, pytest.mark.cuda_emulation] if name == "cuda" else []
+            out.append(pytest.param(name, marks=marks, id=name))
+    return out
+
+
+def open_path(name: str, request: pytest.FixtureRequest) -> Iterator[OpPath]:
+    """The ``path`` fixture's body: the path ``name``, open for the test's duration."""
+    if name == "reference":
+        from amp_fused_ops import amp_C, extensions
+
+        with extensions.use_reference() as counts:
+            yield OpPath(name, "cpu", _CPU_SIZES, _CHUNKS, amp_C, counts)
+    elif name == "cpu":
+        from _cpu_extension_helpers import load_from, session_cache
+
+        factory = request.getfixturevalue("tmp_path_factory")
+        yield OpPath(name, "cpu", _CPU_SIZES, _CHUNKS, load_from(session_cache(factory).cache))
+    elif name == "cuda":
+        from _kernel_target import extension
+
+        chunks = (333,) if SMALL_SIZES else _CHUNKS
+        yield OpPath(name, CUDA_DEVICE, _CUDA_SIZES, chunks, extension())
+    else:
+        raise ValueError(f"unknown path {name!r}: expected one of {PATHS}")
