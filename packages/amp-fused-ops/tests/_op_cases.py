@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from _op_errors import ERRORS, ErrorInput
+
 Tolerance = dict[str, float]
 
 # A kernel's result against the fp32 reference, both rounded to the output dtype: within two
@@ -76,6 +78,7 @@ class OpCase:
             on CPU tensors; a new call each time (the op writes some of them).
         writes: The arguments the op writes in place, as the schema must mark them.
         tolerances: Per dtype, how close a kernel's results must be to the reference's.
+        errors: Calls with one mistake each and what every path raises (``_op_errors.py``).
         paths: The paths that have an implementation of the op (``PATHS``): the reference
             always; ``"cpu"`` where the C++ CPU extension has a kernel (else CPU tensors take
             the reference), ``"cuda"`` where the CUDA extension has one (else CUDA tensors
@@ -86,6 +89,7 @@ class OpCase:
     writes: frozenset[str]
     tolerances: Mapping[torch.dtype, Tolerance] = field(default_factory=lambda: TWO_ROUNDINGS)
     paths: frozenset[str] = frozenset(PATHS)
+    errors: tuple[ErrorInput, ...] = ()
 
 
 def _writes(*names: str) -> frozenset[str]:
@@ -99,6 +103,7 @@ OP_CASES: dict[str, OpCase] = {
         lambda: (64, noop_flag(), _lists(0), _zeros(), 0.5),
         _writes("noop_flag", "outs"),
         ONE_ROUNDING,
+        errors=ERRORS["multi_tensor_scale"],
     ),
     "multi_tensor_sgd": OpCase(
         lambda: (
@@ -106,24 +111,30 @@ OP_CASES: dict[str, OpCase] = {
             False, False, 1.0,
         ),
         _writes("params", "momentum_bufs", "model_copies"),
+        errors=ERRORS["multi_tensor_sgd"],
     ),
     "multi_tensor_axpby": OpCase(
         lambda: (64, noop_flag(), _lists(0), _lists(1), _zeros(), 2.0, 3.0, -1),
         _writes("noop_flag", "outs"),
+        errors=ERRORS["multi_tensor_axpby"],
     ),
     "multi_tensor_l2norm": OpCase(
-        lambda: (64, noop_flag(), _lists(0), True), _writes("noop_flag")
+        lambda: (64, noop_flag(), _lists(0), True), _writes("noop_flag"),
+        errors=ERRORS["multi_tensor_l2norm"],
     ),
     "multi_tensor_l2norm_mp": OpCase(
-        lambda: (64, noop_flag(), _lists(0), True), _writes("noop_flag")
+        lambda: (64, noop_flag(), _lists(0), True), _writes("noop_flag"),
+        errors=ERRORS["multi_tensor_l2norm_mp"],
     ),
     "multi_tensor_l2norm_scale": OpCase(
         lambda: (64, noop_flag(), _lists(0), _zeros(), 0.5, True),
         _writes("noop_flag", "outs"),
         paths=REFERENCE_ONLY,  # no kernel: every device takes the reference
+        errors=ERRORS["multi_tensor_l2norm_scale"],
     ),
     "multi_tensor_unscale_l2norm": OpCase(
-        lambda: (64, noop_flag(), _lists(0), _one(0.5), True), _writes("noop_flag")
+        lambda: (64, noop_flag(), _lists(0), _one(0.5), True), _writes("noop_flag"),
+        errors=ERRORS["multi_tensor_unscale_l2norm"],
     ),
     "multi_tensor_lamb_stage1_cuda": OpCase(
         lambda: (
@@ -131,6 +142,7 @@ OP_CASES: dict[str, OpCase] = {
             torch.tensor([0.01, 0.01]), 1, 0.9, 0.999, 1e-6, _one(1.0), 1.0,
         ),
         _writes("exp_avgs", "exp_avg_sqs", "updates"),
+        errors=ERRORS["multi_tensor_lamb_stage1_cuda"],
     ),
     "multi_tensor_lamb_stage2_cuda": OpCase(
         lambda: (
@@ -138,6 +150,7 @@ OP_CASES: dict[str, OpCase] = {
             torch.tensor([0.5, 0.7]), 0.01, 0.01, False,
         ),
         _writes("params"),
+        errors=ERRORS["multi_tensor_lamb_stage2_cuda"],
     ),
     "multi_tensor_adam": OpCase(
         lambda: (
@@ -145,6 +158,7 @@ OP_CASES: dict[str, OpCase] = {
             0.9, 0.999, 1e-8, 1, 1, 1, 0.01,
         ),
         _writes(*_ADAM_STATE),
+        errors=ERRORS["multi_tensor_adam"],
     ),
     "multi_tensor_adam_capturable": OpCase(
         lambda: (
@@ -152,6 +166,7 @@ OP_CASES: dict[str, OpCase] = {
             _one(1e-3), 0.9, 0.999, 1e-8, _one(1), 1, 1, 0.01, _one(1.0),
         ),
         _writes("noop_flag", "grads", *_ADAM_STATE),
+        errors=ERRORS["multi_tensor_adam_capturable"],
     ),
     "multi_tensor_adam_capturable_master": OpCase(
         lambda: (
@@ -160,6 +175,7 @@ OP_CASES: dict[str, OpCase] = {
             0.01, _one(1.0),
         ),
         _writes("noop_flag", *_ADAM_STATE, "masters"),
+        errors=ERRORS["multi_tensor_adam_capturable_master"],
     ),
     "multi_tensor_adagrad": OpCase(
         lambda: (
@@ -167,6 +183,7 @@ OP_CASES: dict[str, OpCase] = {
             0.0,
         ),
         _writes("params", "state_sums"),
+        errors=ERRORS["multi_tensor_adagrad"],
     ),
     "multi_tensor_novograd": OpCase(
         lambda: (
@@ -174,6 +191,7 @@ OP_CASES: dict[str, OpCase] = {
             0.9, 0.999, 1e-8, 1, 1, 0.0, 1, 0, 2,
         ),
         _writes("noop_flag", "params", "exp_avgs", "grad_norms"),
+        errors=ERRORS["multi_tensor_novograd"],
     ),
     "multi_tensor_lamb": OpCase(
         lambda: (
@@ -181,6 +199,7 @@ OP_CASES: dict[str, OpCase] = {
             0.9, 0.999, 1e-6, 1, 1, 0.01, 1, 1, _one(1.0), 1.0, False,
         ),
         _writes("noop_flag", *_ADAM_STATE),
+        errors=ERRORS["multi_tensor_lamb"],
     ),
     "multi_tensor_lamb_mp": OpCase(
         lambda: (
@@ -190,6 +209,7 @@ OP_CASES: dict[str, OpCase] = {
         ),
         _writes("noop_flag", *_ADAM_STATE, "model_params"),
         paths=REFERENCE_ONLY,  # no kernel: every device takes the reference
+        errors=ERRORS["multi_tensor_lamb_mp"],
     ),
     "update_scale_hysteresis": OpCase(
         lambda: (

@@ -35,7 +35,7 @@ from _kernel_target import DEVICE as CUDA_DEVICE
 from _kernel_target import EMULATED, SMALL_SIZES
 from _op_cases import OP_CASES, PATHS, noop_flag
 
-__all__ = ["PATHS", "OpPath", "open_path", "paths"]
+__all__ = ["PATHS", "OpPath", "apex_arguments", "on_device", "open_path", "paths"]
 
 # Tensor sizes that cross the vector width (1, 7), the chunk sizes (333 and 2048 * 32, so
 # chunks start both misaligned and aligned) and, on a GPU, the launch batches.
@@ -108,6 +108,28 @@ class OpPath:
     def tensor(self, value: Any, dtype: torch.dtype | None = None) -> Tensor:
         """``torch.tensor(value)`` on this path's device."""
         return torch.tensor(value, dtype=dtype, device=self.device)
+
+
+def on_device(value: Any, device: str) -> Any:
+    """``value`` with every tensor in it (lists and tuples too) moved to ``device``."""
+    if isinstance(value, Tensor):
+        return value.to(device)
+    if isinstance(value, list | tuple):
+        return type(value)(on_device(v, device) for v in value)
+    return value
+
+
+def apex_arguments(name: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A call of op ``name`` with the schema's arguments (the tensor lists as separate
+    arguments, as ``OpCase.sample`` gives them) in Apex's convention: one list of lists."""
+    from amp_fused_ops.ops._registry import REGISTRY
+
+    counts = REGISTRY[name].list_counts
+    if not counts:
+        return args
+    most = max(counts)
+    lists = [part for part in args[2 : 2 + most] if part is not None]
+    return (args[0], args[1], lists, *args[2 + most :])
 
 
 def paths(*ops: str) -> list[Any]:

@@ -198,7 +198,8 @@ void multi_tensor_novograd(int64_t chunk_size, const at::Tensor& noop_flag,
   TORCH_CHECK_VALUE(grad_norms.scalar_type() == at::kFloat &&
                   grad_norms.numel() == static_cast<int64_t>(n_tensors),
                     op, ": grad_norms must be a float32 tensor of ", n_tensors,
-                    " elements (one per tensor), got dtype ", grad_norms.scalar_type(), " with ",
+                    " elements (one per tensor), got dtype ",
+                    checks::dtype_name(grad_norms.scalar_type()), " with ",
                     grad_norms.numel(), " elements");
 
   // Stage 1: each gradient's norm, one partial (sum of squares or max |g|) per chunk.

@@ -151,9 +151,9 @@ inline size_t check_tensor_lists(const char* op, int64_t chunk_size, const at::T
 // A one-element scalar argument (lr, step, inv_scale, ...) as a float32 tensor on `device`.
 inline at::Tensor device_scalar(const char* op, const char* name, const at::Tensor& value,
                                 const at::Device& device) {
-  TORCH_CHECK_VALUE(value.defined() && value.numel() == 1, op, ": ", name,
-                    " must be a tensor with one element, got ",
-                    value.defined() ? value.numel() : 0, " elements");
+  TORCH_CHECK_TYPE(value.defined(), op, ": ", name, " is undefined (None)");
+  TORCH_CHECK_VALUE(value.numel() == 1, op, ": ", name, " must have one element, got ",
+                    value.numel());
   TORCH_CHECK_VALUE(value.is_floating_point() || at::isIntegralType(value.scalar_type(), false), op,
                     ": ", name, " must be a real number tensor, got dtype ", value.scalar_type());
   return value.reshape({}).to(device, at::kFloat);

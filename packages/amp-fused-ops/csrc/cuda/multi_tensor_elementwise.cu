@@ -118,7 +118,8 @@ void multi_tensor_axpby(int64_t chunk_size, const at::Tensor& noop_flag,
                         int64_t arg_to_check) {
   constexpr const char* op = "multi_tensor_axpby";
   TORCH_CHECK_VALUE(arg_to_check >= -1 && arg_to_check <= 1, op,
-                    ": arg_to_check must be -1 (both), 0 (x) or 1 (y), got ", arg_to_check);
+                    ": arg_to_check must be -1 (check x and y), 0 (x) or 1 (y), got ",
+                    arg_to_check);
   if (check_tensor_lists(op, chunk_size, noop_flag, tensor_lists, 3) == 0) {
     return;
   }

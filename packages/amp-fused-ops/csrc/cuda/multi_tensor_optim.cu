@@ -349,7 +349,9 @@ void multi_tensor_novograd(int64_t chunk_size, const at::Tensor& noop_flag,
                   grad_norms.numel() == static_cast<int64_t>(n),
                     op, ": grad_norms must be a float32 tensor of ", n,
                     " elements (one per tensor), got dtype ",
-                    grad_norms.defined() ? grad_norms.scalar_type() : at::kFloat, " with ",
+                    checks::dtype_name(grad_norms.defined() ? grad_norms.scalar_type()
+                                                            : at::kFloat),
+                    " with ",
                     grad_norms.defined() ? grad_norms.numel() : 0, " elements");
   TORCH_CHECK(grad_norms.device() == noop_flag.device(), op, ": grad_norms is on ",
               grad_norms.device(), " but the tensors are on ", noop_flag.device(),

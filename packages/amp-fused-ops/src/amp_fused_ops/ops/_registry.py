@@ -417,25 +417,24 @@ def _fake_kernel(spec: OpSpec) -> Callable[..., Any]:
 
 
 def define_schemas(namespace: str = OPS_NAMESPACE, *, fallbacks: bool | None = None) -> None:
-    """Define every op of :data:`REGISTRY` in ``torch.ops.<namespace>`` (once per process).
+    """Define every op of :data:`REGISTRY` in ``torch.ops.<namespace>`` (once per process),
+    with its fake kernel (meta and fake tensors: shapes, and the kernels' device checks).
 
     Args:
         namespace: The dispatcher namespace; the emulated CUDA kernels register under one of
             their own.
-        fallbacks: Also register the reference (``CompositeExplicitAutograd``) and the fake
-            kernels; default: for :data:`OPS_NAMESPACE` only.
+        fallbacks: Also register the reference as the kernel of last resort
+            (``CompositeExplicitAutograd``); default: for :data:`OPS_NAMESPACE` only.
     """
     if namespace in _libraries:
         return
     library = torch.library.Library(namespace, "FRAGMENT")
     for spec in REGISTRY.values():
         library.define(spec.schema)
+        torch.library.register_fake(f"{namespace}::{spec.name}", _fake_kernel(spec), lib=library)
     if fallbacks if fallbacks is not None else namespace == OPS_NAMESPACE:
         for spec in REGISTRY.values():
             library.impl(spec.name, _last_resort_kernel(spec), "CompositeExplicitAutograd")
-            torch.library.register_fake(
-                f"{namespace}::{spec.name}", _fake_kernel(spec), lib=library
-            )
     _libraries[namespace] = library
 
 

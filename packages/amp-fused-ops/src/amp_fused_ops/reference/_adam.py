@@ -385,14 +385,16 @@ def _capturable_adam(
     else:
         _check_overlap(op, tensor_lists, (0, 1, 2, 3))
     grads, params, exp_avgs, exp_avg_sqs = tensor_lists[:4]
-    lr_t = _scalar(lr, device)
-    step_t = _scalar(step, device)
+    lr_t = _scalar(op, "lr", lr, device)
+    step_t = _scalar(op, "step", step, device)
     one = torch.ones((), dtype=torch.float32, device=device)
     bc1 = 1.0 - torch.pow(beta1, step_t) if bias_correction == 1 else one
     bc2 = 1.0 - torch.pow(beta2, step_t) if bias_correction == 1 else one
 
     weights = list(tensor_lists[4]) if master else _fp32(params)
-    unscaled = torch._foreach_mul(_fp32(grads, like=params), _scalar(inv_scale, device))
+    unscaled = torch._foreach_mul(
+        _fp32(grads, like=params), _scalar(op, "inv_scale", inv_scale, device)
+    )
     nonfinite = _any_nonfinite(unscaled, device)
     skip = (noop_flag.reshape(()) != 0) | nonfinite
     new_p, new_m, new_v = _adam_math(

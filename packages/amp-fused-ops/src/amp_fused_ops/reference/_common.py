@@ -323,9 +323,12 @@ def _raise_flag(noop_flag: Tensor, condition: Tensor) -> None:
     noop_flag.masked_fill_(condition, 1)
 
 
-def _scalar(value: Tensor | float, device: torch.device) -> Tensor:
-    """A 0-dim float32 tensor on ``device`` from a Python number or a one-element tensor."""
+def _scalar(op: str, name: str, value: Tensor | float, device: torch.device) -> Tensor:
+    """A 0-dim float32 tensor on ``device`` from a Python number or a one-element tensor
+    (argument ``name`` of ``op``; a ValueError in the compiled kernels' words otherwise)."""
     if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{op}: {name} must have one element, got {value.numel()}")
         return value.reshape(()).to(device=device, dtype=torch.float32)
     return torch.tensor(float(value), dtype=torch.float32, device=device)
 

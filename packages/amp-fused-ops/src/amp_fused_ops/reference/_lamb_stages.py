@@ -125,7 +125,9 @@ def multi_tensor_lamb_stage1_cuda(
     decay = _per_tensor(op, "per_tensor_decay", per_tensor_decay, len(grads), device)
     bc1 = 1.0 - beta1 ** (step + 1)
     bc2 = 1.0 - beta2 ** (step + 1)
-    clip = _clip_divisor(_scalar(global_grad_norm, device), float(max_global_grad_norm))
+    clip = _clip_divisor(
+        _scalar(op, "global_grad_norm", global_grad_norm, device), float(max_global_grad_norm)
+    )
 
     p = _fp32(params)
     # The decay is per tensor: added below, not by _adam_update.
@@ -283,22 +285,29 @@ def multi_tensor_lamb_mp(
     # A float32 model param may be its own master (lists 1 and 4).
     _check_overlap(op, tensor_lists, (1, 2, 3, 4), in_place=[(1, 4)])
     grads, params, exp_avgs, exp_avg_sqs = tensor_lists[:4]
-    step_t = _scalar(step, device)
+    step_t = _scalar(op, "step", step, device)
     one = torch.ones((), dtype=torch.float32, device=device)
     bc1 = 1.0 - torch.pow(beta1, step_t) if bias_correction == 1 else one
     bc2 = 1.0 - torch.pow(beta2, step_t) if bias_correction == 1 else one
     beta3 = 1.0 - beta1 if grad_averaging == 1 else 1.0
-    clip = _clip_divisor(_scalar(global_grad_norm, device), _scalar(max_grad_norm, device))
+    clip = _clip_divisor(
+        _scalar(op, "global_grad_norm", global_grad_norm, device),
+        _scalar(op, "max_grad_norm", max_grad_norm, device),
+    )
 
-    g = torch._foreach_mul(_fp32(grads, like=params), _scalar(inv_scale, device))
+    g = torch._foreach_mul(_fp32(grads, like=params), _scalar(op, "inv_scale", inv_scale, device))
     torch._foreach_div_(g, clip)
     p, update, m, v, param_norms, update_norms = _lamb_update(
         g, params, exp_avgs, exp_avg_sqs, beta1, beta2, beta3, epsilon, bc1, bc2, mode, weight_decay
     )
     nonfinite = ~(torch.isfinite(param_norms).all() & torch.isfinite(update_norms).all())
-    skip = (noop_flag.reshape(()) != 0) | (_scalar(found_inf, device) != 0) | nonfinite
+    skip = (
+        (noop_flag.reshape(()) != 0)
+        | (_scalar(op, "found_inf", found_inf, device) != 0)
+        | nonfinite
+    )
     use_ratio = bool(use_nvlamb) or weight_decay != 0.0
-    ratios = _step_sizes(param_norms, update_norms, _scalar(lr, device), use_ratio)
+    ratios = _step_sizes(param_norms, update_norms, _scalar(op, "lr", lr, device), use_ratio)
     new_p = torch._foreach_sub(p, torch._foreach_mul(update, list(ratios.unbind(0))))
     _write(params, new_p, skip)
     if len(tensor_lists) == 5:

@@ -186,7 +186,9 @@ def multi_tensor_lamb(
     bc2 = 1.0 - beta2**step if bias_correction == 1 else 1.0
     beta3 = 1.0 - beta1 if grad_averaging == 1 else 1.0
 
-    clip = _clip_divisor(_scalar(global_grad_norm, device), float(max_grad_norm))
+    clip = _clip_divisor(
+        _scalar(op, "global_grad_norm", global_grad_norm, device), float(max_grad_norm)
+    )
 
     g = torch._foreach_div(_fp32(grads, like=params), clip)
     p, update, m, v, param_norms, update_norms = _lamb_update(

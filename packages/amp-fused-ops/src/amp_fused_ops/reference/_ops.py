@@ -208,7 +208,7 @@ def _l2norms(
     (xs,) = tensor_lists
     values = _fp32(xs)
     if inv_scale is not None:
-        values = torch._foreach_mul(values, _scalar(inv_scale, device))
+        values = torch._foreach_mul(values, _scalar(op, "inv_scale", inv_scale, device))
     norms = per_tensor_norms(values, 2)  # (n,) float32, of whole tensors on DTensor shards
     # Sum of squares then sqrt, as the kernels do: an overflowing sum is inf, not rescaled.
     total = norms.square().sum().sqrt().reshape(1)
