@@ -21,6 +21,7 @@ from torch import Tensor
 from _kernel_target import DEVICE as KERNEL_DEVICE
 from _kernel_target import norm_ops
 from _op_cases import OP_CASES, missing_cases, noop_flag
+from _op_paths import apex_arguments, on_device
 from amp_fused_ops import amp_C, extensions
 from amp_fused_ops.ops import _kernel_ops
 from amp_fused_ops.ops._registry import REGISTRY, OpSpec, reference_kernel
@@ -30,17 +31,6 @@ OPS = sorted(REGISTRY)
 
 def _op(name: str) -> Any:
     return getattr(torch.ops.amp_fused_ops, name).default
-
-
-def _to(value: Any, device: str) -> Any:
-    """``value`` with every tensor moved to ``device`` (``meta``: same shapes, no data)."""
-    if isinstance(value, Tensor):
-        if device == "meta":
-            return torch.empty_like(value, device="meta")
-        return value.to(device)
-    if isinstance(value, list | tuple):
-        return type(value)(_to(v, device) for v in value)
-    return value
 
 
 def test_every_registered_op_has_a_case() -> None:
@@ -101,14 +91,14 @@ def test_every_registered_op_is_in_amp_C() -> None:
 def test_opcheck(name: str, device: str) -> None:
     """Schema (mutations declared), fake kernel, autograd registration, AOT dispatch."""
     extensions.get_extension(device)  # the compiled kernels, where they can be built
-    torch.library.opcheck(_op(name), _to(OP_CASES[name].sample(), device))
+    torch.library.opcheck(_op(name), on_device(OP_CASES[name].sample(), device))
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", OPS)
 def test_meta_tensors_get_the_shapes_of_real_outputs(name: str, device: str) -> None:
-    args = _to(OP_CASES[name].sample(), device)
-    meta_args = _to(args, "meta")
+    args = on_device(OP_CASES[name].sample(), device)
+    meta_args = on_device(args, "meta")
     assert not any(isinstance(a, Tensor) and a.device.type != "meta" for a in meta_args)
     real = _op(name)(*args)
     fake = _op(name)(*meta_args)
@@ -118,16 +108,6 @@ def test_meta_tensors_get_the_shapes_of_real_outputs(name: str, device: str) -> 
     for r, f in zip(real_out, fake_out, strict=True):
         assert f.device.type == "meta"
         assert (f.shape, f.dtype) == (r.shape, r.dtype)
-
-
-def _apex_call(op: Callable[..., Any], name: str, args: tuple[Any, ...]) -> Any:
-    """``op`` called with the sample's arguments in Apex's convention (a list of lists)."""
-    counts = REGISTRY[name].list_counts
-    if not counts:
-        return op(*args)
-    most = max(counts)
-    lists = [part for part in args[2 : 2 + most] if part is not None]
-    return op(args[0], args[1], lists, *args[2 + most :])
 
 
 # The same sample through each way of running an op, against the reference called the same
@@ -141,8 +121,8 @@ PATHS: dict[
         lambda name, args: reference_kernel(REGISTRY[name])(*args),
     ),
     "amp_C": (
-        lambda name, args: _apex_call(getattr(amp_C, name), name, args),
-        lambda name, args: _apex_call(REGISTRY[name].reference, name, args),
+        lambda name, args: getattr(amp_C, name)(*apex_arguments(name, args)),
+        lambda name, args: REGISTRY[name].reference(*apex_arguments(name, args)),
     ),
 }
 
