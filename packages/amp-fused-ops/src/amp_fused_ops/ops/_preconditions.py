@@ -14,7 +14,7 @@ them before the call.
 
 The per-tensor preconditions (list count and lengths, sizes, dtypes, layouts, devices,
 overlap) stay with each path, which walks the tensors anyway; they raise the same exception
-type on every path (``tests/test_error_types.py``).
+type on every path (``tests/test_contract_errors.py``).
 """
 
 from __future__ import annotations
