@@ -91,7 +91,8 @@ C10_HOST_DEVICE inline void adagrad_math(const AdagradScalars& s, bool decoupled
 struct LambScalars {
   float beta1;
   float beta2;
-  float beta3;  // 1 - beta1 with grad averaging, else 1
+  float beta3;            // 1 - beta1 with grad averaging, else 1
+  float one_minus_beta2;  // 1 - beta2 in double on the host, then rounded (as the reference)
   float bc1;    // bias corrections 1 - beta**step, or 1 without them
   float bc2;
   float epsilon;
@@ -109,7 +110,7 @@ C10_HOST_DEVICE inline float lamb_update_math(const LambScalars& s, bool decoupl
     g = g + s.weight_decay * p;
   }
   m = s.beta1 * m + s.beta3 * g;
-  v = s.beta2 * v + (1.0f - s.beta2) * (g * g);
+  v = s.beta2 * v + s.one_minus_beta2 * (g * g);
   float update = (m / s.bc1) / (::sqrtf(v / s.bc2) + s.epsilon);
   if (decay && decoupled) {
     update = update + s.weight_decay * p;

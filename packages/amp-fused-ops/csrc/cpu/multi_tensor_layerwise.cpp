@@ -96,6 +96,7 @@ void multi_tensor_lamb(int64_t chunk_size, const at::Tensor& noop_flag,
   a.s.beta1 = static_cast<float>(beta1);
   a.s.beta2 = static_cast<float>(beta2);
   a.s.beta3 = grad_averaging ? static_cast<float>(1.0 - beta1) : 1.0f;
+  a.s.one_minus_beta2 = static_cast<float>(1.0 - beta2);
   a.s.epsilon = static_cast<float>(epsilon);
   a.s.bc1 = bias_correction ? static_cast<float>(1.0 - std::pow(beta1, double(step))) : 1.0f;
   a.s.bc2 = bias_correction ? static_cast<float>(1.0 - std::pow(beta2, double(step))) : 1.0f;

@@ -82,6 +82,7 @@ struct LambStage1Op {
   float beta1;
   float beta2;
   float beta3;
+  float one_minus_beta2;
   float bc1;
   float bc2;
   float epsilon;
@@ -96,7 +97,8 @@ struct LambStage1Op {
     return true;
   }
   __device__ void operator()(float (&x)[5], float (&acc)[2], bool&) const {
-    const math::LambScalars s{beta1, beta2, beta3, bc1, bc2, epsilon, weight_decay};
+    const math::LambScalars s{beta1, beta2, beta3, one_minus_beta2, bc1, bc2, epsilon,
+                              weight_decay};
     const float p = x[1];
     const float update = math::lamb_update_math(s, decoupled, x[0] / clip, p, x[2], x[3]);
     x[4] = update;
@@ -300,6 +302,7 @@ void multi_tensor_lamb(int64_t chunk_size, const at::Tensor& noop_flag,
   stage1.beta1 = static_cast<float>(beta1);
   stage1.beta2 = static_cast<float>(beta2);
   stage1.beta3 = grad_averaging == 1 ? static_cast<float>(1.0 - beta1) : 1.0f;
+  stage1.one_minus_beta2 = static_cast<float>(1.0 - beta2);
   stage1.bc1 = static_cast<float>(bias_correction_of(beta1, step, bias_correction == 1));
   stage1.bc2 = static_cast<float>(bias_correction_of(beta2, step, bias_correction == 1));
   stage1.epsilon = static_cast<float>(epsilon);
