@@ -823,10 +823,13 @@ def _check_cuda_toolchain(session: nox.Session) -> None:
 # Files named here that a checkout does not have yet are reported and left out.
 EMULATION_TESTS = [
     "packages/amp-fused-ops/tests/test_emulation.py",
-    "packages/amp-fused-ops/tests/test_cuda_kernels.py",
-    "packages/amp-fused-ops/tests/test_cuda_kernels_apex_ops.py",
+    "packages/amp-fused-ops/tests/test_contract_scale_and_norms.py",
+    "packages/amp-fused-ops/tests/test_contract_adam.py",
+    "packages/amp-fused-ops/tests/test_contract_sgd_adagrad.py",
+    "packages/amp-fused-ops/tests/test_contract_lamb_novograd.py",
+    "packages/amp-fused-ops/tests/test_contract_errors.py",
+    "packages/amp-fused-ops/tests/test_contract_versions.py",
     "packages/amp-fused-ops/tests/test_emulated_norm_syncbn_kernels.py",
-    "packages/amp-fused-ops/tests/test_error_types.py",
     "packages/amp-fused-ops/tests/test_overlap_checks.py",
     "packages/amp-fused-ops/tests/test_adam_semantics.py",
     "packages/amp-fused-ops/tests/test_step_tensor.py",

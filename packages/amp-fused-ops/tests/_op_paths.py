@@ -23,7 +23,8 @@ has a kernel (``OpCase.paths``), so no test is generated only to be skipped.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+import itertools
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +36,16 @@ from _kernel_target import DEVICE as CUDA_DEVICE
 from _kernel_target import EMULATED, SMALL_SIZES
 from _op_cases import OP_CASES, PATHS, noop_flag
 
-__all__ = ["PATHS", "OpPath", "apex_arguments", "on_device", "open_path", "paths"]
+__all__ = [
+    "PATHS",
+    "OpPath",
+    "apex_arguments",
+    "call_grouped",
+    "mixed_lists",
+    "on_device",
+    "open_path",
+    "paths",
+]
 
 # Tensor sizes that cross the vector width (1, 7), the chunk sizes (333 and 2048 * 32, so
 # chunks start both misaligned and aligned) and, on a GPU, the launch batches.
@@ -174,3 +184,71 @@ def open_path(name: str, request: pytest.FixtureRequest) -> Iterator[OpPath]:
         yield OpPath(name, CUDA_DEVICE, _CUDA_SIZES, chunks, extension())
     else:
         raise ValueError(f"unknown path {name!r}: expected one of {PATHS}")
+
+
+# --- lists of every dtype mix -----------------------------------------------------------------
+
+Lists = list[list[Tensor]]
+CHANNELS_LAST_SHAPE = (2, 6, 5, 7)  # 420 elements; channels-last strides differ from rows
+
+
+def mixed_lists(
+    path: OpPath,
+    allowed: Sequence[Sequence[torch.dtype]],
+    seed: int,
+    init: Sequence[Callable[[Tensor], Tensor]],
+    keep: Callable[[tuple[torch.dtype, ...]], bool],
+) -> Lists:
+    """One list per entry of ``allowed``; position k has the k-th dtype combination that
+    ``keep`` accepts (combinations repeat until every size of ``path.sizes`` has appeared).
+
+    Every third position holds channels-last 4-D tensors, the others 1-D tensors of the path's
+    sizes in turn, the largest once. ``init[l]`` maps standard normal values to list l's values
+    (float32).
+    """
+    combos = [c for c in itertools.product(*allowed) if keep(c)]
+    positions = max(len(combos), (3 * len(path.sizes) + 1) // 2)
+    generator = torch.Generator().manual_seed(seed)
+    lists: Lists = [[] for _ in allowed]
+    n_flat = 0
+    for k in range(positions):
+        channels_last = k % 3 == 2
+        if channels_last:
+            shape: tuple[int, ...] = CHANNELS_LAST_SHAPE
+        else:
+            # Every size once, then all but the largest in turn (one large tensor is enough).
+            n = len(path.sizes) if n_flat < len(path.sizes) else len(path.sizes) - 1
+            shape, n_flat = (path.sizes[n_flat % n],), n_flat + 1
+        for index, dtype in enumerate(combos[k % len(combos)]):
+            values = init[index](torch.randn(shape, generator=generator))
+            t = values.to(device=path.device, dtype=dtype)
+            if channels_last:
+                t = t.contiguous(memory_format=torch.channels_last)
+            lists[index].append(t)
+    return lists
+
+
+def call_grouped(
+    op: Callable[..., Any],
+    chunk: int,
+    flag: Tensor,
+    lists: Lists,
+    *args: Any,
+    per_tensor: int | None = None,
+) -> None:
+    """``op`` once per combination of dtypes of ``lists`` (each list of a call holds one dtype),
+    in place, all with ``flag``.
+
+    ``args[per_tensor]`` is a tensor of one value per position (NovoGrad's norms): each call
+    takes the values of its positions, and what it writes there is copied back.
+    """
+    groups: dict[tuple[torch.dtype, ...], list[int]] = {}
+    for k in range(len(lists[0])):
+        groups.setdefault(tuple(ts[k].dtype for ts in lists), []).append(k)
+    for positions in groups.values():
+        call_args = list(args)
+        if per_tensor is not None:
+            call_args[per_tensor] = args[per_tensor][positions]
+        op(chunk, flag, [[ts[k] for k in positions] for ts in lists], *call_args)
+        if per_tensor is not None:
+            args[per_tensor][positions] = call_args[per_tensor]

@@ -51,6 +51,20 @@ def test_cpu_kernels_are_registered_for_the_cpu_dispatch_key(ext: Any) -> None:
         assert hasattr(ext, name) == on_cpu, name
 
 
+@pytest.mark.gpu
+def test_cuda_kernels_are_registered_for_the_cuda_dispatch_key() -> None:
+    """The CUDA extension's kernels serve CUDA tensors; an op without one (``OpCase.paths``)
+    has no module attribute and amp_C takes the reference for CUDA tensors."""
+    from _kernel_target import extension
+
+    ext = extension()
+    has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+    for name, case in OP_CASES.items():
+        on_cuda = has_kernel(f"{NAMESPACE}::{name}", "CUDA")
+        assert on_cuda == ("cuda" in case.paths), name
+        assert hasattr(ext, name) == on_cuda, name
+
+
 def test_the_dispatcher_op_takes_the_lists_as_separate_arguments(ext: Any) -> None:
     del ext  # loaded: the op is registered
     g = torch.Generator().manual_seed(0)
