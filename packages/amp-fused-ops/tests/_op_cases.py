@@ -49,6 +49,19 @@ ONE_ROUNDING: Mapping[torch.dtype, Tolerance] = MappingProxyType(
 PATHS = ("reference", "cpu", "cuda")
 REFERENCE_ONLY = frozenset({"reference"})
 
+# The paths of the norm and SyncBN ops (``amp_fused_ops.ops._kernel_ops.KERNEL_OPS``): the norms
+# have a C++ CPU kernel, the SyncBN ops a CUDA kernel only (CPU tensors take the reference).
+_SYNCBN_PATHS = frozenset({"reference", "cuda"})
+KERNEL_OP_PATHS: dict[str, frozenset[str]] = {
+    "norm_forward": frozenset(PATHS),
+    "norm_backward": frozenset(PATHS),
+    "syncbn_welford_mean_var": _SYNCBN_PATHS,
+    "syncbn_welford_parallel": _SYNCBN_PATHS,
+    "syncbn_forward": _SYNCBN_PATHS,
+    "syncbn_reduce": _SYNCBN_PATHS,
+    "syncbn_backward": _SYNCBN_PATHS,
+}
+
 
 def noop_flag(value: int = 0, device: str | torch.device = "cpu") -> Tensor:
     """Apex's overflow buffer: a one-element int32 tensor holding ``value``."""

@@ -34,13 +34,14 @@ from torch import Tensor
 
 from _kernel_target import DEVICE as CUDA_DEVICE
 from _kernel_target import EMULATED, SMALL_SIZES
-from _op_cases import OP_CASES, PATHS, noop_flag
+from _op_cases import KERNEL_OP_PATHS, OP_CASES, PATHS, noop_flag
 
 __all__ = [
     "PATHS",
     "OpPath",
     "apex_arguments",
     "call_grouped",
+    "kernel_paths",
     "mixed_lists",
     "on_device",
     "open_path",
@@ -92,6 +93,26 @@ class OpPath:
             # A call of empty lists has nothing to compute: amp_C returns without an op call.
             if not _empty_lists(name, args):
                 assert self._counts[key] > before, f"{name} did not run on the reference"
+            return result
+
+        return counted
+
+    def kernel_op(self, name: str) -> Callable[..., Any]:
+        """Norm or SyncBN op ``name`` of this path (``KERNEL_OP_PATHS``): the dispatcher op, on
+        the reference path counted, on the emulated CUDA path the emulated build's."""
+        if self.name == "cuda":
+            from _kernel_target import norm_ops
+
+            return getattr(norm_ops(), name).default  # type: ignore[no-any-return]
+        op = getattr(torch.ops.amp_fused_ops, name).default
+        if self._counts is None:
+            return op  # type: ignore[no-any-return]
+        key = f"amp_fused_ops::{name}"
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            before = self._counts[key]
+            result = op(*args, **kwargs)
+            assert self._counts[key] > before, f"{name} did not run on the reference"
             return result
 
         return counted
@@ -157,12 +178,21 @@ def paths(*ops: str) -> list[Any]:
     unknown = [op for op in ops if op not in OP_CASES]
     if unknown:
         raise ValueError(f"no case in _op_cases.OP_CASES for {unknown}")
-    out = []
-    for name in PATHS:
-        if all(name in OP_CASES[op].paths for op in ops):
-            marks = [pytest.mark.gpu, pytest.mark.cuda_emulation] if name == "cuda" else []
-            out.append(pytest.param(name, marks=marks, id=name))
-    return out
+    return [_param(name) for name in PATHS if all(name in OP_CASES[op].paths for op in ops)]
+
+
+def kernel_paths(*ops: str) -> list[Any]:
+    """``path`` parameters (indirect) for a test of norm or SyncBN ops (``KERNEL_OP_PATHS``):
+    every path that has a kernel of each of them, the ``cuda`` one marked as in :func:`paths`."""
+    unknown = [op for op in ops if op not in KERNEL_OP_PATHS]
+    if unknown:
+        raise ValueError(f"no entry in _op_cases.KERNEL_OP_PATHS for {unknown}")
+    return [_param(name) for name in PATHS if all(name in KERNEL_OP_PATHS[op] for op in ops)]
+
+
+def _param(name: str) -> Any:
+    marks = [pytest.mark.gpu, pytest.mark.cuda_emulation] if name == "cuda" else []
+    return pytest.param(name, marks=marks, id=name)
 
 
 def open_path(name: str, request: pytest.FixtureRequest) -> Iterator[OpPath]:
