@@ -1,14 +1,14 @@
-"""The SyncBatchNorm kernels (``amp_fused_ops.syncbn``) against float64 batch norm.
+"""The Python functions of the SyncBatchNorm kernels (``amp_fused_ops.syncbn``): what they add
+to the ops.
 
-PyTorch's own pieces (``torch.batch_norm_stats``, ``batch_norm_gather_stats_with_counts``,
-``batch_norm_backward_reduce``, ``batch_norm_backward_elemt``, ``batch_norm_elemt``) exist for
-CUDA only, so the CPU tests compare with float64 formulas and with autograd through
-``torch.nn.functional.batch_norm`` over the whole batch; the GPU tests at the end compare the
-CUDA kernels with PyTorch's CUDA ops.
+The ops themselves (statistics, merge, forward, reduce, backward) are held to float64 formulas
+on every path by ``test_contract_syncbn_ops.py``. Here: a backward whose element counts come
+per rank as an int32 tensor (the functions sum them), ``reduce_bn``'s outputs when there is no
+weight, and the functions' argument checks.
 
 "Ranks" are simulated: a batch is split unequally (one part empty), every part goes through
 the per-rank functions, and the sums an all-reduce would make are taken by hand. The result
-must be the batch norm of the whole batch.
+must be the batch norm of the whole batch (autograd through ``F.batch_norm`` in float64).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from amp_fused_ops import syncbn
-from amp_fused_ops.extensions import _loader
 
 HALF = (torch.float16, torch.bfloat16)
 DTYPES = (torch.float32, *HALF)
@@ -41,95 +40,6 @@ def _batch(shape: tuple[int, ...], dtype: torch.dtype, seed: int, device: str = 
     channels = shape[1]
     offsets = torch.linspace(-2, 3, channels, device=device).view([1, -1] + [1] * (len(shape) - 2))
     return (torch.randn(shape, generator=g, device=device) * 2 + offsets).to(dtype)
-
-
-def _stats64(x: Tensor) -> tuple[Tensor, Tensor]:
-    """fp64 per-channel mean and biased variance of a channels-first tensor."""
-    dims = [d for d in range(x.dim()) if d != 1]
-    var, mean = torch.var_mean(x.double(), dim=dims, correction=0)
-    return mean, var
-
-
-def _per_channel_tol(dtype: torch.dtype) -> dict[str, float]:
-    # Statistics of (exactly representable) half inputs are computed in fp32: only fp32
-    # rounding separates them from the fp64 statistics of the same values.
-    return {"rtol": 1e-5, "atol": 1e-5}
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(16, 3), (4, 5, 7), (3, 6, 5, 4)])
-@pytest.mark.parametrize("channel_last", [False, True])
-def test_welford_mean_var_matches_float64(dtype, shape, channel_last):
-    x = _batch(shape, dtype, 0)
-    mean64, var64 = _stats64(x)
-    arg = _to_channel_last(x) if channel_last else x
-    mean, var = syncbn.welford_mean_var(arg, channel_last=channel_last)
-    assert mean.dtype == var.dtype == torch.float32 and mean.shape == (shape[1],)
-    torch.testing.assert_close(mean, mean64.float(), **_per_channel_tol(dtype))
-    torch.testing.assert_close(var, var64.float(), **_per_channel_tol(dtype))
-
-
-def test_welford_mean_var_of_an_empty_batch_is_zero():
-    mean, var = syncbn.welford_mean_var(torch.empty(0, 4, 3))
-    assert torch.equal(mean, torch.zeros(4)) and torch.equal(var, torch.zeros(4))
-    mean, var = syncbn.welford_mean_var(torch.empty(0, 6), channel_last=True)
-    assert torch.equal(mean, torch.zeros(6)) and torch.equal(var, torch.zeros(6))
-
-
-@pytest.mark.parametrize("splits", [SPLITS, (1, 1), (0, 7), (1000, 1)])
-@pytest.mark.parametrize("counts_dtype", [torch.int64, torch.float32])
-def test_welford_parallel_merges_unequal_counts_exactly(splits, counts_dtype):
-    x = _batch((sum(splits), 4, 3), torch.float32, 1)
-    parts = x.split(list(splits))
-    stats = [syncbn.welford_mean_var(p) for p in parts]
-    means = torch.stack([m for m, _ in stats])  # (W, C)
-    variances = torch.stack([v for _, v in stats])
-    counts = torch.tensor([p.numel() // p.shape[1] for p in parts], dtype=counts_dtype)
-    mean, var, invstd = syncbn.welford_parallel(means, variances, counts, EPS)
-    mean64, var64 = _stats64(x)
-    torch.testing.assert_close(mean, mean64.float(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(var, var64.float(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(invstd, torch.rsqrt(var64 + EPS).float(), rtol=1e-5, atol=1e-5)
-
-
-def test_welford_parallel_with_no_elements_anywhere():
-    mean, var, invstd = syncbn.welford_parallel(
-        torch.zeros(2, 3), torch.zeros(2, 3), torch.tensor([0, 0]), 0.25
-    )
-    assert torch.equal(mean, torch.zeros(3)) and torch.equal(var, torch.zeros(3))
-    assert torch.equal(invstd, torch.full((3,), 2.0))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("channel_last", [False, True])
-@pytest.mark.parametrize(("affine", "with_z", "fuse_relu"), [
-    (True, False, False), (False, False, False), (True, True, True), (True, False, True),
-])  # fmt: skip
-def test_batchnorm_forward_matches_float64(dtype, channel_last, affine, with_z, fuse_relu):
-    x = _batch((6, 5, 4, 3), dtype, 2)
-    z = _batch((6, 5, 4, 3), dtype, 3) if with_z else None
-    weight = torch.rand(5) + 0.5 if affine else None
-    bias = torch.randn(5) if affine else None
-    mean64, var64 = _stats64(x)
-    w64 = weight.double() if weight is not None else None
-    b64 = bias.double() if bias is not None else None
-    expected = F.batch_norm(x.double(), mean64, var64, w64, b64, False, 0.0, EPS)
-    if z is not None:
-        expected = expected + z.double()
-    if fuse_relu:
-        expected = torch.relu(expected)
-    mean, invstd = mean64.float(), torch.rsqrt(var64 + EPS).float()
-    args_x = _to_channel_last(x) if channel_last else x
-    args_z = _to_channel_last(z) if channel_last and z is not None else z
-    y = syncbn.batchnorm_forward(
-        args_x, mean, invstd, weight, bias, z=args_z, fuse_relu=fuse_relu,
-        channel_last=channel_last,
-    )  # fmt: skip
-    assert y.dtype == dtype
-    y = _from_channel_last(y) if channel_last else y
-    # One rounding to the output dtype after fp32 math.
-    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}
-    torch.testing.assert_close(y, expected.to(dtype), **tol)
 
 
 def _simulated_ranks(
@@ -171,7 +81,7 @@ def _simulated_ranks(
     return torch.cat(dxs), dweight, dbias
 
 
-@pytest.mark.parametrize("count_as", ["int", "per_rank_int32"])
+@pytest.mark.parametrize("count_as", ["per_rank_int32"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("channel_last", [False, True])
 @pytest.mark.parametrize("shape", [(16, 3, 5), (16, 4, 3, 2), (16, 6)])
@@ -228,126 +138,3 @@ def test_errors_name_the_offending_value():
         syncbn.batchnorm_backward(
             x, x, mean, invstd, None, mean, mean, torch.ones(2, 2, dtype=torch.int32)
         )
-
-
-# --- CUDA kernels against PyTorch's CUDA ops -------------------------------------------------
-
-GPU_SHAPES = [(2, 3), (8, 5, 33), (16, 3, 56, 56), (64, 4, 7, 7), (3, 513, 9)]
-
-
-@pytest.fixture(scope="module")
-def cuda_kernels() -> None:
-    _loader.get_extension("cuda")
-    for name in ("syncbn_welford_mean_var", "syncbn_welford_parallel", "syncbn_forward",
-                 "syncbn_reduce", "syncbn_backward"):  # fmt: skip
-        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"amp_fused_ops::{name}", "CUDA"):
-            pytest.fail(f"the CUDA kernel of {name} is unavailable: "
-                        f"{_loader.unavailable_reason('cuda')}")  # fmt: skip
-
-
-def _layout(x: Tensor, channel_last: bool) -> Tensor:
-    """Our argument for a channels-first tensor ``x`` (a contiguous (N, *, C) when last)."""
-    return _to_channel_last(x) if channel_last else x
-
-
-def _torch_view(x: Tensor) -> Tensor:
-    """PyTorch's ops take channels-first shapes; channels_last memory where it exists."""
-    if x.dim() == 4:
-        return x.contiguous(memory_format=torch.channels_last)
-    return x
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", GPU_SHAPES)
-@pytest.mark.parametrize("channel_last", [False, True])
-def test_cuda_kernels_match_torch_batch_norm_ops(cuda_kernels, dtype, shape, channel_last):
-    x = _batch(shape, dtype, 8, "cuda")
-    dy = _batch(shape, dtype, 9, "cuda")
-    weight = torch.rand(shape[1], device="cuda") + 0.5
-    bias = torch.randn(shape[1], device="cuda")
-    ours_x, ours_dy = _layout(x, channel_last), _layout(dy, channel_last)
-    theirs_x, theirs_dy = _torch_view(x), _torch_view(dy)
-    stat_tol = {"rtol": 1e-5, "atol": 1e-5}
-
-    mean, var = syncbn.welford_mean_var(ours_x, channel_last=channel_last)
-    t_mean, t_invstd = torch.batch_norm_stats(theirs_x, EPS)
-    torch.testing.assert_close(mean, t_mean, **stat_tol)
-    torch.testing.assert_close(torch.rsqrt(var + EPS), t_invstd, **stat_tol)
-
-    # Merge with a second "rank" holding a third of the elements.
-    other = _batch((max(shape[0] // 3, 1), *shape[1:]), dtype, 10, "cuda")
-    o_mean, o_var = syncbn.welford_mean_var(_layout(other, channel_last), channel_last=channel_last)
-    n = x.numel() // shape[1]
-    counts = torch.tensor([n, other.numel() // shape[1]], device="cuda")
-    mean_all, _, invstd_all = syncbn.welford_parallel(
-        torch.stack([mean, o_mean]), torch.stack([var, o_var]), counts, EPS
-    )
-    t_invstds = torch.rsqrt(torch.stack([var, o_var]) + EPS)
-    # PyTorch's CUDA op wants counts in the input's dtype and reads the input for nothing
-    # else: a float32 input keeps the counts exact (bfloat16 holds integers only to 256).
-    g_mean, g_invstd = torch.batch_norm_gather_stats_with_counts(
-        theirs_x.float(), torch.stack([mean, o_mean]), t_invstds, None, None, 0.1, EPS,
-        counts.float(),
-    )  # fmt: skip
-    torch.testing.assert_close(mean_all, g_mean, **stat_tol)
-    torch.testing.assert_close(invstd_all, g_invstd, rtol=1e-4, atol=1e-5)
-
-    out_tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}
-    y = syncbn.batchnorm_forward(ours_x, mean, t_invstd, weight, bias, channel_last=channel_last)
-    t_y = torch.batch_norm_elemt(theirs_x, weight, bias, mean, t_invstd, EPS)
-    y = _from_channel_last(y) if channel_last else y
-    torch.testing.assert_close(y, t_y, **out_tol)
-
-    sum_dy, sum_dy_xmu, grad_w, grad_b = syncbn.reduce_bn(
-        ours_dy, ours_x, mean, t_invstd, weight, channel_last=channel_last
-    )
-    t_sum_dy, t_sum_dy_xmu, t_grad_w, t_grad_b = torch.batch_norm_backward_reduce(
-        theirs_dy, theirs_x, mean, t_invstd, weight, True, True, True
-    )
-    # Against the float64 sums of the same (rounded) inputs: ours within twice PyTorch's error
-    # plus float32 summation error, relative to the sum of the terms' magnitudes per channel
-    # (the sums cancel: a relative tolerance on the result alone would be meaningless).
-    dims = [d for d in range(theirs_x.dim()) if d != 1]
-    per_channel = [1, -1] + [1] * (theirs_x.dim() - 2)
-    dy64 = theirs_dy.double()
-    dy_xmu64 = dy64 * (theirs_x.double() - mean.double().view(per_channel))
-    invstd64 = t_invstd.double()
-    refs = {
-        "sum_dy": (dy64.sum(dims), dy64.abs().sum(dims)),
-        "sum_dy_xmu": (dy_xmu64.sum(dims), dy_xmu64.abs().sum(dims)),
-        "grad_weight": (dy_xmu64.sum(dims) * invstd64, dy_xmu64.abs().sum(dims) * invstd64),
-        "grad_bias": (dy64.sum(dims), dy64.abs().sum(dims)),
-    }
-    ours_sums = (sum_dy, sum_dy_xmu, grad_w, grad_b)
-    torch_sums = (t_sum_dy, t_sum_dy_xmu, t_grad_w, t_grad_b)
-    for (name, (ref, magnitude)), a, b in zip(refs.items(), ours_sums, torch_sums, strict=True):
-        err = (a.double() - ref).abs()
-        bound = 2 * (b.double() - ref).abs().max() + 1e-5 * magnitude + 1e-6
-        assert bool((err <= bound).all()), f"{name}: error {err.max().item()} above the bound"
-
-    dx = syncbn.batchnorm_backward(
-        ours_dy, ours_x, mean, t_invstd, weight, sum_dy, sum_dy_xmu, n, channel_last=channel_last
-    )
-    count_tensor = torch.tensor([n], device="cuda", dtype=torch.int32)
-    t_dx = torch.batch_norm_backward_elemt(
-        theirs_dy, theirs_x, mean, t_invstd, weight, sum_dy, sum_dy_xmu, count_tensor
-    )
-    dx = _from_channel_last(dx) if channel_last else dx
-    torch.testing.assert_close(dx, t_dx, **out_tol)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("channel_last", [False, True])
-def test_cuda_kernels_match_the_cpu_path(cuda_kernels, dtype, channel_last):
-    shape = (16, 3, 5)
-    x = _batch(shape, dtype, 11)
-    dy = _batch(shape, dtype, 12)
-    weight = torch.rand(3) + 0.5
-    dx_cpu, dw_cpu, db_cpu = _simulated_ranks(x, dy, weight, SPLITS, channel_last)
-    dx, dw, db = _simulated_ranks(x.cuda(), dy.cuda(), weight.cuda(), SPLITS, channel_last)
-    tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {}
-    torch.testing.assert_close(dx.cpu(), dx_cpu, **tol)
-    torch.testing.assert_close(dw.cpu(), dw_cpu, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(db.cpu(), db_cpu, rtol=1e-4, atol=1e-4)
