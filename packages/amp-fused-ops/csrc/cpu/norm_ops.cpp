@@ -31,11 +31,15 @@ bool native_dtype(at::ScalarType t) {
 
 // Whether ATen's fused CPU LayerNorm computes the ops' result for these rows. Rows of one
 // element are all bias: ATen's backward leaves an fp32 rounding residue in their (exactly
-// zero) input gradient, the reference does not.
+// zero) input gradient, the reference does not. A half input needs a parameter: ATen keeps
+// fp32 statistics only in its mixed-type kernel (half input, float32 parameters).
 bool aten_takes(const at::Tensor& rows, const std::optional<at::Tensor>& weight,
                 const std::optional<at::Tensor>& bias, bool rms) {
   if (rms || !rows.is_cpu() || rows.dim() != 2 || rows.numel() == 0 || rows.size(1) < 2 ||
       !native_dtype(rows.scalar_type())) {
+    return false;
+  }
+  if (rows.scalar_type() != at::kFloat && !weight.has_value() && !bias.has_value()) {
     return false;
   }
   for (const auto* p : {&weight, &bias}) {
@@ -81,13 +85,12 @@ Stats norm_backward_cpu(const at::Tensor& grad_out, const at::Tensor& saved,
     return norm_reference::backward(grad_out, saved, mean, invvar, weight, bias, rms,
                                     memory_efficient, input_dtype);
   }
-  // The kernel wants grad_out in the dtype of the input it normalized: fp32 when the output
-  // was (the mixed variants, or a float32 input), else the half input itself.
-  const at::Tensor source =
-      grad_out.scalar_type() == saved.scalar_type() ? saved : as_dtype(saved, at::kFloat);
+  // On float32 copies of a half input and its gradient: ATen's backward of a half input sums
+  // the parameters' gradients in half precision; the ops' contract is fp32 math.
+  const at::Tensor source = as_dtype(saved, at::kFloat);
   const std::array<bool, 3> mask = {true, weight.has_value(), bias.has_value()};
   auto [dx, dw, db] = at::native_layer_norm_backward(
-      as_dtype(grad_out, source.scalar_type()), source, {saved.size(1)}, mean.view({-1, 1}),
+      as_dtype(grad_out, at::kFloat), source, {saved.size(1)}, mean.view({-1, 1}),
       invvar.view({-1, 1}), as_float(weight), as_float(bias), mask);
   return {as_dtype(dx, input_dtype),
           weight.has_value() ? as_dtype(dw, weight->scalar_type()) : grad_out.new_empty({0}),

@@ -165,6 +165,9 @@ def _aten_supported(x: Tensor, params: tuple[Tensor | None, ...], rms: bool) -> 
         return False
     if x.dtype not in _NATIVE_DTYPES:
         return False
+    # A half input needs a parameter: ATen keeps fp32 statistics only in its mixed-type kernel.
+    if x.dtype != torch.float32 and all(p is None for p in params):
+        return False
     return all(
         p.device.type == "cpu" and p.dtype in _NATIVE_DTYPES for p in params if p is not None
     )
@@ -206,11 +209,11 @@ def norm_backward_aten(
         return norm_backward_reference(
             grad_out, saved, mean, invvar, weight, bias, rms, memory_efficient, input_dtype
         )
-    # The kernel wants grad_out in the dtype of the input it normalized: fp32 when the output
-    # was (the mixed variants, or a float32 input), else the half input itself.
-    source = saved if grad_out.dtype == saved.dtype else saved.float()
+    # On float32 copies of a half input and its gradient: ATen's backward of a half input sums
+    # the parameters' gradients in half precision; the ops' contract is fp32 math.
+    source = saved.float()
     dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-        grad_out.to(source.dtype),
+        grad_out.float(),
         source,
         [saved.shape[1]],
         mean.view(-1, 1),
