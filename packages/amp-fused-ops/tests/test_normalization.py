@@ -4,8 +4,9 @@ Tolerances: fp32 results match PyTorch's module run in float64 to 1e-5 (atol and
 fp16 / bf16 results and gradients stay within twice the error of PyTorch's own fp16 / bf16 op
 against a float64 reference (plus 1e-6 for exact cases). With ``memory_efficient`` the input is
 recomputed from the saved, rounded output, which adds up to one rounding of the dtype at the
-gradient's scale to that bound. The CPU runs the PyTorch reference path; the CUDA kernels are
-checked in test_normalization_cuda.py.
+gradient's scale to that bound. These are the modules and functions users call; the norm ops
+beneath them are held to float64 formulas on every path (reference, CPU kernel, CUDA kernel)
+by test_contract_norm_ops.py.
 """
 
 from __future__ import annotations
@@ -24,9 +25,7 @@ import amp_fused_ops
 from _norm_helpers import (
     NORM_IDS,
     NORMS,
-    ZERO_WEIGHT_CASES,
     NormSpec,
-    check_zero_weight_gradients,
     max_err,
     random_params,
     run_with_grads,
@@ -425,26 +424,6 @@ def test_with_the_cpu_extension_a_step_runs_no_python_between_call_and_kernel(
         assert x.grad is not None and norm.weight.grad is not None
 
 
-def test_the_python_formula_matches_the_cpp_one() -> None:
-    """Devices without a compiled extension differentiate the op with the Python formula
-    (``normalization/_ops.py``): the same gradients as the C++ one."""
-
-    torch.manual_seed(2)
-    for rms in (False, True):
-        for memory_efficient in (False, True):
-            x = torch.randn(5, 12, requires_grad=True)
-            w = (torch.rand(12) + 0.5).requires_grad_()
-            b = None if rms else torch.randn(12, requires_grad=True)
-            args = (w, b, 1e-5, rms, False, memory_efficient)
-            grads = []
-            for call in (_norm_ops.NORM_FORWARD, _norm_ops._autograd_kernel):
-                out, _, _ = call(x, *args)
-                params = [t for t in (x, w, b) if t is not None]
-                grads.append(torch.autograd.grad(out, params, torch.ones_like(out)))
-            for got, want in zip(*grads, strict=True):
-                torch.testing.assert_close(got, want)
-
-
 @pytest.mark.parametrize("path", ["cpp", "python"])
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
 def test_double_backward_raises_instead_of_giving_a_partial_gradient(
@@ -568,42 +547,6 @@ def test_signatures_follow_apex(name):
     assert found == APEX_SIGNATURES[name]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, *HALF])
-@pytest.mark.parametrize("mixed", [False, True])
-def test_cpu_layer_norm_on_aten_kernels_matches_the_fp32_reference(dtype, mixed):
-    # CPU LayerNorm runs ATen's fused kernels (native_layer_norm and its backward, with fp32
-    # parameters); the statistics and the math must stay those of the fp32 reference.
-    from amp_fused_ops.reference._norm import (
-        _aten_supported,
-        norm_backward_reference,
-        norm_forward_reference,
-    )
-
-    torch.manual_seed(3)
-    rows, hidden = 33, 1000
-    x = (torch.randn(rows, hidden) * 3 + 1).to(dtype)
-    param_dtype = torch.float32 if mixed else dtype
-    w, b = torch.randn(hidden, dtype=param_dtype), torch.randn(hidden, dtype=param_dtype)
-    assert _aten_supported(x, (w, b), rms=False)
-    out, mean, invvar = torch.ops.amp_fused_ops.norm_forward(x, w, b, 1e-5, False, mixed, False)
-    ref_out, ref_mean, ref_invvar = norm_forward_reference(x, w, b, 1e-5, False, mixed)
-    assert out.dtype == ref_out.dtype and mean.dtype == invvar.dtype == torch.float32
-    torch.testing.assert_close(mean, ref_mean, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(invvar, ref_invvar, rtol=1e-5, atol=0)
-    # out: the same fp32 value rounded to its dtype, up to fp32 rounding in a different order
-    bound = 4 * torch.finfo(out.dtype).eps * max(1.0, ref_out.float().abs().max().item())
-    assert max_err(out, ref_out) <= bound, (max_err(out, ref_out), bound)
-
-    dy = torch.randn(rows, hidden).to(out.dtype)
-    got = torch.ops.amp_fused_ops.norm_backward(dy, x, mean, invvar, w, b, False, False, dtype)
-    want = norm_backward_reference(dy, x, ref_mean, ref_invvar, w, b, False, False, dtype)
-    for name, g, r in zip(("dx", "dw", "db"), got, want, strict=True):
-        assert g.dtype == r.dtype, name
-        # dx: rounding of the result; dw, db: sums of `rows` products, rounded to their dtype
-        bound = 4 * torch.finfo(g.dtype).eps * max(1.0, r.float().abs().max().item())
-        assert max_err(g, r) <= bound, (name, max_err(g, r), bound)
-
-
 # --- integer inputs -----------------------------------------------------------------------------
 
 INTEGER_DTYPES = [torch.int64, torch.int32, torch.uint8, torch.bool]
@@ -684,16 +627,6 @@ def test_onnx_export_runs_and_matches_eager(dynamo, tmp_path):
     assert all(node.domain in ("", "ai.onnx") for node in model.graph.node)
     [out] = ReferenceEvaluator(model).run(None, {model.graph.input[0].name: x.numpy()})
     torch.testing.assert_close(torch.from_numpy(out), net(x).detach(), atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("spec", NORMS, ids=NORM_IDS)
-@pytest.mark.parametrize(("variant", "dtype"), ZERO_WEIGHT_CASES)
-def test_memory_efficient_with_a_zero_weight_gives_exact_gradients(
-    spec: NormSpec, variant: str, dtype: torch.dtype
-):
-    """A zero weight hides the normalized input from the output: the input is saved instead,
-    and the gradients are PyTorch's (they were nan, every amp step skipped)."""
-    check_zero_weight_gradients(spec, variant, dtype)
 
 
 @pytest.mark.parametrize("spec", NORMS, ids=NORM_IDS)
