@@ -469,17 +469,24 @@ def test_a_weight_of_another_width_is_refused(path: OpPath) -> None:
         forward(x, torch.ones(15, device=path.device), None, EPS, False, False, False)
 
 
+@pytest.mark.parametrize("path", NORM_PATHS, indirect=True)
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.float64], ids=["kernel", "reference"])
+def test_a_mixed_norm_without_weight_is_refused(path: OpPath, x_dtype: torch.dtype) -> None:
+    """Every path, the inputs a CUDA kernel hands to the C++ reference (float64) too."""
+    forward, _ = _ops(path)
+    x = torch.randn(8, 16, device=path.device, dtype=x_dtype)
+    message = "^norm_forward: the mixed-dtype variant needs a weight$"
+    with pytest.raises(ValueError, match=message):
+        forward(x, None, None, EPS, False, True, False)
+
+
+@pytest.mark.skipif(EMULATED, reason="the emulated kernels take CPU tensors: one device")
 @pytest.mark.parametrize("path", [p for p in NORM_PATHS if p.id == "cuda"], indirect=True)
-def test_the_cuda_kernels_refuse_a_mixed_norm_without_weight_and_foreign_parameters(
-    path: OpPath,
-) -> None:
+def test_the_cuda_kernels_refuse_parameters_on_another_device(path: OpPath) -> None:
     forward, _ = _ops(path)
     x = torch.randn(8, 16, device=path.device)
-    with pytest.raises(RuntimeError, match="mixed-dtype variant needs a weight"):
-        forward(x, None, None, EPS, False, True, False)
-    if not EMULATED:  # the emulated kernels take CPU tensors: one device
-        with pytest.raises(RuntimeError, match="parameters must be on the input's device"):
-            forward(x, torch.ones(16), None, EPS, False, False, False)
+    with pytest.raises(RuntimeError, match="parameters must be on the input's device"):
+        forward(x, torch.ones(16), None, EPS, False, False, False)
 
 
 # --- the modules on the path's kernels ------------------------------------------------------

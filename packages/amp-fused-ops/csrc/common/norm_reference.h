@@ -24,6 +24,12 @@ inline void check_floating(const at::Tensor& t, const char* name) {
                    ". Convert it first, e.g. ", name, ".float().");
 }
 
+// The mixed variants output in the weight's dtype: they need one (every path says so alike).
+inline void check_mixed(const std::optional<at::Tensor>& weight, bool mixed) {
+  TORCH_CHECK_VALUE(!mixed || weight.has_value(),
+                    "norm_forward: the mixed-dtype variant needs a weight");
+}
+
 // The output dtype: the weight's for the mixed variants, else the input's.
 inline at::ScalarType output_dtype(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                                    bool mixed) {

@@ -64,6 +64,7 @@ Stats norm_forward_cpu(const at::Tensor& x, const std::optional<at::Tensor>& wei
   norm_reference::check_floating(x, "input");
   if (weight.has_value()) norm_reference::check_floating(*weight, "weight");
   if (bias.has_value()) norm_reference::check_floating(*bias, "bias");
+  norm_reference::check_mixed(weight, mixed);
   if (!aten_takes(x, weight, bias, rms)) {
     return norm_reference::forward(x, weight, bias, eps, rms, mixed);
   }

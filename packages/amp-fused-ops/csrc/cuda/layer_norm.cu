@@ -377,7 +377,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(
   constexpr const char* op = "norm_forward";
   check_rows(x, "input", op);
   check_params(x, gamma, beta, op);
-  TORCH_CHECK(!mixed || gamma.has_value(), op, ": the mixed-dtype variant needs a weight");
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = x.size(0), hidden = x.size(1);
   const at::ScalarType pdt =
@@ -546,6 +545,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_forward(
   amp_fused_ops::norm_reference::check_floating(x, "input");
   if (weight.has_value()) amp_fused_ops::norm_reference::check_floating(*weight, "weight");
   if (bias.has_value()) amp_fused_ops::norm_reference::check_floating(*bias, "bias");
+  amp_fused_ops::norm_reference::check_mixed(weight, mixed);
   const std::optional<at::Tensor> shift = rms ? std::nullopt : bias;
   if (!kernels_take(x, x.scalar_type(), weight, shift, "norm_forward")) {
     return amp_fused_ops::norm_reference::forward(x, weight, bias, eps, rms, mixed);

@@ -92,6 +92,7 @@ def _norm_forward_fake(
     memory_efficient: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     _norm.check_floating("norm_forward", x, weight, bias)
+    _norm.check_mixed(weight, mixed)
     out = x.new_empty(x.shape, dtype=_norm.output_dtype(x, weight, mixed))
     stats = x.new_empty((x.shape[0],), dtype=torch.float32)
     return out, stats, stats.clone()
@@ -127,6 +128,7 @@ def _norm_forward_aten(
     memory_efficient: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     _norm.check_floating("norm_forward", x, weight, bias)
+    _norm.check_mixed(weight, mixed)
     return _norm.norm_forward_aten(x, weight, bias, eps, rms, mixed)
 
 
@@ -140,6 +142,7 @@ def _norm_forward_reference(
     memory_efficient: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     _norm.check_floating("norm_forward", x, weight, bias)
+    _norm.check_mixed(weight, mixed)
     return _norm.norm_forward_reference(x, weight, bias, eps, rms, mixed)
 
 

@@ -133,6 +133,16 @@ def norm_backward_reference(
     return dx.to(input_dtype), dw, db
 
 
+def check_mixed(weight: Tensor | None, mixed: bool) -> None:
+    """The mixed variants output in the weight's dtype: refuse one without a weight.
+
+    Raises:
+        ValueError: In the words of the compiled kernels' check.
+    """
+    if mixed and weight is None:
+        raise ValueError("norm_forward: the mixed-dtype variant needs a weight")
+
+
 def check_floating(who: str, x: Tensor, weight: Tensor | None, bias: Tensor | None) -> None:
     """Refuse integer (or bool, complex) inputs and parameters, as ``torch.nn.LayerNorm`` does.
 
