@@ -200,14 +200,14 @@ _AXPBY = (
 
 _L2NORM = (
     ErrorInput("two lists", lambda op, d: op(64, _flag(d), [_l(d), _l(d)], False), ValueError,
-               r"^multi_tensor_l2norm: expected 1 tensor lists, got 2$"),
+               r"^multi_tensor_l2norm: expected 1 tensor list, got 2$"),
     ErrorInput("a float64 tensor", lambda op, d: op(64, _flag(d), [_l(d, 8, torch.float64)]),
                ValueError, r"tensor_lists\[0\]\[0\] has dtype torch.float64"),
 )  # fmt: skip
 
 _L2NORM_MP = (
     ErrorInput("two lists", lambda op, d: op(64, _flag(d), [_l(d), _l(d)], False), ValueError,
-               r"^multi_tensor_l2norm_mp: expected 1 tensor lists, got 2$"),
+               r"^multi_tensor_l2norm_mp: expected 1 tensor list, got 2$"),
 )  # fmt: skip
 
 _L2NORM_SCALE = (

@@ -108,7 +108,8 @@ inline void check_list_count(const char* op, const TensorLists& lists,
     ok = ok || lists.size() == count;
     expected += (expected.empty() ? "" : " or ") + std::to_string(count);
   }
-  TORCH_CHECK_VALUE(ok, op, ": expected ", expected, " tensor lists, got ", lists.size());
+  const char* noun = expected == "1" ? " tensor list, got " : " tensor lists, got ";
+  TORCH_CHECK_VALUE(ok, op, ": expected ", expected, noun, lists.size());
 }
 
 // Every list holds as many tensors as the first; returns that number.

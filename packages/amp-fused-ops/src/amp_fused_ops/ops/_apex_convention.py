@@ -86,7 +86,7 @@ def apex_convention(
         plain.__name__ = plain.__qualname__ = name
         return plain
     most = max(counts)
-    layouts = f"{' or '.join(map(str, counts))} tensor lists"
+    layouts = f"{' or '.join(map(str, counts))} tensor list{'' if list(counts) == [1] else 's'}"
     scalars = overload._schema.arguments[2 + most :]
     names = [argument.name for argument in scalars]
     # A tensor given for a ``float lr`` goes to the op's ``lr_tensor`` (see _tensor_lr).

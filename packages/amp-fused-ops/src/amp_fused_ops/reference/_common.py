@@ -82,9 +82,7 @@ def _check(
         )
     counts = [len(names) for names in list_names]
     if len(tensor_lists) not in counts:
-        raise ValueError(
-            f"{op}: expected {' or '.join(map(str, counts))} tensor lists, got {len(tensor_lists)}"
-        )
+        raise ValueError(f"{op}: expected {_lists_of(counts)}, got {len(tensor_lists)}")
     n = len(tensor_lists[0])
     for i, tensors in enumerate(tensor_lists):
         if not isinstance(tensors, (list, tuple)):
@@ -140,6 +138,11 @@ def _check_list_dtypes(op: str, tensor_lists: TensorLists) -> None:
                     f"tensor_lists[{i}][0] has dtype {tensors[0].dtype}; the tensors of one "
                     "list must share one dtype (group them by dtype)"
                 )
+
+
+def _lists_of(counts: Sequence[int]) -> str:
+    """``"2 tensor lists"``, ``"3 or 4 tensor lists"``, ``"1 tensor list"``: the accepted counts."""
+    return f"{' or '.join(map(str, counts))} tensor list{'' if list(counts) == [1] else 's'}"
 
 
 def wrong_device_error(op: str, i: int, j: int, t: Tensor, device: torch.device) -> RuntimeError:
