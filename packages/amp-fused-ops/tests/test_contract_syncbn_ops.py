@@ -380,3 +380,37 @@ def test_float64_is_computed_in_float32_and_returned_in_float64(path: OpPath, ch
     ) * (inv64 * _per_channel(weight, x))
     assert dx.dtype == torch.float64
     torch.testing.assert_close(_channels_first(dx, channel_last), dx64, **F32_TOL)
+
+
+@pytest.mark.parametrize("path", ALL_OPS, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["kernel", "reference"])
+def test_an_input_without_a_channel_dimension_is_refused(path: OpPath, dtype: torch.dtype) -> None:
+    """Every path, the inputs a CUDA kernel hands to the C++ reference (float64) too."""
+    x = torch.randn(6, device=path.device, dtype=dtype)
+    stat = torch.ones(1, device=path.device)
+    calls = {
+        "syncbn_welford_mean_var": lambda op: op(x, False),
+        "syncbn_forward": lambda op: op(x, stat, stat, None, None, None, False, False),
+        "syncbn_reduce": lambda op: op(x, x, stat, False),
+        "syncbn_backward": lambda op: op(x, x, stat, stat, None, stat, stat, 6, False),
+    }
+    for name, call in calls.items():
+        message = rf"^{name}: input needs a batch and a channel dimension, got sizes \[6\]$"
+        with pytest.raises(RuntimeError, match=message):
+            call(path.kernel_op(name))
+
+
+@pytest.mark.parametrize("path", ALL_OPS, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["kernel", "reference"])
+@pytest.mark.parametrize("count", [0, -3])
+def test_backward_refuses_a_count_that_is_not_positive(
+    path: OpPath, dtype: torch.dtype, count: int
+) -> None:
+    x = torch.randn(4, 3, device=path.device, dtype=dtype)
+    stat = torch.ones(3, device=path.device)
+    message = (
+        r"^syncbn_backward: count \(elements per channel over the whole batch\) must be "
+        rf"positive, got {count}$"
+    )
+    with pytest.raises(RuntimeError, match=message):
+        path.kernel_op("syncbn_backward")(x, x, stat, stat, None, stat, stat, count, False)

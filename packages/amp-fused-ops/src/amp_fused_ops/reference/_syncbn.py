@@ -29,6 +29,14 @@ def _dims(x: Tensor, channel_last: bool) -> list[int]:
     return [d for d in range(x.dim()) if d != channel]
 
 
+def _check_batched(x: Tensor, op: str) -> None:
+    """Refuse an input without a batch and a channel dimension, in the CUDA kernels' words."""
+    if x.dim() < 2:
+        raise RuntimeError(
+            f"{op}: input needs a batch and a channel dimension, got sizes {list(x.shape)}"
+        )
+
+
 def _view(v: Tensor, x: Tensor, channel_last: bool) -> Tensor:
     """A per-channel vector shaped to broadcast against ``x``."""
     if channel_last:
@@ -38,6 +46,7 @@ def _view(v: Tensor, x: Tensor, channel_last: bool) -> Tensor:
 
 def syncbn_welford_mean_var(x: Tensor, channel_last: bool) -> tuple[Tensor, Tensor]:
     """The PyTorch implementation of ``syncbn_welford_mean_var`` (the op's arguments)."""
+    _check_batched(x, "syncbn_welford_mean_var")
     if x.numel() == 0:
         channels = x.shape[-1] if channel_last else x.shape[1]
         zeros = torch.zeros(channels, device=x.device, dtype=torch.float32)
@@ -70,6 +79,7 @@ def syncbn_forward(
     channel_last: bool,
 ) -> Tensor:
     """The PyTorch implementation of ``syncbn_forward`` (the op's arguments)."""
+    _check_batched(x, "syncbn_forward")
     scale = invstd.float() if weight is None else invstd.float() * weight.float()
     shift = -mean.float() * scale
     if bias is not None:
@@ -86,6 +96,7 @@ def syncbn_reduce(
     grad_out: Tensor, x: Tensor, mean: Tensor, channel_last: bool
 ) -> tuple[Tensor, Tensor]:
     """The PyTorch implementation of ``syncbn_reduce``: ``(sum dy, sum dy * (x - mean))``."""
+    _check_batched(x, "syncbn_reduce")
     dims = _dims(x, channel_last)
     dy = grad_out.float()
     sum_dy = dy.sum(dims)
@@ -105,6 +116,12 @@ def syncbn_backward(
     channel_last: bool,
 ) -> Tensor:
     """The PyTorch implementation of ``syncbn_backward`` (the op's arguments)."""
+    _check_batched(x, "syncbn_backward")
+    if count <= 0:
+        raise RuntimeError(
+            "syncbn_backward: count (elements per channel over the whole batch) must be "
+            f"positive, got {count}"
+        )
     inv = invstd.float()
     scale = inv if weight is None else inv * weight.float()
     mean_dy = sum_dy.float() / count
