@@ -414,3 +414,35 @@ def test_backward_refuses_a_count_that_is_not_positive(
     )
     with pytest.raises(RuntimeError, match=message):
         path.kernel_op("syncbn_backward")(x, x, stat, stat, None, stat, stat, count, False)
+
+
+@pytest.mark.parametrize("path", ALL_OPS, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["kernel", "reference"])
+@pytest.mark.parametrize("channel_last", [False, True])
+@pytest.mark.parametrize("length", [1, 4])
+def test_a_statistic_of_another_length_is_refused(
+    path: OpPath, dtype: torch.dtype, channel_last: bool, length: int
+) -> None:
+    """A per-channel statistic of one element (which would broadcast) or of another length."""
+    x = torch.randn(4, 3, 5, device=path.device, dtype=dtype)
+    if channel_last:
+        x = x.movedim(1, -1).contiguous()
+    good, bad = torch.ones(3, device=path.device), torch.ones(length, device=path.device)
+    calls = {
+        ("syncbn_forward", "mean"): lambda op: op(x, bad, good, None, None, None, False,
+                                                  channel_last),
+        ("syncbn_forward", "invstd"): lambda op: op(x, good, bad, None, None, None, False,
+                                                    channel_last),
+        ("syncbn_reduce", "mean"): lambda op: op(x, x, bad, channel_last),
+        ("syncbn_backward", "sum_dy"): lambda op: op(x, x, good, good, None, bad, good, 20,
+                                                     channel_last),
+        ("syncbn_backward", "sum_dy_xmu"): lambda op: op(x, x, good, good, None, good, bad, 20,
+                                                         channel_last),
+    }  # fmt: skip
+    for (name, argument), call in calls.items():
+        message = (
+            rf"^{name}: {argument} must be a contiguous \(3,\) tensor on {x.device}, got "
+            rf"\[{length}\] on {bad.device}$"
+        )
+        with pytest.raises(RuntimeError, match=message):
+            call(path.kernel_op(name))

@@ -46,11 +46,23 @@ inline std::tuple<at::Tensor, at::Tensor> welford_mean_var(const at::Tensor& x,
   return {mean, var};
 }
 
+// A per-channel statistic: one value per channel of x, on x's device (in the kernels' words;
+// a one-element tensor would broadcast silently).
+inline void check_vector(const at::Tensor& v, const at::Tensor& x, bool channel_last,
+                         const char* name, const char* op) {
+  const int64_t channels = channel_last ? x.size(-1) : x.size(1);
+  TORCH_CHECK(v.dim() == 1 && v.size(0) == channels && v.device() == x.device(), op, ": ", name,
+              " must be a contiguous (", channels, ",) tensor on ", x.device(), ", got ",
+              v.sizes(), " on ", v.device());
+}
+
 inline at::Tensor forward(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& invstd,
                           const std::optional<at::Tensor>& weight,
                           const std::optional<at::Tensor>& bias,
                           const std::optional<at::Tensor>& z, bool fuse_relu,
                           bool channel_last) {
+  check_vector(mean, x, channel_last, "mean", "syncbn_forward");
+  check_vector(invstd, x, channel_last, "invstd", "syncbn_forward");
   at::Tensor scale = invstd.to(at::kFloat);
   if (weight.has_value()) scale = scale * weight->to(at::kFloat);
   at::Tensor shift = -mean.to(at::kFloat) * scale;
@@ -64,6 +76,7 @@ inline at::Tensor forward(const at::Tensor& x, const at::Tensor& mean, const at:
 
 inline std::tuple<at::Tensor, at::Tensor> reduce(const at::Tensor& dy, const at::Tensor& x,
                                                  const at::Tensor& mean, bool channel_last) {
+  check_vector(mean, x, channel_last, "mean", "syncbn_reduce");
   const auto dims = reduced_dims(x, channel_last);
   const at::Tensor dyf = dy.to(at::kFloat);
   const at::Tensor x_mu = x.to(at::kFloat) - per_channel(mean.to(at::kFloat), x, channel_last);
@@ -74,6 +87,11 @@ inline at::Tensor backward(const at::Tensor& dy, const at::Tensor& x, const at::
                            const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
                            const at::Tensor& sum_dy, const at::Tensor& sum_dy_xmu,
                            int64_t count, bool channel_last) {
+  constexpr const char* op = "syncbn_backward";
+  check_vector(mean, x, channel_last, "mean", op);
+  check_vector(invstd, x, channel_last, "invstd", op);
+  check_vector(sum_dy, x, channel_last, "sum_dy", op);
+  check_vector(sum_dy_xmu, x, channel_last, "sum_dy_xmu", op);
   const at::Tensor inv = invstd.to(at::kFloat);
   const at::Tensor scale = weight.has_value() ? inv * weight->to(at::kFloat) : inv;
   const at::Tensor mean_dy = sum_dy.to(at::kFloat) / static_cast<double>(count);

@@ -37,6 +37,17 @@ def _check_batched(x: Tensor, op: str) -> None:
         )
 
 
+def _check_vector(v: Tensor, x: Tensor, channel_last: bool, name: str, op: str) -> None:
+    """Refuse a per-channel statistic that is not one value per channel of ``x`` on its
+    device, in the CUDA kernels' words (a one-element tensor would broadcast silently)."""
+    channels = x.shape[-1] if channel_last else x.shape[1]
+    if v.dim() != 1 or v.shape[0] != channels or v.device != x.device:
+        raise RuntimeError(
+            f"{op}: {name} must be a contiguous ({channels},) tensor on {x.device}, got "
+            f"{list(v.shape)} on {v.device}"
+        )
+
+
 def _view(v: Tensor, x: Tensor, channel_last: bool) -> Tensor:
     """A per-channel vector shaped to broadcast against ``x``."""
     if channel_last:
@@ -80,6 +91,8 @@ def syncbn_forward(
 ) -> Tensor:
     """The PyTorch implementation of ``syncbn_forward`` (the op's arguments)."""
     _check_batched(x, "syncbn_forward")
+    for name, v in (("mean", mean), ("invstd", invstd)):
+        _check_vector(v, x, channel_last, name, "syncbn_forward")
     scale = invstd.float() if weight is None else invstd.float() * weight.float()
     shift = -mean.float() * scale
     if bias is not None:
@@ -97,6 +110,7 @@ def syncbn_reduce(
 ) -> tuple[Tensor, Tensor]:
     """The PyTorch implementation of ``syncbn_reduce``: ``(sum dy, sum dy * (x - mean))``."""
     _check_batched(x, "syncbn_reduce")
+    _check_vector(mean, x, channel_last, "mean", "syncbn_reduce")
     dims = _dims(x, channel_last)
     dy = grad_out.float()
     sum_dy = dy.sum(dims)
@@ -117,6 +131,9 @@ def syncbn_backward(
 ) -> Tensor:
     """The PyTorch implementation of ``syncbn_backward`` (the op's arguments)."""
     _check_batched(x, "syncbn_backward")
+    stats = (("mean", mean), ("invstd", invstd), ("sum_dy", sum_dy), ("sum_dy_xmu", sum_dy_xmu))
+    for name, v in stats:
+        _check_vector(v, x, channel_last, name, "syncbn_backward")
     if count <= 0:
         raise RuntimeError(
             "syncbn_backward: count (elements per channel over the whole batch) must be "
