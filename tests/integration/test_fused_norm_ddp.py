@@ -4,7 +4,9 @@ A model with ``FusedLayerNorm`` and ``FusedRMSNorm`` (their autograd formula and
 in the C++ extension) is trained for a few steps on two ranks, each on its half of the batch,
 under ``torch.nn.parallel.DistributedDataParallel`` and under amp-parallel's; the same model
 with ``torch.nn.LayerNorm`` / ``torch.nn.RMSNorm`` under plain DDP on the same data is the
-reference. Every rank must end with the reference's weights.
+reference. Every rank must end with the reference's weights. A second run feeds the
+LayerNorm a bfloat16 input (float32 parameters, the half-input path of the CPU kernel): the
+ranks must agree bit for bit and stay within bfloat16's rounding of plain PyTorch.
 """
 
 from __future__ import annotations
@@ -26,13 +28,22 @@ WORLD = 2
 STEPS = 3
 
 
-def _model(fused: bool) -> torch.nn.Module:
+class _Cast(torch.nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.dtype)
+
+
+def _model(fused: bool, norm_input: torch.dtype = torch.float32) -> torch.nn.Module:
     torch.manual_seed(0)
     layer_norm = FusedLayerNorm(16) if fused else torch.nn.LayerNorm(16)
     rms_norm = FusedRMSNorm(16, eps=1e-6) if fused else torch.nn.RMSNorm(16, eps=1e-6)
     model = torch.nn.Sequential(
-        torch.nn.Linear(8, 16), layer_norm, torch.nn.GELU(), torch.nn.Linear(16, 16), rms_norm,
-        torch.nn.Linear(16, 4),
+        torch.nn.Linear(8, 16), _Cast(norm_input), layer_norm, _Cast(torch.float32),
+        torch.nn.GELU(), torch.nn.Linear(16, 16), rms_norm, torch.nn.Linear(16, 4),
     )  # fmt: skip
     with torch.no_grad():  # parameters away from their initial ones and zeros
         for norm in (layer_norm, rms_norm):
@@ -41,8 +52,10 @@ def _model(fused: bool) -> torch.nn.Module:
     return model
 
 
-def _train(fused: bool, wrapper: str) -> list[torch.Tensor]:
-    model = _model(fused)
+def _train(
+    fused: bool, wrapper: str, norm_input: torch.dtype = torch.float32
+) -> list[torch.Tensor]:
+    model = _model(fused, norm_input)
     wrapped = (
         ApexDDP(model)
         if wrapper == "amp_parallel"
@@ -69,6 +82,9 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
             "reference": _train(fused=False, wrapper="torch"),
             "torch": _train(fused=True, wrapper="torch"),
             "amp_parallel": _train(fused=True, wrapper="amp_parallel"),
+            "reference_bf16": _train(False, "torch", torch.bfloat16),
+            "torch_bf16": _train(True, "torch", torch.bfloat16),
+            "amp_parallel_bf16": _train(True, "amp_parallel", torch.bfloat16),
         }
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -98,3 +114,18 @@ def test_fused_norms_train_on_two_ranks_as_torch_norms_do(
                 got, want, rtol=1e-5, atol=1e-6,
                 msg=lambda m, r=rank, i=index: f"rank {r}, parameter {i}: {m}",
             )  # fmt: skip
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+@pytest.mark.parametrize("wrapper", ["torch", "amp_parallel"])
+def test_a_bfloat16_input_trains_alike_on_both_ranks_and_as_torch_norms_do(
+    world_results: list[dict[str, Any]], wrapper: str
+) -> None:
+    reference = world_results[0]["reference_bf16"]
+    first = world_results[0][f"{wrapper}_bf16"]
+    for rank, results in enumerate(world_results):
+        for index, (got, want) in enumerate(zip(results[f"{wrapper}_bf16"], first, strict=True)):
+            assert torch.equal(got, want), f"rank {rank} and rank 0 differ at parameter {index}"
+    for index, (got, want) in enumerate(zip(first, reference, strict=True)):
+        # bfloat16's rounding of the norm's input and output, carried over three steps
+        torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2, msg=f"parameter {index}")
