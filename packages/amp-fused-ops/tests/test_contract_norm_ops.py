@@ -359,6 +359,97 @@ def test_many_rows_reduce_the_parameter_gradients(path: OpPath, rms: bool) -> No
             _close(dbias, dbias64, f"grad of the bias, {rows} rows", tol)
 
 
+# --- the CUDA kernels' layouts ----------------------------------------------------------------
+
+# (input dtype, parameter dtype, width): rows that reach each layout of the resident kernels of
+# csrc/cuda/layer_norm.cu: one chunk per thread and eight rows per block (64), four chunks with
+# threads left idle at the row's end (1000), the backward summing the parameter gradients
+# itself at 16 elements per thread (8192 float32, 512 bfloat16) or leaving them to the column
+# kernel above (16384), eight chunks per thread in the forward (16384 float32), and float32
+# parameters of a bfloat16 input (2048). The emulated AddressSanitizer run takes the narrow ones.
+_LAYOUT_CASES = [
+    (torch.float32, torch.float32, 64),
+    (torch.float32, torch.float32, 1000),
+    (torch.float16, torch.float16, 1000),
+    (torch.bfloat16, torch.bfloat16, 512),
+    (torch.bfloat16, torch.float32, 2048),
+    (torch.float32, torch.float32, 8192),
+    (torch.float32, torch.float32, 16384),
+    (torch.bfloat16, torch.bfloat16, 16384),
+]
+_LAYOUT_IDS = [f"{str(x).removeprefix('torch.')}-{str(p).removeprefix('torch.')}-{h}"
+               for x, p, h in _LAYOUT_CASES]  # fmt: skip
+
+
+def _walking_device(path: OpPath, hidden: int) -> tuple[int, AbstractContextManager[Any]]:
+    """Rows enough for every block of the CUDA kernels to walk several row groups, and the
+    device to run them on: the GPU with tens of thousands of rows, or the emulated kernels on
+    an emulated device of one SM (the grids are sized by the SM count), with a few dozen."""
+    if EMULATED:
+        from amp_fused_ops import emulation
+
+        return (40 if hidden >= 8192 else 100), emulation.multiprocessors(1)
+    return 20011, nullcontext()
+
+
+@pytest.mark.parametrize("path", [p for p in NORM_PATHS if p.id == "cuda"], indirect=True)
+@pytest.mark.parametrize("kernels", ["resident", "per_row"])
+@RMS
+@MEMORY_EFFICIENT
+@pytest.mark.parametrize(("x_dtype", "p_dtype", "hidden"), _LAYOUT_CASES, ids=_LAYOUT_IDS)
+def test_cuda_kernels_match_the_formulas_when_blocks_walk_the_rows(
+    path: OpPath,
+    kernels: str,
+    rms: bool,
+    memory_efficient: bool,
+    x_dtype: torch.dtype,
+    p_dtype: torch.dtype,
+    hidden: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Both sets of CUDA kernels (``AMP_FUSED_OPS_NORM_KERNELS``) with blocks that each take
+    several rows: statistics and outputs per row, parameter gradients summed over the blocks."""
+    if SMALL_SIZES and hidden > 2048:
+        pytest.skip("the AddressSanitizer run takes the rows up to 2048 wide")
+    monkeypatch.setenv("AMP_FUSED_OPS_NORM_KERNELS", kernels)
+    forward, backward = _ops(path)
+    rows, device = _walking_device(path, hidden)
+    gen = torch.Generator().manual_seed(hidden)
+    x = (torch.randn(rows, hidden, generator=gen) * 3 + 1).to(path.device, x_dtype)
+    weight = (torch.rand(hidden, generator=gen) + 0.5).to(path.device, p_dtype)
+    bias = None if rms else torch.randn(hidden, generator=gen).to(path.device, p_dtype)
+    dy = torch.randn(rows, hidden, generator=gen).to(path.device, x_dtype)
+    out64, mean64, invvar64 = _forward64(x, weight, bias, rms)
+    saved = out64.to(x_dtype) if memory_efficient else x
+    stats = (mean64.float(), invvar64.float())
+    with device:
+        out, mean, invvar = forward(x, weight, bias, EPS, rms, False, memory_efficient)
+        dx, dweight, dbias = backward(dy, saved, *stats, weight, bias, rms, memory_efficient,
+                                      x_dtype)  # fmt: skip
+    _close(out, out64, "out")
+    _close(mean, mean64, "mean", STATS_TOL)
+    _close(invvar, invvar64, "invvar", STATS_TOL)
+    want = _backward64(dy, saved, *stats, weight, bias, rms, memory_efficient)
+    _close(dx, want[0], "grad of the input")
+    _sums_close(dweight, want[1], rows, "grad of the weight")
+    _sums_close(dbias, want[2], rows, "grad of the bias")
+
+
+@pytest.mark.parametrize("path", [p for p in NORM_PATHS if p.id == "cuda"], indirect=True)
+def test_an_unknown_set_of_cuda_norm_kernels_is_refused(
+    path: OpPath, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    forward, backward = _ops(path)
+    x = torch.ones(2, 64, device=path.device)
+    _, mean, invvar = forward(x, None, None, EPS, False, False, False)
+    monkeypatch.setenv("AMP_FUSED_OPS_NORM_KERNELS", "fastest")
+    message = "^AMP_FUSED_OPS_NORM_KERNELS=fastest is not one of 'resident', 'per_row'$"
+    with pytest.raises(RuntimeError, match=message):
+        forward(x, None, None, EPS, False, False, False)
+    with pytest.raises(RuntimeError, match=message):
+        backward(x, x, mean, invvar, None, None, False, False, torch.float32)
+
+
 # --- inputs the kernels do not take ---------------------------------------------------------
 
 

@@ -299,6 +299,72 @@ def test_master_adam_reads_no_half_params():
     assert counts.bytes_written == 2 * n + 3 * 4 * n
 
 
+# --- what the norm kernels read and write -----------------------------------------------------
+
+
+def _norm_minimum_bytes(rows: int, hidden: int, element: int, rms: bool) -> int:
+    """Five passes over the activations (forward: read x, write y; backward: read x and dy,
+    write dx), the parameters read by each direction and their gradients written, and the
+    float32 statistics written by the forward and read by the backward."""
+    params = 1 if rms else 2
+    stats = 1 if rms else 2
+    return 5 * rows * hidden * element + 3 * params * hidden * element + 2 * stats * rows * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("hidden", [1024, 4096])
+def test_a_norm_step_moves_at_most_1_1_times_the_minimum_bytes(monkeypatch, dtype, rms, hidden):
+    """The resident kernels (the default) read each row of x and dy once and sum the parameter
+    gradients in the input-gradient pass: a forward + backward moves at most 1.1x the minimum
+    (``benchmarks/bench_norm_bytes.py``), on a device scaled down to 2 SMs with the rows per SM
+    of 16384 rows on an H100. The earlier per-row kernels move 3-4x."""
+    monkeypatch.delenv("AMP_FUSED_OPS_NORM_KERNELS", raising=False)
+    extension()
+    if not torch.ops.amp_emu.counting():
+        pytest.skip("only the counting build counts bytes")
+    ops = torch.ops.amp_fused_ops_emu
+    rows = 248
+    gen = torch.Generator().manual_seed(hidden)
+    x = torch.randn(rows, hidden, generator=gen).to(dtype)
+    dy = torch.randn(rows, hidden, generator=gen).to(dtype)
+    weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+    bias = None if rms else torch.randn(hidden, generator=gen).to(dtype)
+
+    def step() -> None:
+        _, mean, invvar = ops.norm_forward(x, weight, bias, 1e-5, rms, False, False)
+        ops.norm_backward(dy, x, mean, invvar, weight, bias, rms, False, dtype)
+
+    with _emulation.multiprocessors(2):
+        counts = _counted(step)
+    moved = counts.bytes_read + counts.bytes_written
+    minimum = _norm_minimum_bytes(rows, hidden, x.element_size(), rms)
+    assert moved <= 1.1 * minimum, f"{moved / minimum:.3f}x the minimum"
+    assert counts.launches == 3  # forward, backward, the parameter gradients' last sum
+
+
+def test_the_norm_grid_follows_the_emulated_sm_count(monkeypatch):
+    """A forward of 248 rows of 1024 float32: 64 threads per row, 4 rows per block, at most
+    8 blocks of 256 threads per SM, so 8 blocks on one SM and one per row group (62) on the
+    H100's 132, the count restored after the block."""
+    monkeypatch.delenv("AMP_FUSED_OPS_NORM_KERNELS", raising=False)
+    x = torch.randn(248, 1024)
+
+    def forward() -> None:
+        torch.ops.amp_fused_ops_emu.norm_forward(x, None, None, 1e-5, False, False, False)
+
+    with _emulation.multiprocessors(1):
+        one_sm = _counted(forward)
+    h100 = _counted(forward)
+    assert (one_sm.launches, one_sm.blocks) == (1, 8)
+    assert (h100.launches, h100.blocks) == (1, 62)
+    with (
+        pytest.raises(RuntimeError, match=r"set_multiprocessor_count\(0\): the count is an"),
+        _emulation.multiprocessors(0),
+    ):
+        pass
+
+
 # --- capture and replay ----------------------------------------------------------------------
 
 

@@ -9,14 +9,28 @@
 // The kernels take x as (rows, hidden), hidden in [1, 65536], float32 / float16 / bfloat16
 // with parameters of x's dtype or float32; any other input of the ops (longer rows, float64,
 // mixed parameter dtypes) runs the fp32 ATen reference of ../common/norm_reference.h.
-// Statistics are fp32 (per-row Welford for LayerNorm, mean square for RMSNorm). With
+// Statistics are fp32 (LayerNorm: mean and variance; RMSNorm: the mean square). With
 // memory_efficient, `saved` is the output y and the normalized input is recomputed as
 // (y - beta) / gamma.
 //
-// Layout: one block per row; each thread walks the row in chunks of VEC elements (16-byte
-// loads when every pointer is aligned and hidden % VEC == 0, else VEC = 1). The backward runs
-// one block per row for dx, then a column kernel writes per-row-slice partial sums of
-// dy * xhat and dy, and a last kernel reduces them into dgamma / dbeta.
+// Two sets of kernels, chosen per call (AMP_FUSED_OPS_NORM_KERNELS, read at every call):
+// - resident (the default): for rows whose buffers are 16-byte aligned with hidden % VEC == 0
+//   (VEC elements: 16 bytes) and at most kMaxElements elements per thread of a row of up to
+//   512 threads (hidden up to 16384 in float32, bfloat16 and float16). A grid of a few blocks
+//   per SM, each block walking the rows, a thread holding its columns of the row in registers:
+//   the forward reads x once and the weight and bias once per block; the backward reads dy and
+//   the saved tensor once and, up to kBackwardElements elements per thread (hidden 8192), sums
+//   the parameter gradients in the same pass (a partial per block, added by a last kernel).
+//   Wider rows leave the parameter gradients to the column kernel below (it reads dy and the
+//   saved tensor again); the memory-efficient backward, which also holds the bias, takes
+//   rows up to kBackwardElements per thread only. The statistics are two-pass over the
+//   registers (the mean, then the squared deviations).
+// - per_row (the earlier kernels; everything the resident ones do not take): one block per
+//   row, each thread walking the row in chunks of VEC elements (VEC = 1 when unaligned or
+//   hidden % VEC != 0), Welford statistics; the backward reads each row twice for dx, then a
+//   column kernel writes per-row-slice partial sums of dy * xhat and dy, and a last kernel
+//   reduces them into dgamma / dbeta.
+// The two differ by rounding only (the order of the sums, the statistics' formula).
 #include "../common/aten_headers.h"
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -24,7 +38,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <optional>
+#include <type_traits>
 
 #include "../common/norm_reference.h"
 #include "../common/ops_schema.h"
@@ -40,6 +57,11 @@ constexpr int64_t kMaxHidden = 65536;
 constexpr int kMaxThreads = 512;
 constexpr int kColumns = 32;   // columns per block in the gamma/beta partial kernel
 constexpr int kRowLanes = 16;  // threads along rows in that kernel
+// Threads per block of the resident kernels at least: rows of fewer threads share a block.
+constexpr int kResidentBlock = 256;
+// Row elements per thread up to which the resident backward sums the parameter gradients
+// itself (two float32 sums per element in registers); above, a column kernel does.
+constexpr int kBackwardElements = 16;
 
 template <typename T>
 struct Tag {
@@ -244,6 +266,7 @@ __global__ void norm_backward_input_kernel(const TOut* __restrict__ dy, const TS
 
 // Partial sums over a slice of rows of dy * xhat (-> dgamma) and dy (-> dbeta), per column.
 // Block (kColumns, kRowLanes); grid (ceil(hidden / kColumns), slices).
+static_assert(kColumns == 32, "a warp of norm_backward_params_partial is one row's columns");
 template <typename TP, typename TOut, typename TS>
 __global__ void norm_backward_params_partial(const TOut* __restrict__ dy, const TS* __restrict__ saved,
                                              const float* __restrict__ mean,
@@ -257,24 +280,28 @@ __global__ void norm_backward_params_partial(const TOut* __restrict__ dy, const 
   const int64_t begin = blockIdx.y * per_slice;
   const int64_t end = begin + per_slice < rows ? begin + per_slice : rows;
   float acc_g = 0.f, acc_b = 0.f;
-  if (col < hidden) {
-    float g = 1.f, b = 0.f;
-    if (memory_efficient) {
-      if (gamma != nullptr) g = static_cast<float>(gamma[col]);
-      if (beta != nullptr) b = static_cast<float>(beta[col]);
+  const bool in_row = col < hidden;
+  float g = 1.f, b = 0.f;
+  if (in_row && memory_efficient) {
+    if (gamma != nullptr) g = static_cast<float>(gamma[col]);
+    if (beta != nullptr) b = static_cast<float>(beta[col]);
+  }
+  for (int64_t r = begin + threadIdx.y; r < end; r += kRowLanes) {
+    // The row's statistics, loaded by lane 0 for the warp (a warp is the block's 32 columns
+    // of one row) and broadcast.
+    float mu = 0.f, iv = 0.f;
+    if (!memory_efficient && threadIdx.x == 0) {
+      iv = invvar[r];
+      if (!rms) mu = mean[r];
     }
-    for (int64_t r = begin + threadIdx.y; r < end; r += kRowLanes) {
-      const float d = static_cast<float>(dy[r * hidden + col]);
-      const float s = static_cast<float>(saved[r * hidden + col]);
-      float xh;
-      if (memory_efficient) {
-        xh = (s - b) / g;
-      } else {
-        xh = (s - (rms ? 0.f : mean[r])) * invvar[r];
-      }
-      acc_g += d * xh;
-      acc_b += d;
-    }
+    mu = __shfl_sync(0xffffffffu, mu, 0);
+    iv = __shfl_sync(0xffffffffu, iv, 0);
+    if (!in_row) continue;
+    const float d = static_cast<float>(dy[r * hidden + col]);
+    const float s = static_cast<float>(saved[r * hidden + col]);
+    const float xh = memory_efficient ? (s - b) / g : (s - mu) * iv;
+    acc_g += d * xh;
+    acc_b += d;
   }
   __shared__ float sg[kRowLanes][kColumns + 1];
   __shared__ float sb[kRowLanes][kColumns + 1];
@@ -306,6 +333,304 @@ __global__ void norm_backward_params_final(const float* __restrict__ part_g,
   if (dbeta != nullptr) dbeta[col] = static_cast<TP>(b);
 }
 
+// --- the resident kernels: a row held on chip, several rows per block ----------------------
+//
+// A block of (tpr, rpb) threads: tpr threads per row (a power of two in [32, kMaxThreads]),
+// rpb rows at a time, and a grid of at most a few blocks per SM, each walking the rows with a
+// stride of gridDim.x * rpb. A thread owns the same CHUNKS chunks of VEC columns in every row
+// (chunk k * tpr + threadIdx.x), so it loads its weight and bias once per block and keeps them
+// in registers. The row's chunks stay in registers between the statistics and the output
+// (forward), and between the row sums and dx (backward): each element of x, dy, y and dx
+// crosses global memory once. The backward also sums dy * xhat and dy over the block's rows
+// for the thread's columns, and writes one partial per block; norm_backward_params_final adds
+// the partials of all blocks.
+
+// Sums a and b over the tpr threads of this thread's row; every thread of the row gets the
+// sums. tpr is a power of two >= 32, so a row is a whole number of warps (warps_per_row, the
+// row's warps contiguous: warp = threadIdx.y * warps_per_row + threadIdx.x / 32). Called by
+// every thread of the block (it synchronizes the block when a row spans several warps).
+__device__ __forceinline__ void row_sum2(float& a, float& b) {
+  __shared__ float shared[2][kMaxThreads / 32];
+  for (int offset = 16; offset > 0; offset /= 2) {
+    a += __shfl_xor_sync(0xffffffffu, a, offset);
+    b += __shfl_xor_sync(0xffffffffu, b, offset);
+  }
+  const int warps_per_row = static_cast<int>(blockDim.x / 32);
+  if (warps_per_row == 1) return;
+  const int first = static_cast<int>(threadIdx.y) * warps_per_row;
+  __syncthreads();  // shared is reused across calls
+  if (threadIdx.x % 32 == 0) {
+    shared[0][first + threadIdx.x / 32] = a;
+    shared[1][first + threadIdx.x / 32] = b;
+  }
+  __syncthreads();
+  a = 0.f;
+  b = 0.f;
+  for (int w = 0; w < warps_per_row; ++w) {
+    a += shared[0][first + w];
+    b += shared[1][first + w];
+  }
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ float element(const Pack<T, VEC>& p, int i) {
+  return static_cast<float>(p.v[i]);
+}
+
+// This thread's CHUNKS packs of a parameter (the same columns in every row of the block), with
+// one global read per pack and block: with several rows per block, the threads of row 0 read
+// and the others take the packs from shared memory. Called by every thread of the block.
+template <typename TP, int VEC, int CHUNKS>
+__device__ __forceinline__ void load_block_params(const TP* __restrict__ p, int chunks,
+                                                  Pack<TP, VEC> (&out)[CHUNKS]) {
+  const int tpr = static_cast<int>(blockDim.x);
+  if (blockDim.y == 1) {
+#pragma unroll
+    for (int k = 0; k < CHUNKS; ++k) {
+      const int c = k * tpr + static_cast<int>(threadIdx.x);
+      if (c < chunks) out[k] = reinterpret_cast<const Pack<TP, VEC>*>(p)[c];
+    }
+    return;
+  }
+  // Several rows per block only when tpr * 2 <= kResidentBlock.
+  __shared__ Pack<TP, VEC> staged[kResidentBlock / 2];
+#pragma unroll
+  for (int k = 0; k < CHUNKS; ++k) {
+    const int c = k * tpr + static_cast<int>(threadIdx.x);
+    __syncthreads();  // the previous chunk's reads are done
+    if (threadIdx.y == 0 && c < chunks) staged[threadIdx.x] = reinterpret_cast<const Pack<TP, VEC>*>(p)[c];
+    __syncthreads();
+    if (c < chunks) out[k] = staged[threadIdx.x];
+  }
+}
+
+template <typename TIn, typename TP, typename TOut, int VEC, int CHUNKS>
+__global__ void __launch_bounds__(kMaxThreads, 1)
+    norm_forward_resident(const TIn* __restrict__ x, const TP* __restrict__ gamma,
+                          const TP* __restrict__ beta, TOut* __restrict__ y,
+                          float* __restrict__ mean_out, float* __restrict__ invvar_out,
+                          int64_t rows, int64_t hidden, float eps, bool rms) {
+  const int chunks = static_cast<int>(hidden / VEC);  // hidden <= kMaxHidden
+  const int tpr = static_cast<int>(blockDim.x);
+  Pack<TP, VEC> g[CHUNKS], b[CHUNKS];
+  if (gamma != nullptr) load_block_params<TP, VEC, CHUNKS>(gamma, chunks, g);
+  if (beta != nullptr) load_block_params<TP, VEC, CHUNKS>(beta, chunks, b);
+  const float inv_n = 1.f / static_cast<float>(hidden);
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.y;
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.y; first < rows;
+       first += step) {
+    const int64_t row = first + threadIdx.y;
+    const bool valid = row < rows;
+    const TIn* xr = x + row * hidden;
+    Pack<TIn, VEC> v[CHUNKS];
+    float sum = 0.f, unused = 0.f;
+#pragma unroll
+    for (int k = 0; k < CHUNKS; ++k) {
+      const int c = k * tpr + static_cast<int>(threadIdx.x);
+      if (valid && c < chunks) {
+        v[k] = reinterpret_cast<const Pack<TIn, VEC>*>(xr)[c];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          const float e = element(v[k], i);
+          sum += rms ? e * e : e;
+        }
+      }
+    }
+    row_sum2(sum, unused);
+    float mean = 0.f, m2 = sum;
+    if (!rms) {
+      // Two passes over the registers: the mean, then the squared deviations from it.
+      mean = sum * inv_n;
+      m2 = 0.f;
+#pragma unroll
+      for (int k = 0; k < CHUNKS; ++k) {
+        const int c = k * tpr + static_cast<int>(threadIdx.x);
+        if (valid && c < chunks) {
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) {
+            const float d = element(v[k], i) - mean;
+            m2 += d * d;
+          }
+        }
+      }
+      row_sum2(m2, unused);
+    }
+    const float invvar = rsqrtf(m2 * inv_n + eps);
+    if (!valid) continue;  // after the last block-wide sum of this row group
+    if (threadIdx.x == 0) {
+      mean_out[row] = mean;
+      invvar_out[row] = invvar;
+    }
+    TOut* yr = y + row * hidden;
+#pragma unroll
+    for (int k = 0; k < CHUNKS; ++k) {
+      const int c = k * tpr + static_cast<int>(threadIdx.x);
+      if (c < chunks) {
+        Pack<TOut, VEC> out;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          float o = (element(v[k], i) - mean) * invvar;
+          if (gamma != nullptr) o *= element(g[k], i);
+          if (beta != nullptr) o += element(b[k], i);
+          out.v[i] = static_cast<TOut>(o);
+        }
+        reinterpret_cast<Pack<TOut, VEC>*>(yr)[c] = out;
+      }
+    }
+  }
+}
+
+// The input gradient of a row group and the block's partial sums of dy * xhat (-> dgamma) and
+// dy (-> dbeta) per column, written to part_g / part_b[blockIdx.x * hidden + column] (when
+// the norm has a weight or a bias). ME: memory_efficient, `saved` is the output and xhat is
+// recomputed as (y - beta) / gamma.
+template <typename TIn, typename TP, typename TOut, typename TS, int VEC, int CHUNKS, bool ME>
+__global__ void __launch_bounds__(kMaxThreads, 1)
+    norm_backward_resident(const TOut* __restrict__ dy, const TS* __restrict__ saved,
+                           const float* __restrict__ mean, const float* __restrict__ invvar,
+                           const TP* __restrict__ gamma, const TP* __restrict__ beta,
+                           TIn* __restrict__ dx, float* __restrict__ part_g,
+                           float* __restrict__ part_b, int64_t rows, int64_t hidden, bool rms) {
+  const int chunks = static_cast<int>(hidden / VEC);  // hidden <= kMaxHidden
+  const int tpr = static_cast<int>(blockDim.x);
+  // The parameter-gradient sums stay in registers up to kBackwardElements elements per thread;
+  // above, part_g is null and a column kernel sums them.
+  constexpr bool kPartials = CHUNKS * VEC <= kBackwardElements;
+  constexpr int kAcc = kPartials ? CHUNKS : 1;
+  Pack<TP, VEC> g[CHUNKS], b[CHUNKS];
+  if (gamma != nullptr) load_block_params<TP, VEC, CHUNKS>(gamma, chunks, g);
+  if (ME && beta != nullptr) load_block_params<TP, VEC, CHUNKS>(beta, chunks, b);
+  float acc_g[kAcc][VEC], acc_b[kAcc][VEC];
+#pragma unroll
+  for (int k = 0; k < kAcc; ++k) {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      acc_g[k][i] = 0.f;
+      acc_b[k][i] = 0.f;
+    }
+  }
+  const float inv_n = 1.f / static_cast<float>(hidden);
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.y;
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.y; first < rows;
+       first += step) {
+    const int64_t row = first + threadIdx.y;
+    const bool valid = row < rows;
+    // The row's statistics, loaded by one lane per warp (a warp never spans two rows).
+    float mu = 0.f, iv = 0.f;
+    if (valid && threadIdx.x % 32 == 0) {
+      iv = invvar[row];
+      if (!rms && !ME) mu = mean[row];
+    }
+    mu = __shfl_sync(0xffffffffu, mu, 0);
+    iv = __shfl_sync(0xffffffffu, iv, 0);
+    const TOut* dyr = dy + row * hidden;
+    const TS* sr = saved + row * hidden;
+    Pack<TOut, VEC> d[CHUNKS];
+    Pack<TS, VEC> s[CHUNKS];
+    float sum_g = 0.f, sum_gx = 0.f;
+#pragma unroll
+    for (int k = 0; k < CHUNKS; ++k) {
+      const int c = k * tpr + static_cast<int>(threadIdx.x);
+      if (valid && c < chunks) {
+        d[k] = reinterpret_cast<const Pack<TOut, VEC>*>(dyr)[c];
+        s[k] = reinterpret_cast<const Pack<TS, VEC>*>(sr)[c];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          const float dk = element(d[k], i);
+          float xh;
+          if (ME) {
+            xh = element(s[k], i);
+            if (beta != nullptr) xh -= element(b[k], i);
+            if (gamma != nullptr) xh /= element(g[k], i);
+          } else {
+            xh = (element(s[k], i) - mu) * iv;
+          }
+          // __fmul_rn: see scaled_dy_and_xhat.
+          const float gk = gamma != nullptr ? __fmul_rn(dk, element(g[k], i)) : dk;
+          sum_g += gk;
+          sum_gx += gk * xh;
+          if constexpr (kPartials) {
+            acc_g[k][i] += dk * xh;
+            acc_b[k][i] += dk;
+          }
+        }
+      }
+    }
+    row_sum2(sum_g, sum_gx);
+    if (!valid) continue;  // after the last block-wide sum of this row group
+    const float mean_g = rms ? 0.f : sum_g * inv_n;
+    const float proj = sum_gx * inv_n;
+    TIn* dxr = dx + row * hidden;
+#pragma unroll
+    for (int k = 0; k < CHUNKS; ++k) {
+      const int c = k * tpr + static_cast<int>(threadIdx.x);
+      if (c < chunks) {
+        Pack<TIn, VEC> out;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          const float dk = element(d[k], i);
+          float xh;
+          if (ME) {
+            xh = element(s[k], i);
+            if (beta != nullptr) xh -= element(b[k], i);
+            if (gamma != nullptr) xh /= element(g[k], i);
+          } else {
+            xh = (element(s[k], i) - mu) * iv;
+          }
+          const float gk = gamma != nullptr ? __fmul_rn(dk, element(g[k], i)) : dk;
+          out.v[i] = static_cast<TIn>((gk - mean_g - xh * proj) * iv);
+        }
+        reinterpret_cast<Pack<TIn, VEC>*>(dxr)[c] = out;
+      }
+    }
+  }
+  if constexpr (!kPartials) return;
+  if (part_g == nullptr) return;
+  // The block's partials: the rows of the block (threadIdx.y) added through shared memory,
+  // one chunk index k at a time, then written by the threads of row 0.
+  __shared__ float shared_g[kMaxThreads * 4];
+  __shared__ float shared_b[kMaxThreads * 4];
+  const int slot = static_cast<int>(threadIdx.y * blockDim.x + threadIdx.x);
+  constexpr int kHalves = VEC > 4 ? VEC / 4 : 1;  // shared holds 4 floats per thread
+  constexpr int kPer = VEC > 4 ? 4 : VEC;
+#pragma unroll
+  for (int k = 0; k < kAcc; ++k) {
+    const int c = k * tpr + static_cast<int>(threadIdx.x);
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) {
+      if (blockDim.y > 1) {
+        __syncthreads();  // the previous round's reads are done
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) {
+          shared_g[slot * kPer + i] = acc_g[k][h * kPer + i];
+          shared_b[slot * kPer + i] = acc_b[k][h * kPer + i];
+        }
+        __syncthreads();
+        if (threadIdx.y == 0) {
+          for (int r = 1; r < static_cast<int>(blockDim.y); ++r) {
+            const int other = (r * static_cast<int>(blockDim.x) + static_cast<int>(threadIdx.x));
+#pragma unroll
+            for (int i = 0; i < kPer; ++i) {
+              acc_g[k][h * kPer + i] += shared_g[other * kPer + i];
+              acc_b[k][h * kPer + i] += shared_b[other * kPer + i];
+            }
+          }
+        }
+      }
+    }
+    if (threadIdx.y == 0 && c < chunks) {
+      float pg[VEC], pb[VEC];
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        pg[i] = acc_g[k][i];
+        pb[i] = acc_b[k][i];
+      }
+      store<VEC>(part_g + static_cast<int64_t>(blockIdx.x) * hidden, c, pg);
+      store<VEC>(part_b + static_cast<int64_t>(blockIdx.x) * hidden, c, pb);
+    }
+  }
+}
+
 // --- host side -----------------------------------------------------------------------------
 
 bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -316,6 +641,71 @@ int threads_for(int64_t chunks) {
   while (threads < kMaxThreads && threads * 4 < chunks) threads *= 2;
   return threads;
 }
+
+// Which kernels run the norms: AMP_FUSED_OPS_NORM_KERNELS=resident (the default) or per_row
+// (the earlier kernels, for comparing the two on a GPU). Read at every call.
+bool resident_kernels() {
+  const char* value = std::getenv("AMP_FUSED_OPS_NORM_KERNELS");
+  if (value == nullptr || *value == '\0' || std::strcmp(value, "resident") == 0) return true;
+  TORCH_CHECK(std::strcmp(value, "per_row") == 0, "AMP_FUSED_OPS_NORM_KERNELS=", value,
+              " is not one of 'resident', 'per_row'");
+  return false;
+}
+
+// The block of the resident kernels: tpr threads per row, rpb rows at a time, each thread
+// holding `chunks` chunks (a template parameter) of its row.
+struct ResidentShape {
+  int tpr;
+  int rpb;
+  int chunks;
+};
+
+// The shape for rows of n_chunks vectors of VEC elements, or nullopt when a thread would hold
+// more than max_elements elements of a row (the registers they take; see kMaxElements).
+std::optional<ResidentShape> resident_shape(int64_t n_chunks, int vec, int target_chunks,
+                                            int max_elements) {
+  int tpr = 32;
+  while (tpr < kMaxThreads && tpr * target_chunks < n_chunks) tpr *= 2;
+  const int64_t per_thread = (n_chunks + tpr - 1) / tpr;
+  int chunks = 1;
+  while (chunks < per_thread) chunks *= 2;
+  if (chunks * vec > max_elements) return std::nullopt;
+  return ResidentShape{tpr, std::max(1, kResidentBlock / tpr), chunks};
+}
+
+// Blocks of the resident kernels: one per row group, at most threads_per_sm threads' worth
+// per SM (the blocks walk the remaining rows).
+unsigned resident_grid(int64_t rows, const ResidentShape& shape, int threads_per_sm) {
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t per_sm = std::max(1, threads_per_sm / (shape.tpr * shape.rpb));
+  const int64_t groups = (rows + shape.rpb - 1) / shape.rpb;
+  return static_cast<unsigned>(std::min(groups, per_sm * sms));
+}
+
+// Calls f(std::integral_constant<int, chunks>) for chunks in {1, 2, 4, 8}.
+template <typename F>
+void with_chunks(int chunks, F&& f) {
+  switch (chunks) {
+    case 1:
+      return f(std::integral_constant<int, 1>{});
+    case 2:
+      return f(std::integral_constant<int, 2>{});
+    case 4:
+      return f(std::integral_constant<int, 4>{});
+    default:
+      TORCH_INTERNAL_ASSERT(chunks == 8, "chunks per thread ", chunks);
+      return f(std::integral_constant<int, 8>{});
+  }
+}
+
+// Elements of a row per thread in the resident kernels at most: the forward keeps x, the
+// weight and the bias in registers, the backward dy, the saved tensor, the weight (and the bias
+// when memory-efficient), and up to kBackwardElements also two float32 sums per element.
+constexpr int kMaxElements = 32;
+// Threads per SM that the resident grids provide for: the forward fills an SM; the backward
+// writes a partial per block, so it takes fewer, longer-lived blocks.
+constexpr int kForwardThreadsPerSM = 2048;
+constexpr int kBackwardThreadsPerSM = 1024;
 
 template <typename T>
 const T* ptr_or_null(const std::optional<at::Tensor>& t) {
@@ -396,7 +786,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(
     const bool vec = hidden % VEC == 0 && aligned(x.data_ptr()) && aligned(y.data_ptr()) &&
                      (g == nullptr || aligned(g)) && (b == nullptr || aligned(b));
     const auto stream = at::cuda::getCurrentCUDAStream();
-    if (vec) {
+    const std::optional<ResidentShape> shape =
+        vec && resident_kernels() ? resident_shape(hidden / VEC, VEC, 4, kMaxElements)
+                                  : std::nullopt;
+    if (shape.has_value()) {
+      const dim3 block(shape->tpr, shape->rpb);
+      const unsigned grid = resident_grid(rows, *shape, kForwardThreadsPerSM);
+      with_chunks(shape->chunks, [&](auto chunks) {
+        constexpr int C = decltype(chunks)::value;
+        if constexpr (C * VEC <= kMaxElements) {  // resident_shape never asks for more
+          norm_forward_resident<TIn, TP, TOut, VEC, C><<<grid, block, 0, stream>>>(
+              x.data_ptr<TIn>(), g, b, y.data_ptr<TOut>(), mean.data_ptr<float>(),
+              invvar.data_ptr<float>(), rows, hidden, static_cast<float>(eps), rms);
+        }
+      });
+    } else if (vec) {
       norm_forward_kernel<TIn, TP, TOut, VEC><<<static_cast<unsigned>(rows), threads_for(hidden / VEC), 0, stream>>>(
           x.data_ptr<TIn>(), g, b, y.data_ptr<TOut>(), mean.data_ptr<float>(),
           invvar.data_ptr<float>(), hidden, static_cast<float>(eps), rms);
@@ -423,7 +827,49 @@ void launch_backward(const at::Tensor& dy, const at::Tensor& saved, const at::Te
   const bool vec = hidden % VEC == 0 && aligned(dy.data_ptr()) && aligned(saved.data_ptr()) &&
                    aligned(dx.data_ptr()) && (g == nullptr || aligned(g)) &&
                    (b == nullptr || aligned(b));
-  if (vec) {
+  const bool params = gamma.has_value() || beta.has_value();
+  // The memory-efficient backward also keeps the bias in registers: it takes rows up to
+  // kBackwardElements per thread only (the registers of more spill).
+  const int max_elements = memory_efficient ? kBackwardElements : kMaxElements;
+  const std::optional<ResidentShape> shape =
+      vec && resident_kernels()
+          ? resident_shape(hidden / VEC, VEC, std::max(1, kBackwardElements / VEC), max_elements)
+          : std::nullopt;
+  if (shape.has_value()) {
+    const dim3 block(shape->tpr, shape->rpb);
+    const unsigned grid = resident_grid(rows, *shape, kBackwardThreadsPerSM);
+    // The kernel sums the parameter gradients itself up to kBackwardElements per thread.
+    const bool partials = params && shape->chunks * VEC <= kBackwardElements;
+    at::Tensor part = partials ? at::empty({2, grid, hidden}, dy.options().dtype(at::kFloat))
+                               : at::Tensor();
+    float* part_g = partials ? part[0].data_ptr<float>() : nullptr;
+    float* part_b = partials ? part[1].data_ptr<float>() : nullptr;
+    with_chunks(shape->chunks, [&](auto chunks) {
+      constexpr int C = decltype(chunks)::value;
+      if constexpr (C * VEC > kMaxElements) {  // resident_shape never asks for more
+        return;
+      } else if (memory_efficient) {
+        if constexpr (C * VEC <= kBackwardElements) {  // see shape above
+          norm_backward_resident<TIn, TP, TOut, TS, VEC, C, true><<<grid, block, 0, stream>>>(
+              dy.data_ptr<TOut>(), saved.data_ptr<TS>(), mean.data_ptr<float>(),
+              invvar.data_ptr<float>(), g, b, dx.data_ptr<TIn>(), part_g, part_b, rows, hidden,
+              rms);
+        }
+      } else {
+        norm_backward_resident<TIn, TP, TOut, TS, VEC, C, false><<<grid, block, 0, stream>>>(
+            dy.data_ptr<TOut>(), saved.data_ptr<TS>(), mean.data_ptr<float>(),
+            invvar.data_ptr<float>(), g, b, dx.data_ptr<TIn>(), part_g, part_b, rows, hidden, rms);
+      }
+    });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (partials) {
+      norm_backward_params_final<TP><<<(hidden + 255) / 256, 256, 0, stream>>>(
+          part_g, part_b, dgamma.numel() ? dgamma.data_ptr<TP>() : nullptr,
+          dbeta.numel() ? dbeta.data_ptr<TP>() : nullptr, grid, hidden);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return;
+    }
+  } else if (vec) {
     norm_backward_input_kernel<TIn, TP, TOut, TS, VEC><<<static_cast<unsigned>(rows), threads_for(hidden / VEC), 0, stream>>>(
         dy.data_ptr<TOut>(), saved.data_ptr<TS>(), mean.data_ptr<float>(),
         invvar.data_ptr<float>(), g, b, dx.data_ptr<TIn>(), hidden, rms, memory_efficient);
@@ -433,7 +879,7 @@ void launch_backward(const at::Tensor& dy, const at::Tensor& saved, const at::Te
         invvar.data_ptr<float>(), g, b, dx.data_ptr<TIn>(), hidden, rms, memory_efficient);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (!gamma.has_value() && !beta.has_value()) return;
+  if (!params) return;
   // Enough row slices to fill the device about four times, each at least kRowLanes rows.
   const int64_t col_blocks = (hidden + kColumns - 1) / kColumns;
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;

@@ -644,9 +644,21 @@ void syncwarp(unsigned mask) {
 
 cudaStream_t current_stream() { return nullptr; }
 
-const cudaDeviceProp* device_properties() {
-  static const cudaDeviceProp h100{132, 1024, 32, 48 * 1024, 227 * 1024, 9, 0};
-  return &h100;
+namespace {
+// An H100's (sm_90) properties; the SM count can be changed (set_multiprocessor_count).
+cudaDeviceProp g_device{132, 1024, 32, 48 * 1024, 227 * 1024, 9, 0};
+}  // namespace
+
+const cudaDeviceProp* device_properties() { return &g_device; }
+
+int64_t set_multiprocessor_count(int64_t count) {
+  if (count < 1 || count > 1024) {
+    fail("amp_emu: set_multiprocessor_count(" + std::to_string(count) +
+         "): the count is an integer in [1, 1024]");
+  }
+  const int64_t previous = g_device.multiProcessorCount;
+  g_device.multiProcessorCount = static_cast<int>(count);
+  return previous;
 }
 
 Counters counters() { return g_counters; }
@@ -952,4 +964,5 @@ TORCH_LIBRARY(amp_emu, m) {
   m.def("reset_graph", &amp_emu::reset_graph);
   m.def("schedule_seed", &schedule_seed_op);
   m.def("set_schedule_seed", &set_schedule_seed_op);
+  m.def("set_multiprocessor_count", &amp_emu::set_multiprocessor_count);
 }

@@ -177,6 +177,8 @@ T shuffle(unsigned mask, T value, Shuffle kind, int arg, int width, const char* 
 
 cudaStream_t current_stream();
 const cudaDeviceProp* device_properties();
+// Sets the SM count device_properties() reports; returns the previous one.
+int64_t set_multiprocessor_count(int64_t count);
 
 // Counters of the launches since the last reset (see amp_emu_runtime.cpp).
 struct Counters {

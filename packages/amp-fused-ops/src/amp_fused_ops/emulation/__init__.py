@@ -25,6 +25,7 @@ from amp_fused_ops.emulation._kernels import (
     count_launches_only,
     counters,
     load,
+    multiprocessors,
     reset_counters,
 )
 
@@ -33,6 +34,7 @@ __all__ = [
     "asan_environment",
     "build_directory",
     "count_launches_only",
+    "multiprocessors",
     "counters",
     "reset_counters",
     "Counters",

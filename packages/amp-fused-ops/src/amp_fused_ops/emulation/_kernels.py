@@ -55,6 +55,7 @@ __all__ = [
     "count_launches_only",
     "counters",
     "load",
+    "multiprocessors",
     "reset_counters",
 ]
 
@@ -291,6 +292,26 @@ def counters(module: ModuleType | None = None) -> Counters:
 def reset_counters() -> None:
     """Set every counter to zero."""
     torch.ops.amp_emu.reset_counters()
+
+
+@contextlib.contextmanager
+def multiprocessors(count: int) -> Iterator[None]:
+    """Inside the block, the emulated device reports ``count`` SMs (an H100's 132 outside).
+
+    Kernels that size their grids by the SM count then launch as on a GPU of that many SMs.
+    A scaled-down device runs a kernel's whole-grid behaviour (blocks that walk several rows,
+    per-block partial sums) on few enough rows to emulate, with the rows per SM of a real
+    workload: 248 rows on 2 SMs have the 124 rows per SM of 16384 rows on 132.
+
+    Example:
+        >>> with emulation.multiprocessors(2):  # doctest: +SKIP
+        ...     kernels.norm_forward(x, weight, bias, 1e-5, False, False, False)
+    """
+    previous = int(torch.ops.amp_emu.set_multiprocessor_count(count))
+    try:
+        yield
+    finally:
+        torch.ops.amp_emu.set_multiprocessor_count(previous)
 
 
 @contextlib.contextmanager
