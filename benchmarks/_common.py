@@ -49,6 +49,35 @@ def time_step(step: Step, device: str, warmup: int, iters: int) -> list[float]:
     return times
 
 
+def graph_time_step(step: Step, warmup: int, iters: int) -> list[float]:
+    """Milliseconds of device time per call of ``step`` (CUDA only): the step captured once in
+    a CUDA graph, each replay timed with events, so no host work runs between its kernels.
+
+    Raises what the capture raises (a step that synchronizes with the host cannot be captured).
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graph asks
+        for _ in range(max(warmup, 3)):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(warmup):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
 def copy_bandwidth(device: str, params: int, iters: int) -> float:
     """GB/s of ``dst.copy_(src)`` on fp32 buffers (bytes read + written), up to 256M floats."""
     n = max(1 << 20, min(params, 256 << 20))

@@ -7,7 +7,16 @@ Variants, on the same (rows, hidden) input, upstream gradient and parameters:
   under their name; on CPU the PyTorch path with fp32 accumulation, the norms' CPU path);
 - ``ours (memory_efficient)``: the same with ``memory_efficient=True`` (with
   ``--memory-efficient``);
+- ``ours (per_row kernels)``: on CUDA, the same module on the earlier per-row kernels
+  (``AMP_FUSED_OPS_NORM_KERNELS=per_row``; ``ours`` sets ``resident``, the default, the same
+  way around each step), for an A/B of the two sets of kernels in one process;
 - ``torch``: ``torch.nn.functional.layer_norm`` / ``rms_norm`` with the same parameters.
+
+Two times per variant on CUDA: the wall time of a step (CUDA events around each call: the
+host's launches included, what a small model feels) and the device time (the step captured
+in a CUDA graph, each replay timed: the kernels alone), so a kernel regression and a host
+regression are told apart. A variant whose step cannot be captured gets no device time (said
+in the table).
 
 One step is ``y = norm(x)`` then ``torch.autograd.grad(y, (x, *params), dy)`` (no gradient
 accumulation). Each round warms every variant up and times a few steps; the median over all
@@ -47,7 +56,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import amp_fused_ops
-from _common import Step, copy_bandwidth, default_threads, device_name, fits, sync, time_step
+from _common import (
+    Step,
+    copy_bandwidth,
+    default_threads,
+    device_name,
+    fits,
+    graph_time_step,
+    sync,
+    time_step,
+)
 from amp_fused_ops import FusedLayerNorm, FusedRMSNorm, extensions
 
 LOG = logging.getLogger("bench_norm")
@@ -62,6 +80,7 @@ ELEMENTS_MOVED = 5  # per element of x: read x, write y, read dy, read x, write 
 MEMORY_ELEMENTS = 12
 GOAL = 1.0  # ours / torch, bf16 (docs/design.rst, "Performance goals")
 GOAL_BANDWIDTH = 0.8  # of the copy bandwidth, on large rows
+KERNELS_ENV = "AMP_FUSED_OPS_NORM_KERNELS"
 
 
 @dataclass
@@ -76,6 +95,11 @@ class VariantResult:
     gb_per_s: float = math.nan
     fraction_of_copy_bandwidth: float = math.nan
     max_abs_diff_vs_torch: float = math.nan
+    # Device time (CUDA graph replay) and why there is none.
+    device_median_ms: float = math.nan
+    device_ratio_vs_torch: float = math.nan
+    device_fraction_of_copy_bandwidth: float = math.nan
+    device_time_skipped: str = ""
 
 
 @dataclass
@@ -113,6 +137,24 @@ def fwd_bwd_step(
         torch.autograd.grad(y, inputs, dy)
 
     return step
+
+
+def with_norm_kernels(kernels: str, step: Step) -> Step:
+    """``step`` with ``AMP_FUSED_OPS_NORM_KERNELS=kernels`` around it (the kernels read it at
+    every call), restored after."""
+
+    def run() -> None:
+        previous = os.environ.get(KERNELS_ENV)
+        os.environ[KERNELS_ENV] = kernels
+        try:
+            step()
+        finally:
+            if previous is None:
+                os.environ.pop(KERNELS_ENV, None)
+            else:
+                os.environ[KERNELS_ENV] = previous
+
+    return run
 
 
 def summarize(variant: str, times: list[float]) -> VariantResult:
@@ -172,6 +214,11 @@ def run_case(
         name: fwd_bwd_step(module, x, dy, list(module.parameters()))
         for name, module in modules.items()
     }
+    if args.device == "cuda" and "ours" in modules:
+        ours = steps["ours"]
+        steps["ours"] = with_norm_kernels("resident", ours)
+        steps["ours (per_row kernels)"] = with_norm_kernels("per_row", ours)
+        modules["ours (per_row kernels)"] = modules["ours"]
     theirs = torch_norm(norm, reference)
     steps["torch"] = fwd_bwd_step(theirs, x, dy, list(reference.parameters()))
 
@@ -185,19 +232,41 @@ def run_case(
             )  # fmt: skip
             times[name] += time_step(step, args.device, args.warmup, args.iters)
     sync(args.device)
+    device_times: dict[str, list[float]] = {}
+    device_skipped: dict[str, str] = {}
+    if args.device == "cuda":
+        for name, step in steps.items():
+            try:
+                device_times[name] = graph_time_step(step, args.warmup, args.iters)
+            except Exception as error:  # a step that cannot be captured: no device time
+                device_skipped[name] = f"{type(error).__name__}: {error}".splitlines()[0][:120]
+                torch.cuda.synchronize()
 
     with torch.no_grad():
         expected = theirs(x)
-        diffs = {name: (m(x) - expected).abs().max().item() for name, m in modules.items()}
+        diffs = {}
+        for name, m in modules.items():
+            out: list[Tensor] = []
+            kernels = "per_row" if "per_row" in name else "resident"
+            with_norm_kernels(kernels, lambda m=m, out=out: out.append(m(x)))()
+            diffs[name] = (out[0] - expected).abs().max().item()
     diffs["torch"] = 0.0
     case.results = [summarize(name, samples) for name, samples in times.items()]
     torch_ms = statistics.median(times["torch"])
+    torch_device_ms = statistics.median(device_times.get("torch", [math.nan]))
     moved = ELEMENTS_MOVED * elements * x.element_size()
     for r in case.results:
         r.ratio_vs_torch = r.median_ms / torch_ms
         r.gb_per_s = moved / (r.median_ms * 1e-3) / 1e9
         r.fraction_of_copy_bandwidth = r.gb_per_s / bandwidth
         r.max_abs_diff_vs_torch = diffs[r.variant]
+        if r.variant in device_times:
+            r.device_median_ms = statistics.median(device_times[r.variant])
+            r.device_ratio_vs_torch = r.device_median_ms / torch_device_ms
+            r.device_fraction_of_copy_bandwidth = (
+                moved / (r.device_median_ms * 1e-3) / 1e9 / bandwidth
+            )
+        r.device_time_skipped = device_skipped.get(r.variant, "")
     return case
 
 
@@ -225,15 +294,27 @@ def format_table(cases: Sequence[CaseResult], goal: dict[str, float | bool | Non
     columns = f"{'norm':<11}{'dtype':<10}{'rows x hidden':>15}  {'variant':<25}"
     columns += f"{'median ms':>10}{'min ms':>9}{'vs torch':>10}{'GB/s':>9}{'% copy':>8}"
     columns += f"{'max |dy|':>10}"
+    device = any(not math.isnan(r.device_median_ms) or r.device_time_skipped
+                 for c in cases for r in c.results)  # fmt: skip
+    if device:  # the CUDA graph replay's figures
+        columns += f"{'device ms':>11}{'vs torch':>10}{'% copy':>8}"
     lines = [columns, "-" * len(columns)]
     for c in cases:
         shape = f"{c.rows}x{c.hidden}"
         for r in c.results:
-            lines.append(
+            line = (
                 f"{c.norm:<11}{c.dtype:<10}{shape:>15}  {r.variant:<25}{r.median_ms:>10.3f}"
                 f"{r.min_ms:>9.3f}{r.ratio_vs_torch:>9.3f}x{r.gb_per_s:>9.1f}"
                 f"{100 * r.fraction_of_copy_bandwidth:>7.0f}%{r.max_abs_diff_vs_torch:>10.1e}"
             )
+            if device and r.device_time_skipped:
+                line += f"  device time: {r.device_time_skipped}"
+            elif device:
+                line += (
+                    f"{r.device_median_ms:>11.3f}{r.device_ratio_vs_torch:>9.3f}x"
+                    f"{100 * r.device_fraction_of_copy_bandwidth:>7.0f}%"
+                )
+            lines.append(line)
         for name, reason in c.skipped.items():
             lines.append(f"{c.norm:<11}{c.dtype:<10}{shape:>15}  {name:<25}skipped: {reason}")
     target = f"goal: ours <= {GOAL:.2f}x torch on every bf16 case"

@@ -7,15 +7,22 @@ is about these bytes over the bandwidth.
 
 For LayerNorm and RMSNorm in float32, bfloat16 and float16 (parameters in the input's dtype)
 and every hidden size of a bucket from 512 to 16384, one ``norm_forward`` and one
-``norm_backward`` (input saved, not the output) of ``--rows`` rows are counted, against the
+``norm_backward`` (input saved, not the output) of ``--rows`` rows are counted for each set of
+kernels (``AMP_FUSED_OPS_NORM_KERNELS``: ``resident``, the default, and ``per_row``), against the
 minimum: five passes over the activations (the forward reads ``x`` and writes ``y``; the
 backward reads ``x`` and ``dy`` and writes ``dx``), plus the parameters (read by each
 direction, their gradients written once) and the per-row statistics (written by the forward,
 read by the backward). ``vs min`` above 1 is traffic a kernel could save: a second read of a
 row, or partial sums of the parameter gradients written and read again.
 
+The kernels size their grids by the SM count, and some of their traffic is per block (the
+parameters, the parameter-gradient partials), so the count depends on the rows per SM. Rows
+enough for a real GPU are too many to emulate thread by thread; the emulated device is scaled
+down instead (``--multiprocessors``, default 2) with the rows per SM of a real step: 248 rows on
+2 SMs are the 124 rows per SM of 16384 rows on an H100's 132.
+
 Usage:
-    python benchmarks/bench_norm_bytes.py [--rows 256] [--hidden 512 1024 ...]
+    python benchmarks/bench_norm_bytes.py [--rows 248] [--multiprocessors 2] [--hidden 512 ...]
 
 Compiles the emulated extension on first use (minutes). Prints a table and writes
 ``benchmarks/out/norm_bytes.json``. Never asserts anything.
@@ -26,6 +33,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import sys
 from collections.abc import Sequence
@@ -39,12 +47,14 @@ import amp_fused_ops
 from amp_fused_ops import emulation
 
 HIDDEN = (512, 1024, 2048, 4096, 8192, 16384)
+VARIANTS = ("resident", "per_row")  # AMP_FUSED_OPS_NORM_KERNELS
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 STATS_BYTES = 4  # mean and invvar are float32
 
 
 @dataclass
 class Row:
+    kernels: str
     norm: str
     dtype: str
     hidden: int
@@ -69,7 +79,8 @@ def minimum_bytes(rows: int, hidden: int, element: int, rms: bool) -> int:
     return activations + parameters + statistics
 
 
-def measure(ops: Any, rms: bool, dtype: torch.dtype, hidden: int, rows: int) -> Row:
+def measure(ops: Any, kernels: str, rms: bool, dtype: torch.dtype, hidden: int, rows: int) -> Row:
+    os.environ["AMP_FUSED_OPS_NORM_KERNELS"] = kernels
     gen = torch.Generator().manual_seed(hidden)
     x = torch.randn(rows, hidden, generator=gen).to(dtype)
     weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
@@ -82,6 +93,7 @@ def measure(ops: Any, rms: bool, dtype: torch.dtype, hidden: int, rows: int) -> 
     ops.norm_backward(dy, x, mean, invvar, weight, bias, rms, False, dtype)
     backward = emulation.counters()
     return Row(
+        kernels,
         "RMSNorm" if rms else "LayerNorm",
         next(k for k, v in DTYPES.items() if v == dtype),
         hidden,
@@ -95,14 +107,15 @@ def measure(ops: Any, rms: bool, dtype: torch.dtype, hidden: int, rows: int) -> 
 
 def table(rows: list[Row]) -> str:
     lines = [
-        "| norm | dtype | hidden | forward B/elem | backward B/elem | total B/elem "
+        "| kernels | norm | dtype | hidden | forward B/elem | backward B/elem | total B/elem "
         "| min B/elem | vs min | launches |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         elements = r.rows * r.hidden
         lines.append(
-            f"| {r.norm} | {r.dtype} | {r.hidden} | {r.forward_bytes / elements:.2f} | "
+            f"| {r.kernels} | {r.norm} | {r.dtype} | {r.hidden} | "
+            f"{r.forward_bytes / elements:.2f} | "
             f"{r.backward_bytes / elements:.2f} | {r.total / elements:.2f} | "
             f"{r.minimum / elements:.2f} | {r.total / r.minimum:.2f}x | {r.launches} |"
         )
@@ -112,7 +125,11 @@ def table(rows: list[Row]) -> str:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="ignored: the emulator runs on the CPU")
-    parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--rows", type=int, default=248)
+    parser.add_argument(
+        "--multiprocessors", type=int, default=2, help="SMs of the emulated device (H100: 132)"
+    )
+    parser.add_argument("--kernels", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--hidden", type=int, nargs="+", default=list(HIDDEN))
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
     return parser.parse_args(argv)
@@ -126,22 +143,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)
     emulation.load("counting")
     ops = torch.ops.amp_fused_ops_emu  # the emulated build's norm ops
-    rows = [
-        measure(ops, rms, DTYPES[dtype], hidden, args.rows)
-        for rms in (False, True)
-        for dtype in args.dtypes
-        for hidden in args.hidden
-    ]
+    previous = os.environ.get("AMP_FUSED_OPS_NORM_KERNELS")
+    try:
+        with emulation.multiprocessors(args.multiprocessors):
+            rows = [
+                measure(ops, kernels, rms, DTYPES[dtype], hidden, args.rows)
+                for kernels in args.kernels
+                for rms in (False, True)
+                for dtype in args.dtypes
+                for hidden in args.hidden
+            ]
+    finally:
+        if previous is None:
+            os.environ.pop("AMP_FUSED_OPS_NORM_KERNELS", None)
+        else:
+            os.environ["AMP_FUSED_OPS_NORM_KERNELS"] = previous
     print(
         f"Global-memory bytes per activation element of one forward + backward ({args.rows} "
-        f"rows), counted on the emulated CUDA kernels (an H100's 132 SMs); torch "
+        f"rows), counted on the emulated CUDA kernels (an H100 scaled down to "
+        f"{args.multiprocessors} SMs: {args.rows / args.multiprocessors:.0f} rows per SM); torch "
         f"{torch.__version__}, amp_fused_ops {amp_fused_ops.__version__}, Python "
         f"{platform.python_version()}, {datetime.date.today()}"
     )
     print(table(rows))
     out = Path(__file__).resolve().parent / "out" / "norm_bytes.json"
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps([{**asdict(r), "total": r.total} for r in rows], indent=2) + "\n")
+    records = [
+        {**asdict(r), "total": r.total, "multiprocessors": args.multiprocessors} for r in rows
+    ]
+    out.write_text(json.dumps(records, indent=2) + "\n")
     return 0
 
 

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# One pass over a GPU machine: build, test, benchmark and profile, every output into one folder.
+#
+#   bash benchmarks/gpu_run.sh [OUT_DIR]     (default: $OUT, else benchmarks/out/gpu-run)
+#
+# For a machine lent for a short while: everything is prepared beforehand, each step has a time
+# limit and the steps run in order of value, so whatever time there is gives the most figures.
+# A failing step is logged and the next one runs; the exit status is that of the first failure.
+# Needs a CUDA build of torch, nvcc and ninja (pytest for the tests); imports the packages from
+# the source folders (docs/design.rst, "Testing CUDA code"). Steps:
+#   env        nvidia-smi, torch and CUDA versions, `python -m amp_fused_ops info`
+#   build      the CUDA extension for this GPU's architecture (the loader's just-in-time build)
+#   norm_tests the gpu tests of the fused norms' kernels (both sets of kernels)
+#   bench_norm FusedLayerNorm / FusedRMSNorm against torch, the resident and the per-row kernels
+#              side by side: wall time per step and device time (CUDA graph replay)
+#   gpu_tests  every test marked gpu
+#   benches    bench_norm_host, bench_multi_tensor_adam, bench_amp_step on cuda
+#   profile    nsys / ncu of one norm step per set of kernels, where the tools exist
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+OUT_DIR=${1:-${OUT:-benchmarks/out/gpu-run}}
+mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+PYTHONPATH=$(ls -d "$PWD"/packages/*/src | paste -sd: -)
+export PYTHONPATH
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+export AMP_FUSED_OPS_CACHE=${AMP_FUSED_OPS_CACHE:-$OUT_DIR/kernel-cache}
+STATUS=0
+
+# step <name> <seconds> <command>...: run it with a time limit, its output into <name>.log.
+step() {
+    local name=$1 limit=$2 start=$SECONDS rc=0
+    shift 2
+    echo "gpu_run: $name (limit ${limit} s)"
+    timeout --kill-after=10 "$limit" "$@" > "$OUT_DIR/$name.log" 2>&1 || rc=$?
+    echo "$name rc=$rc $((SECONDS - start)) s" | tee -a "$OUT_DIR/steps.txt"
+    if [ "$rc" -ne 0 ] && [ "$STATUS" -eq 0 ]; then STATUS=$rc; fi
+    tail -n 5 "$OUT_DIR/$name.log"
+}
+
+ARCH=$(python -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())' 2>/dev/null)
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-${ARCH:-9.0}}
+
+step env 60 bash -c 'nvidia-smi; python -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"; nvcc --version; python -m amp_fused_ops info'
+step build 480 python -m amp_fused_ops build cuda
+step norm_tests 240 python -m pytest -q -m gpu -p no:cacheprovider \
+    packages/amp-fused-ops/tests/test_contract_norm_ops.py \
+    packages/amp-fused-ops/tests/test_normalization_cuda.py
+step bench_norm 300 python benchmarks/bench_norm.py --device cuda \
+    --hidden 512 1024 2048 4096 8192 16384 --dtypes bfloat16 float16 float32 \
+    --rounds 2 --iters 30 --out-dir "$OUT_DIR"
+step gpu_tests 420 python -m pytest -q -m gpu -p no:cacheprovider -x packages tests
+step bench_norm_host 120 python benchmarks/bench_norm_host.py --device cuda --out-dir "$OUT_DIR"
+step bench_adam 180 python benchmarks/bench_multi_tensor_adam.py --device cuda --out-dir "$OUT_DIR"
+step bench_amp_step 240 python benchmarks/bench_amp_step.py --device cuda --out-dir "$OUT_DIR"
+
+PROFILE='
+import os, sys, torch
+from amp_fused_ops import FusedLayerNorm
+os.environ["AMP_FUSED_OPS_NORM_KERNELS"] = sys.argv[1]
+norm = FusedLayerNorm(4096).cuda().bfloat16()
+x = torch.randn(16384, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+dy = torch.randn_like(x)
+for _ in range(5):
+    torch.autograd.grad(norm(x), [x, *norm.parameters()], dy)
+torch.cuda.synchronize()
+'
+for kernels in resident per_row; do
+    if command -v nsys > /dev/null; then
+        step "nsys_$kernels" 120 nsys profile --stats=true -o "$OUT_DIR/nsys_$kernels" \
+            python -c "$PROFILE" "$kernels"
+    fi
+    if command -v ncu > /dev/null; then
+        step "ncu_$kernels" 180 ncu --kernel-name regex:norm_ --launch-skip 8 --launch-count 4 \
+            --set full -o "$OUT_DIR/ncu_$kernels" python -c "$PROFILE" "$kernels"
+    fi
+done
+rm -rf "$AMP_FUSED_OPS_CACHE"  # the compiled module: large, and rebuilt on the next machine
+echo "gpu_run: done, status $STATUS; outputs in $OUT_DIR"
+exit "$STATUS"
