@@ -49,6 +49,24 @@ def time_step(step: Step, device: str, warmup: int, iters: int) -> list[float]:
     return times
 
 
+def host_time_step(step: Step, device: str, warmup: int, iters: int) -> list[float]:
+    """Milliseconds of host time per call of ``step``: ``time.perf_counter`` around each call,
+    the device synchronized after it, outside the timing. On a GPU this is what the host takes
+    to issue the step (its Python, the dispatcher, the launches) onto an idle device; on the CPU,
+    where the kernels run in the call, the same as :func:`time_step`.
+    """
+    for _ in range(warmup):
+        step()
+    sync(device)
+    times = []
+    for _ in range(iters):
+        begin = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - begin) * 1e3)
+        sync(device)
+    return times
+
+
 def graph_time_step(step: Step, warmup: int, iters: int) -> list[float]:
     """Milliseconds of device time per call of ``step`` (CUDA only): the step captured once in
     a CUDA graph, each replay timed with events, so no host work runs between its kernels.

@@ -19,6 +19,10 @@ a few steps; the median over all rounds is reported. After the last step every v
 taken the same number of steps from the same values, so its parameters are compared with
 torch fused's (max abs difference, recorded, not asserted).
 
+On CUDA each variant also gets its device time (``device ms``): the step captured in a CUDA
+graph and replayed, so the kernels alone, apart from the host's launches (a step that cannot
+be captured, such as torch's non-capturable optimizers, says why instead).
+
 Bandwidth: fp32 AdamW reads g, p, m, v (16 bytes per parameter) and writes p, m, v (12 bytes),
 so GB/s = 28 bytes x parameters / median time; ``% copy`` divides it by the measured copy
 bandwidth of the device (``copy_`` of a large fp32 buffer, bytes read + written).
@@ -61,7 +65,16 @@ import torch
 from torch import Tensor
 
 import amp_fused_ops
-from _common import Step, copy_bandwidth, default_threads, device_name, fits, sync, time_step
+from _common import (
+    Step,
+    copy_bandwidth,
+    default_threads,
+    device_name,
+    fits,
+    graph_time_step,
+    sync,
+    time_step,
+)
 from amp_fused_ops import amp_C, extensions, reference
 from amp_optimizers import FusedAdam
 
@@ -101,6 +114,9 @@ class VariantResult:
     gb_per_s: float = math.nan
     fraction_of_copy_bandwidth: float = math.nan
     max_abs_diff_vs_torch_fused: float = math.nan
+    # On CUDA: the device time of a step (CUDA graph replay), or why there is none.
+    device_median_ms: float = math.nan
+    device_time_skipped: str = ""
 
 
 @dataclass
@@ -276,8 +292,24 @@ def run_size(
             del lists, params
         sync(args.device)
 
+    device_times: dict[str, float] = {}
+    device_skipped: dict[str, str] = {}
+    if args.device == "cuda":  # the kernels alone: the step replayed from a CUDA graph
+        for name, build in builders.items():
+            lists = clone_lists(base)
+            try:
+                samples = graph_time_step(build(lists), args.warmup, args.iters)
+                device_times[name] = statistics.median(samples)
+            except Exception as error:  # a step that cannot be captured: no device time
+                device_skipped[name] = f"{type(error).__name__}: {error}".splitlines()[0][:100]
+                torch.cuda.synchronize()
+            del lists
+
     order = [ours, "FusedAdam", "torch fused", "torch foreach", "torch for-loop", "reference"]
     size.results = [summarize(name, times[name]) for name in order if name in times]
+    for r in size.results:
+        r.device_median_ms = device_times.get(r.variant, math.nan)
+        r.device_time_skipped = device_skipped.get(r.variant, "")
     fused_ms = statistics.median(times["torch fused"])
     for r in size.results:
         r.ratio_vs_torch_fused = r.median_ms / fused_ms
@@ -467,12 +499,24 @@ def format_table(size: SizeResult, size_goal: dict[str, float | bool | None]) ->
     columns = f"{'variant':<16}{'median ms':>11}{'min ms':>9}{'p10 ms':>9}{'p90 ms':>9}"
     columns += f"{'vs fused':>10}{'GB/s':>8}{'% copy':>8}{'max |dp|':>10}"
     lines += [columns, "-" * len(columns)]
+    device = any(not math.isnan(r.device_median_ms) or r.device_time_skipped
+                 for r in size.results)  # fmt: skip
+    if device:
+        lines[-2] += f"{'device ms':>11}"
+        lines[-1] = "-" * len(lines[-2])
     for r in size.results:
-        lines.append(
+        line = (
             f"{r.variant:<16}{r.median_ms:>11.2f}{r.min_ms:>9.2f}{r.p10_ms:>9.2f}{r.p90_ms:>9.2f}"
             f"{r.ratio_vs_torch_fused:>9.3f}x{r.gb_per_s:>8.1f}"
             f"{100 * r.fraction_of_copy_bandwidth:>7.0f}%{r.max_abs_diff_vs_torch_fused:>10.1e}"
         )
+        if device:
+            line += (
+                f"  device time: {r.device_time_skipped}"
+                if r.device_time_skipped
+                else f"{r.device_median_ms:>11.2f}"
+            )
+        lines.append(line)
     for name, reason in size.skipped.items():
         lines.append(f"{name:<16}skipped: {reason}")
     target = f"goal: FusedAdam <= {size_goal['goal']:.2f}x torch fused"

@@ -14,7 +14,8 @@
 #   bench_norm FusedLayerNorm / FusedRMSNorm against torch, the resident and the per-row kernels
 #              side by side: wall time per step and device time (CUDA graph replay)
 #   gpu_tests  every test marked gpu
-#   benches    bench_norm_host, bench_multi_tensor_adam, bench_amp_step on cuda
+#   benches    bench_norm_host, bench_multi_tensor_adam (wall and device time),
+#              bench_optimizer_overhead (wall and host time), bench_amp_step on cuda
 #   profile    nsys / ncu of one norm step per set of kernels, where the tools exist
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,6 +54,8 @@ step bench_norm 300 python benchmarks/bench_norm.py --device cuda \
 step gpu_tests 420 python -m pytest -q -m gpu -p no:cacheprovider -x packages tests
 step bench_norm_host 120 python benchmarks/bench_norm_host.py --device cuda --out-dir "$OUT_DIR"
 step bench_adam 180 python benchmarks/bench_multi_tensor_adam.py --device cuda --out-dir "$OUT_DIR"
+step bench_overhead 120 python benchmarks/bench_optimizer_overhead.py --device cuda \
+    --out-dir "$OUT_DIR"
 step bench_amp_step 240 python benchmarks/bench_amp_step.py --device cuda --out-dir "$OUT_DIR"
 
 PROFILE='
