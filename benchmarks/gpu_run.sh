@@ -15,7 +15,8 @@
 #              side by side: wall time per step and device time (CUDA graph replay)
 #   gpu_tests  every test marked gpu
 #   benches    bench_norm_host, bench_multi_tensor_adam (wall and device time),
-#              bench_optimizer_overhead (wall and host time), bench_amp_step on cuda
+#              bench_optimizer_overhead (wall and host time), bench_amp_step and
+#              bench_o1_ops (O1's host cost per op) on cuda
 #   profile    nsys / ncu of one norm step per set of kernels, where the tools exist
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -57,6 +58,7 @@ step bench_adam 180 python benchmarks/bench_multi_tensor_adam.py --device cuda -
 step bench_overhead 120 python benchmarks/bench_optimizer_overhead.py --device cuda \
     --out-dir "$OUT_DIR"
 step bench_amp_step 240 python benchmarks/bench_amp_step.py --device cuda --out-dir "$OUT_DIR"
+step bench_o1_ops 90 python benchmarks/bench_o1_ops.py --device cuda --out-dir "$OUT_DIR"
 
 PROFILE='
 import os, sys, torch
