@@ -47,28 +47,28 @@ from amp_core._policy import FP32_TENSOR_METHODS, PolicyKernels
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "out"
 
 Inputs = dict[str, Tensor]
-# name -> (the aten op its policy is keyed by, the call)
+# name -> (the overload of the aten op it calls, as its autocast kernel is keyed, the call)
 OPS: dict[str, tuple[str, Callable[[Inputs], object]]] = {
     "linear": ("aten::linear", lambda t: F.linear(t["x"], t["w"])),
     "matmul": ("aten::matmul", lambda t: t["x"] @ t["w"]),
     "bmm": ("aten::bmm", lambda t: torch.bmm(t["b"], t["b"])),
     "conv2d": ("aten::conv2d", lambda t: F.conv2d(t["img"], t["kernel"])),
-    "softmax": ("aten::softmax", lambda t: torch.softmax(t["x"], -1)),
-    "log_softmax": ("aten::log_softmax", lambda t: torch.log_softmax(t["x"], -1)),
+    "softmax": ("aten::softmax.int", lambda t: torch.softmax(t["x"], -1)),
+    "log_softmax": ("aten::log_softmax.int", lambda t: torch.log_softmax(t["x"], -1)),
     "layer_norm": ("aten::layer_norm", lambda t: F.layer_norm(t["x"], (t["x"].shape[-1],))),
     "group_norm": ("aten::group_norm", lambda t: F.group_norm(t["img"], 1)),
     "exp": ("aten::exp", lambda t: torch.exp(t["x"])),
     "log": ("aten::log", lambda t: torch.log(t["pos"])),
-    "pow": ("aten::pow", lambda t: t["x"].pow(2)),
+    "pow": ("aten::pow.Tensor_Scalar", lambda t: t["x"].pow(2)),
     "sum": ("aten::sum", lambda t: t["x"].sum()),
     "cumsum": ("aten::cumsum", lambda t: torch.cumsum(t["x"], -1)),
-    "norm": ("aten::norm", lambda t: t["x"].norm()),
-    "std": ("aten::std", lambda t: t["x"].std()),
+    "norm": ("aten::linalg_vector_norm", lambda t: t["x"].norm()),
+    "std": ("aten::std.correction", lambda t: t["x"].std()),
     "mse_loss": ("aten::mse_loss", lambda t: F.mse_loss(t["x"], t["y"])),
     "cross_entropy": ("aten::cross_entropy_loss", lambda t: F.cross_entropy(t["x"], t["labels"])),
-    "nll_loss": ("aten::nll_loss", lambda t: F.nll_loss(t["x"], t["labels"])),
+    "nll_loss": ("aten::nll_loss_nd", lambda t: F.nll_loss(t["x"], t["labels"])),
     "interpolate": (
-        "aten::upsample_nearest2d",
+        "aten::upsample_nearest2d.vec",
         lambda t: F.interpolate(t["img"], scale_factor=2.0, mode="nearest"),
     ),
     "addcmul": ("aten::addcmul", lambda t: torch.addcmul(t["x"], t["x"], t["y"])),
@@ -97,13 +97,11 @@ def make_inputs(device: str) -> Inputs:
 
 
 def policy_ops(device: str) -> dict[str, str]:
-    """``{aten op: cast}`` of the Python policy kernels O1 registers for ``device``."""
+    """``{op overload: cast}`` of the Python policy kernels O1 registers for ``device``
+    (``aten::sum`` for the default overload, ``aten::softmax.int`` for another)."""
     kernels = PolicyKernels([device])
     try:
-        registered = {}
-        for qualified, _, cast in kernels.registered:
-            registered[qualified.split(".")[0]] = cast.value
-        return registered
+        return {qualified: cast.value for qualified, _, cast in kernels.registered}
     finally:
         kernels.remove()
 
