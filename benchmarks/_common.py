@@ -49,6 +49,24 @@ def time_step(step: Step, device: str, warmup: int, iters: int) -> list[float]:
     return times
 
 
+def with_env(variable: str, value: str, step: Step) -> Step:
+    """``step`` with the environment variable ``variable`` set to ``value`` around each call
+    (for the kernels' variant switches, read at every call), restored after."""
+
+    def run() -> None:
+        previous = os.environ.get(variable)
+        os.environ[variable] = value
+        try:
+            step()
+        finally:
+            if previous is None:
+                os.environ.pop(variable, None)
+            else:
+                os.environ[variable] = previous
+
+    return run
+
+
 def host_time_step(step: Step, device: str, warmup: int, iters: int) -> list[float]:
     """Milliseconds of host time per call of ``step``: ``time.perf_counter`` around each call,
     the device synchronized after it, outside the timing. On a GPU this is what the host takes

@@ -5,6 +5,8 @@ Variants, each on fresh copies of the same fp32 tensors (grads, params, exp_avg,
 - ``ours (C++)`` on CPU / ``ours (CUDA)`` on a GPU: ``amp_fused_ops.amp_C.multi_tensor_adam``
   with ``mode=1`` (AdamW), the compiled kernel of the device (skipped, with the reason, when
   it cannot be loaded, so the reference is never timed under its name);
+- ``ours (256 thr)``: on a GPU, the same with the launcher's blocks of 256 threads instead of
+  512 (``AMP_FUSED_OPS_MULTI_TENSOR_BLOCK=256``), for an A/B of the two in one process;
 - ``FusedAdam``: ``amp_optimizers.FusedAdam`` (AdamW mode), the whole ``optimizer.step()`` a
   user calls, over the same op;
 - ``torch fused``: ``torch.optim.AdamW(fused=True)``;
@@ -74,6 +76,7 @@ from _common import (
     graph_time_step,
     sync,
     time_step,
+    with_env,
 )
 from amp_fused_ops import amp_C, extensions, reference
 from amp_optimizers import FusedAdam
@@ -97,6 +100,8 @@ SCALING_GOAL = 0.9  # FusedAdam / torch fused at every thread count, and scaling
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 1e-2
+BLOCK_ENV = "AMP_FUSED_OPS_MULTI_TENSOR_BLOCK"  # the launcher's threads per block: 512 or 256
+OURS_256 = "ours (256 thr)"
 
 # Tensors are (grads, params, exp_avgs, exp_avg_sqs), each a list with one entry per shape.
 TensorLists = list[list[Tensor]]
@@ -255,6 +260,10 @@ def run_size(
     builders["torch fused"] = lambda lists: torch_adamw_step(lists, fused=True)
     if kernel_reason is None:
         builders[ours] = lambda lists: multi_tensor_step(amp_C.multi_tensor_adam, lists)
+        if args.device == "cuda":  # the launcher's blocks of 256 threads beside its 512
+            builders[OURS_256] = lambda lists: with_env(
+                BLOCK_ENV, "256", multi_tensor_step(amp_C.multi_tensor_adam, lists)
+            )
     else:
         size.skipped[ours] = kernel_reason
     builders["FusedAdam"] = fused_adam_step
@@ -305,7 +314,8 @@ def run_size(
                 torch.cuda.synchronize()
             del lists
 
-    order = [ours, "FusedAdam", "torch fused", "torch foreach", "torch for-loop", "reference"]
+    order = [ours, OURS_256, "FusedAdam", "torch fused", "torch foreach", "torch for-loop"]
+    order.append("reference")
     size.results = [summarize(name, times[name]) for name in order if name in times]
     for r in size.results:
         r.device_median_ms = device_times.get(r.variant, math.nan)

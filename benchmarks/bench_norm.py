@@ -65,6 +65,7 @@ from _common import (
     graph_time_step,
     sync,
     time_step,
+    with_env,
 )
 from amp_fused_ops import FusedLayerNorm, FusedRMSNorm, extensions
 
@@ -140,21 +141,8 @@ def fwd_bwd_step(
 
 
 def with_norm_kernels(kernels: str, step: Step) -> Step:
-    """``step`` with ``AMP_FUSED_OPS_NORM_KERNELS=kernels`` around it (the kernels read it at
-    every call), restored after."""
-
-    def run() -> None:
-        previous = os.environ.get(KERNELS_ENV)
-        os.environ[KERNELS_ENV] = kernels
-        try:
-            step()
-        finally:
-            if previous is None:
-                os.environ.pop(KERNELS_ENV, None)
-            else:
-                os.environ[KERNELS_ENV] = previous
-
-    return run
+    """``step`` on the norm kernels ``kernels`` (``AMP_FUSED_OPS_NORM_KERNELS``)."""
+    return with_env(KERNELS_ENV, kernels, step)
 
 
 def summarize(variant: str, times: list[float]) -> VariantResult:

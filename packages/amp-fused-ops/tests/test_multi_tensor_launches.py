@@ -200,3 +200,73 @@ def test_per_tensor_norms_of_more_tensors_than_one_reduction_launch_holds() -> N
     want = torch.stack([torch.linalg.vector_norm(x) for x in xs])
     torch.testing.assert_close(per_tensor, want, rtol=0.0, atol=0.0)
     torch.testing.assert_close(total.reshape(()), torch.linalg.vector_norm(torch.cat(xs)))
+
+
+# --- the block size (AMP_FUSED_OPS_MULTI_TENSOR_BLOCK) -------------------------------------------
+
+BLOCK_SIZES_CHUNK = 2048  # every thread of a block of 256 or 512 takes several elements
+BLOCK_SIZES = [5000, 4097, 3, 2048]
+
+
+@pytest.mark.parametrize("name", ["l2norm", "adam", "lamb"])
+def test_blocks_of_256_threads_give_the_results_of_blocks_of_512(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernels read blockDim: with 256 threads per block each thread takes twice the
+    elements, and the per-chunk sums add in another order. Elementwise results are the same bit
+    for bit (Adam); sums within float32 rounding (the norms, LAMB's trust ratios)."""
+    calls = {
+        "l2norm": lambda ext, flag: ext.multi_tensor_l2norm(
+            BLOCK_SIZES_CHUNK, flag, [_randn(BLOCK_SIZES, 1)], True
+        ),
+        "adam": lambda ext, flag: _adam_chunked(ext, flag),
+        "lamb": lambda ext, flag: _lamb_chunked(ext, flag),
+    }
+    results = {}
+    launched = {}
+    for threads in ("512", "256"):
+        monkeypatch.setenv("AMP_FUSED_OPS_MULTI_TENSOR_BLOCK", threads)
+        flag = noop_flag(0, DEVICE)
+        if EMULATED:
+            from amp_fused_ops.emulation import _kernels as _emulation
+
+            extension()
+            _emulation.reset_counters()
+        out = calls[name](extension(), flag)
+        if EMULATED:
+            counts = _emulation.counters()
+            launched[threads] = (counts.blocks, counts.threads)
+        assert flag.item() == 0
+        results[threads] = _flatten([list(o) if isinstance(o, (list, tuple)) else [o] for o in out])
+    if EMULATED:  # the same blocks, of half the threads (the reductions' own launches keep theirs)
+        chunks = sum(math.ceil(n / BLOCK_SIZES_CHUNK) for n in BLOCK_SIZES)
+        passes = 2 if name == "lamb" else 1
+        assert launched["256"][0] == launched["512"][0]
+        assert launched["512"][1] - launched["256"][1] == passes * chunks * 256
+    for i, (a, b) in enumerate(zip(results["256"], results["512"], strict=True)):
+        tol = {"rtol": 0.0, "atol": 0.0} if name == "adam" else TWO_ROUNDINGS[torch.float32]
+        torch.testing.assert_close(a, b, msg=f"tensor {i}", **tol)
+
+
+def _adam_chunked(ext: Any, flag: Tensor) -> list[list[Tensor]]:
+    state = _adam_state(BLOCK_SIZES, 5)
+    ext.multi_tensor_adam(BLOCK_SIZES_CHUNK, flag, [_randn(BLOCK_SIZES, 8), *state], 1e-2, 0.9,
+                          0.999, 1e-8, 3, 1, 1, 0.01)  # fmt: skip
+    return state
+
+
+def _lamb_chunked(ext: Any, flag: Tensor) -> list[list[Tensor]]:
+    state = _adam_state(BLOCK_SIZES, 9)
+    norm = torch.full((1,), 3.0, device=DEVICE)
+    ext.multi_tensor_lamb(BLOCK_SIZES_CHUNK, flag, [_randn(BLOCK_SIZES, 12), *state], 1e-3, 0.9,
+                          0.999, 1e-6, 4, 1, 0.01, 1, 1, norm, 1.0, True)  # fmt: skip
+    return state
+
+
+def test_an_unknown_block_size_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AMP_FUSED_OPS_MULTI_TENSOR_BLOCK", "1024")
+    message = "AMP_FUSED_OPS_MULTI_TENSOR_BLOCK=1024 is not one of '512', '256'"
+    with pytest.raises(RuntimeError, match=message):
+        extension().multi_tensor_scale(
+            CHUNK, noop_flag(0, DEVICE), [_randn([5], 2), _randn([5], 3)], 0.5
+        )

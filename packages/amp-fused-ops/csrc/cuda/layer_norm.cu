@@ -480,6 +480,24 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
   }
 }
 
+// Element i of a chunk for the backward: xhat, from the saved input and the row's statistics
+// (or, ME, from the saved output as (y - beta) / gamma), and gk = dy * gamma (dy without a
+// weight; __fmul_rn: see scaled_dy_and_xhat).
+template <bool ME, typename TS, typename TP, int VEC>
+__device__ __forceinline__ void resident_terms(float dy, const Pack<TS, VEC>& saved,
+                                               const Pack<TP, VEC>& g, const Pack<TP, VEC>& b,
+                                               int i, float mu, float iv, bool has_gamma,
+                                               bool has_beta, float& xh, float& gk) {
+  if (ME) {
+    xh = element(saved, i);
+    if (has_beta) xh -= element(b, i);
+    if (has_gamma) xh /= element(g, i);
+  } else {
+    xh = (element(saved, i) - mu) * iv;
+  }
+  gk = has_gamma ? __fmul_rn(dy, element(g, i)) : dy;
+}
+
 // The input gradient of a row group and the block's partial sums of dy * xhat (-> dgamma) and
 // dy (-> dbeta) per column, written to part_g / part_b[blockIdx.x * hidden + column] (when
 // the norm has a weight or a bias). ME: memory_efficient, `saved` is the output and xhat is
@@ -537,16 +555,9 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
           const float dk = element(d[k], i);
-          float xh;
-          if (ME) {
-            xh = element(s[k], i);
-            if (beta != nullptr) xh -= element(b[k], i);
-            if (gamma != nullptr) xh /= element(g[k], i);
-          } else {
-            xh = (element(s[k], i) - mu) * iv;
-          }
-          // __fmul_rn: see scaled_dy_and_xhat.
-          const float gk = gamma != nullptr ? __fmul_rn(dk, element(g[k], i)) : dk;
+          float xh, gk;
+          resident_terms<ME>(dk, s[k], g[k], b[k], i, mu, iv, gamma != nullptr, beta != nullptr,
+                             xh, gk);
           sum_g += gk;
           sum_gx += gk * xh;
           if constexpr (kPartials) {
@@ -568,16 +579,9 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
         Pack<TIn, VEC> out;
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
-          const float dk = element(d[k], i);
-          float xh;
-          if (ME) {
-            xh = element(s[k], i);
-            if (beta != nullptr) xh -= element(b[k], i);
-            if (gamma != nullptr) xh /= element(g[k], i);
-          } else {
-            xh = (element(s[k], i) - mu) * iv;
-          }
-          const float gk = gamma != nullptr ? __fmul_rn(dk, element(g[k], i)) : dk;
+          float xh, gk;
+          resident_terms<ME>(element(d[k], i), s[k], g[k], b[k], i, mu, iv, gamma != nullptr,
+                             beta != nullptr, xh, gk);
           out.v[i] = static_cast<TIn>((gk - mean_g - xh * proj) * iv);
         }
         reinterpret_cast<Pack<TIn, VEC>*>(dxr)[c] = out;

@@ -32,6 +32,8 @@
 #include <initializer_list>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -45,7 +47,18 @@ namespace cuda {
 
 using TensorLists = std::vector<std::vector<at::Tensor>>;
 
-constexpr int kBlockSize = 512;
+constexpr int kBlockSize = 512;  // threads per block of multi_tensor_kernel, at most
+
+// Threads per block of the multi-tensor launches: kBlockSize, or 256 with
+// AMP_FUSED_OPS_MULTI_TENSOR_BLOCK=256 (for comparing the two on a GPU; the kernels read
+// blockDim, so the same code runs either way). Read at every launch.
+inline int multi_tensor_block_size() {
+  const char* value = std::getenv("AMP_FUSED_OPS_MULTI_TENSOR_BLOCK");
+  if (value == nullptr || *value == '\0' || std::strcmp(value, "512") == 0) return kBlockSize;
+  TORCH_CHECK(std::strcmp(value, "256") == 0, "AMP_FUSED_OPS_MULTI_TENSOR_BLOCK=", value,
+              " is not one of '512', '256'");
+  return 256;
+}
 constexpr int kVectorBytes = 16;
 // CUDA's limit on the parameters of a kernel (4 KiB before CUDA 12.1 and before Volta), and the
 // part of it the metadata may take: the rest holds the op functor, chunk_size, the noop flag
@@ -505,10 +518,11 @@ void multi_tensor_apply(int64_t chunk_size, const at::Tensor& noop_flag, const T
   TensorListMetadata<Depth> meta{};
   int blocks = 0;  // in the current launch
   int64_t chunks_done = 0;
+  const int threads = multi_tensor_block_size();
   auto launch = [&]() {
     if (blocks > 0) {
       multi_tensor_kernel<Op, Ts...>
-          <<<blocks, kBlockSize, 0, stream>>>(chunk_size, noop, meta, op, partials);
+          <<<blocks, threads, 0, stream>>>(chunk_size, noop, meta, op, partials);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     chunks_done += blocks;

@@ -422,6 +422,7 @@ void run(const LaunchConfig& config, const std::function<void()>& body, const ch
   }
   ++g_counters.launches;
   g_counters.blocks += static_cast<int64_t>(g.x * g.y * g.z);
+  g_counters.threads += static_cast<int64_t>(g.x * g.y * g.z) * static_cast<int64_t>(threads);
   if (g_count_only) {
     return;
   }
@@ -932,8 +933,8 @@ extern "C" void __ubsan_handle_type_mismatch_v1_abort(TypeMismatchData* data,
 namespace {
 std::vector<int64_t> counters_op() {
   const amp_emu::Counters c = amp_emu::counters();
-  return {c.launches,          c.bytes_read,           c.bytes_written,
-          c.vector_bytes_read, c.vector_bytes_written, c.blocks};
+  return {c.launches,          c.bytes_read, c.bytes_written, c.vector_bytes_read,
+          c.vector_bytes_written, c.blocks,     c.threads};
 }
 int64_t schedule_seed_op() { return static_cast<int64_t>(amp_emu::schedule_seed()); }
 void set_schedule_seed_op(int64_t seed) {

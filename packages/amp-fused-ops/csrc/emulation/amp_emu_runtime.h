@@ -188,6 +188,7 @@ struct Counters {
   int64_t bytes_written;
   int64_t vector_bytes_read;
   int64_t vector_bytes_written;
+  int64_t threads;  // threads of every launch (blocks times threads per block)
 };
 Counters counters();
 void reset_counters();

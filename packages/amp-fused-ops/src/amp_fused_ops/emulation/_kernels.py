@@ -119,6 +119,8 @@ class Counters(NamedTuple):
     vector_bytes_written: int
     blocks: int
     """Thread blocks of all launches (each launch adds its grid's x * y * z)."""
+    threads: int
+    """Threads of all launches (each launch adds its blocks times its threads per block)."""
 
 
 def source_dirs() -> tuple[Path, Path]:
