@@ -390,7 +390,9 @@ def _walking_device(path: OpPath, hidden: int) -> tuple[int, AbstractContextMana
     if EMULATED:
         from amp_fused_ops import emulation
 
-        return (40 if hidden >= 8192 else 100), emulation.multiprocessors(1)
+        # at 16384: 4 forward blocks of 5 rows, 2 backward blocks of 10
+        rows = 20 if hidden >= 16384 else (40 if hidden >= 8192 else 100)
+        return rows, emulation.multiprocessors(1)
     return 20011, nullcontext()
 
 
