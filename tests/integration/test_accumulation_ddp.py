@@ -18,16 +18,13 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-import os
-import tempfile
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from amp_test_support import exit_passed_rank
+from amp_test_support import gloo_world_results
 
 from amp_core import amp
 from amp_optimizers import FusedAdam
@@ -265,35 +262,25 @@ def _apex_docs_example(use_amp: bool) -> list[torch.Tensor]:
     return weights
 
 
-def _worker(rank: int, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=WORLD)  # fmt: skip
+def _worker(rank: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
-    try:
-        for case in _cases():
-            try:
-                results[repr(case)] = _run_case(*case)
-            except Exception as error:
-                raise RuntimeError(f"{case}") from error
-            dist.barrier()
-        for case in _overflow_cases():
-            results[repr(("overflow", *case))] = _run_overflow(*case)
-            dist.barrier()
-        results["apex-docs amp"] = _apex_docs_example(use_amp=True)
-        results["apex-docs plain"] = _apex_docs_example(use_amp=False)
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-    exit_passed_rank()
+    for case in _cases():
+        try:
+            results[repr(case)] = _run_case(*case)
+        except Exception as error:
+            raise RuntimeError(f"{case}") from error
+        dist.barrier()
+    for case in _overflow_cases():
+        results[repr(("overflow", *case))] = _run_overflow(*case)
+        dist.barrier()
+    results["apex-docs amp"] = _apex_docs_example(use_amp=True)
+    results["apex-docs plain"] = _apex_docs_example(use_amp=False)
+    return results
 
 
 @pytest.fixture(scope="module")
 def world_results() -> list[dict[str, Any]]:
-    with tempfile.TemporaryDirectory() as folder:
-        init_file = os.path.join(folder, "init")
-        mp.spawn(_worker, args=(init_file, folder), nprocs=WORLD, join=True)
-        return [torch.load(os.path.join(folder, f"rank{r}.pt")) for r in range(WORLD)]
+    return gloo_world_results(_worker, WORLD)
 
 
 def _tolerance(wrapper: str, level: str, dtype: torch.dtype) -> float:

@@ -11,15 +11,12 @@ ranks must agree bit for bit and stay within bfloat16's rounding of plain PyTorc
 
 from __future__ import annotations
 
-import os
-import tempfile
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from amp_test_support import exit_passed_rank
+from amp_test_support import gloo_world_results
 
 from amp_fused_ops import FusedLayerNorm, FusedRMSNorm
 from amp_parallel import DistributedDataParallel as ApexDDP
@@ -73,31 +70,20 @@ def _train(
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _worker(rank: int, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=WORLD)  # fmt: skip
-    try:
-        results = {
-            "reference": _train(fused=False, wrapper="torch"),
-            "torch": _train(fused=True, wrapper="torch"),
-            "amp_parallel": _train(fused=True, wrapper="amp_parallel"),
-            "reference_bf16": _train(False, "torch", torch.bfloat16),
-            "torch_bf16": _train(True, "torch", torch.bfloat16),
-            "amp_parallel_bf16": _train(True, "amp_parallel", torch.bfloat16),
-        }
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-    exit_passed_rank()
+def _worker(rank: int) -> dict[str, list[torch.Tensor]]:
+    return {
+        "reference": _train(fused=False, wrapper="torch"),
+        "torch": _train(fused=True, wrapper="torch"),
+        "amp_parallel": _train(fused=True, wrapper="amp_parallel"),
+        "reference_bf16": _train(False, "torch", torch.bfloat16),
+        "torch_bf16": _train(True, "torch", torch.bfloat16),
+        "amp_parallel_bf16": _train(True, "amp_parallel", torch.bfloat16),
+    }
 
 
 @pytest.fixture(scope="module")
 def world_results() -> list[dict[str, Any]]:
-    with tempfile.TemporaryDirectory() as folder:
-        init_file = os.path.join(folder, "init")
-        mp.spawn(_worker, args=(init_file, folder), nprocs=WORLD, join=True)
-        return [torch.load(os.path.join(folder, f"rank{r}.pt")) for r in range(WORLD)]
+    return gloo_world_results(_worker, WORLD)
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")

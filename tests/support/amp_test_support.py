@@ -7,12 +7,21 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import NoReturn
+import tempfile
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import pytest
 import torch
 
-__all__ = ["CHAIN_TOL", "DEVICES", "HALF_DTYPES", "OP_TOL", "exit_passed_rank"]
+__all__ = [
+    "CHAIN_TOL",
+    "DEVICES",
+    "HALF_DTYPES",
+    "OP_TOL",
+    "exit_passed_rank",
+    "gloo_world_results",
+]
 
 # The low-precision dtypes a test runs in, with short ids.
 HALF_DTYPES = [
@@ -63,3 +72,33 @@ def exit_passed_rank() -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def gloo_world_results(worker: Callable[[int], Any], world: int) -> list[Any]:
+    """What ``worker(rank)`` returns on each of ``world`` spawned Gloo ranks, in rank order.
+
+    Each rank runs with one CPU thread inside a process group (``gloo``, a file rendezvous in a
+    temporary folder), which is destroyed after ``worker`` returns or raises; its result is
+    saved with ``torch.save`` and read back here. ``worker`` must be a module-level function
+    (spawned processes import it). A rank that raises fails the call with its traceback.
+    """
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as folder:
+        init_file = os.path.join(folder, "init")
+        mp.spawn(_gloo_rank, args=(worker, world, init_file, folder), nprocs=world, join=True)
+        return [torch.load(os.path.join(folder, f"rank{r}.pt")) for r in range(world)]
+
+
+def _gloo_rank(rank: int, worker: Callable[[int], Any], world: int, init_file: str,
+               out_dir: str) -> None:  # fmt: skip
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)  # fmt: skip
+    try:
+        torch.save(worker(rank), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+    exit_passed_rank()

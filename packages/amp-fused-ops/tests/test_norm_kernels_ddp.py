@@ -13,14 +13,12 @@ weights, and with each other's bit for bit.
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from amp_test_support import exit_passed_rank
+from amp_test_support import gloo_world_results
 
 from _kernel_target import EMULATED, EMULATION, OnKernelsOf
 from amp_fused_ops import FusedLayerNorm, FusedRMSNorm
@@ -68,26 +66,19 @@ def _train(fused: bool, width: int) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _worker(rank: int, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=WORLD)  # fmt: skip
-    try:
-        from amp_fused_ops.emulation import _kernels as _emulation
+def _worker(rank: int) -> dict[str, Any]:
+    from amp_fused_ops.emulation import _kernels as _emulation
 
-        _emulation.load(EMULATION)  # the build the parent compiled, from the cache
-        results: dict[str, Any] = {}
-        for kernels, width in CASES:
-            os.environ["AMP_FUSED_OPS_NORM_KERNELS"] = kernels
-            with OnKernelsOf("amp_fused_ops_emu") as routed:
-                results[f"{kernels}-{width}"] = _train(fused=True, width=width)
-            results[f"{kernels}-{width}-calls"] = dict(routed.calls)
-        for width in {w for _, w in CASES}:
-            results[f"reference-{width}"] = _train(fused=False, width=width)
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-    exit_passed_rank()
+    _emulation.load(EMULATION)  # the build the parent compiled, from the cache
+    results: dict[str, Any] = {}
+    for kernels, width in CASES:
+        os.environ["AMP_FUSED_OPS_NORM_KERNELS"] = kernels
+        with OnKernelsOf("amp_fused_ops_emu") as routed:
+            results[f"{kernels}-{width}"] = _train(fused=True, width=width)
+        results[f"{kernels}-{width}-calls"] = dict(routed.calls)
+    for width in {w for _, w in CASES}:
+        results[f"reference-{width}"] = _train(fused=False, width=width)
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -95,10 +86,7 @@ def world_results() -> list[dict[str, Any]]:
     from amp_fused_ops.emulation import _kernels as _emulation
 
     _emulation.load(EMULATION)  # compiled once here, not by both ranks at once
-    with tempfile.TemporaryDirectory() as folder:
-        init_file = os.path.join(folder, "init")
-        mp.spawn(_worker, args=(init_file, folder), nprocs=WORLD, join=True)
-        return [torch.load(os.path.join(folder, f"rank{r}.pt")) for r in range(WORLD)]
+    return gloo_world_results(_worker, WORLD)
 
 
 @pytest.mark.parametrize(("kernels", "width"), CASES, ids=[f"{k}-{w}" for k, w in CASES])
