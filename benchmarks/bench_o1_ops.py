@@ -41,8 +41,7 @@ from torch import Tensor
 
 import amp_core
 from _common import default_threads, device_name, load_average, sync
-from amp_core import amp
-from amp_core._policy import FP32_TENSOR_METHODS, PolicyKernels
+from amp_core import POLICY, amp
 
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "out"
 
@@ -97,13 +96,19 @@ def make_inputs(device: str) -> Inputs:
 
 
 def policy_ops(device: str) -> dict[str, str]:
-    """``{op overload: cast}`` of the Python policy kernels O1 registers for ``device``
-    (``aten::sum`` for the default overload, ``aten::softmax.int`` for another)."""
-    kernels = PolicyKernels([device])
-    try:
-        return {qualified: cast.value for qualified, _, cast in kernels.registered}
-    finally:
-        kernels.remove()
+    """``{op overload: cast}`` of the ops of ``OPS`` that O1 gives a Python autocast kernel on
+    ``device``: the ops of :data:`amp_core.POLICY` (by name) for which PyTorch registers no
+    autocast kernel of its own (read before O1 switches on), as ``amp.initialize`` does."""
+    key = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}[device]
+    cast_of = {name: cast.value for cast, names in POLICY.items() for name in names}
+    found = {}
+    for qualified, _ in OPS.values():
+        if not qualified.startswith("aten::"):
+            continue
+        name = qualified.removeprefix("aten::").split(".")[0]
+        if name in cast_of and not torch._C._dispatch_has_kernel_for_dispatch_key(qualified, key):
+            found[qualified] = cast_of[name]
+    return found
 
 
 def time_calls(call: Callable[[], object], device: str, calls: int) -> float:
@@ -141,7 +146,7 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
             amp.close()
     rows = []
     for name, (op, _) in OPS.items():
-        if op.startswith("Tensor.") and op.removeprefix("Tensor.") in FP32_TENSOR_METHODS:
+        if op.startswith("Tensor."):  # O1 wraps Tensor.cpu in Python (docs/opt_levels.rst)
             how = "method"
         elif op in policy:
             how = f"policy ({policy[op]})"
