@@ -110,26 +110,45 @@ __device__ void block_welford(float& n, float& mean, float& m2) {
   for (int w = 0; w < warps; ++w) welford_merge(n, mean, m2, shared[0][w], shared[1][w], shared[2][w]);
 }
 
-// Block-wide sum of two values; every thread gets the result.
-__device__ void block_sum2(float& a, float& b) {
-  __shared__ float shared[2][kMaxThreads / 32];
+// Sums each of the N values over the threads of this thread's row: blockDim.x threads (a power
+// of two >= 32, so a whole number of warps, contiguous: warp = threadIdx.y * warps_per_row +
+// threadIdx.x / 32), one row per threadIdx.y; a 1-D block is one row. Every thread of the row
+// gets the sums. Called by every thread of the block (it synchronizes the block when a row
+// spans several warps).
+template <int N>
+__device__ __forceinline__ void row_sum(float (&v)[N]) {
+  __shared__ float shared[N][kMaxThreads / 32];
   for (int offset = 16; offset > 0; offset /= 2) {
-    a += __shfl_xor_sync(0xffffffffu, a, offset);
-    b += __shfl_xor_sync(0xffffffffu, b, offset);
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] += __shfl_xor_sync(0xffffffffu, v[k], offset);
   }
-  const int warp = threadIdx.x / 32;
-  __syncthreads();
+  const int warps_per_row = static_cast<int>(blockDim.x / 32);
+  if (warps_per_row == 1) return;
+  const int first = static_cast<int>(threadIdx.y) * warps_per_row;
+  __syncthreads();  // shared is reused across calls
   if (threadIdx.x % 32 == 0) {
-    shared[0][warp] = a;
-    shared[1][warp] = b;
+#pragma unroll
+    for (int k = 0; k < N; ++k) shared[k][first + threadIdx.x / 32] = v[k];
   }
   __syncthreads();
-  a = 0.f;
-  b = 0.f;
-  for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) {
-    a += shared[0][w];
-    b += shared[1][w];
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    v[k] = 0.f;
+    for (int w = 0; w < warps_per_row; ++w) v[k] += shared[k][first + w];
   }
+}
+
+__device__ __forceinline__ void row_sum(float& a) {
+  float v[1] = {a};
+  row_sum(v);
+  a = v[0];
+}
+
+__device__ __forceinline__ void row_sum(float& a, float& b) {
+  float v[2] = {a, b};
+  row_sum(v);
+  a = v[0];
+  b = v[1];
 }
 
 template <typename TIn, typename TP, typename TOut, int VEC>
@@ -154,8 +173,7 @@ __global__ void norm_forward_kernel(const TIn* __restrict__ x, const TP* __restr
     }
   }
   if (rms) {
-    float unused = 0.f;
-    block_sum2(m2, unused);
+    row_sum(m2);
     mean = 0.f;
   } else {
     block_welford(n, mean, m2);
@@ -250,7 +268,7 @@ __global__ void norm_backward_input_kernel(const TOut* __restrict__ dy, const TS
       sum_gx += gk[k] * xh[k];
     }
   }
-  block_sum2(sum_g, sum_gx);
+  row_sum(sum_g, sum_gx);
   const float inv_n = 1.f / static_cast<float>(hidden);
   const float mean_g = rms ? 0.f : sum_g * inv_n;
   const float proj = sum_gx * inv_n;
@@ -345,33 +363,6 @@ __global__ void norm_backward_params_final(const float* __restrict__ part_g,
 // for the thread's columns, and writes one partial per block; norm_backward_params_final adds
 // the partials of all blocks.
 
-// Sums a and b over the tpr threads of this thread's row; every thread of the row gets the
-// sums. tpr is a power of two >= 32, so a row is a whole number of warps (warps_per_row, the
-// row's warps contiguous: warp = threadIdx.y * warps_per_row + threadIdx.x / 32). Called by
-// every thread of the block (it synchronizes the block when a row spans several warps).
-__device__ __forceinline__ void row_sum2(float& a, float& b) {
-  __shared__ float shared[2][kMaxThreads / 32];
-  for (int offset = 16; offset > 0; offset /= 2) {
-    a += __shfl_xor_sync(0xffffffffu, a, offset);
-    b += __shfl_xor_sync(0xffffffffu, b, offset);
-  }
-  const int warps_per_row = static_cast<int>(blockDim.x / 32);
-  if (warps_per_row == 1) return;
-  const int first = static_cast<int>(threadIdx.y) * warps_per_row;
-  __syncthreads();  // shared is reused across calls
-  if (threadIdx.x % 32 == 0) {
-    shared[0][first + threadIdx.x / 32] = a;
-    shared[1][first + threadIdx.x / 32] = b;
-  }
-  __syncthreads();
-  a = 0.f;
-  b = 0.f;
-  for (int w = 0; w < warps_per_row; ++w) {
-    a += shared[0][first + w];
-    b += shared[1][first + w];
-  }
-}
-
 template <typename T, int VEC>
 __device__ __forceinline__ float element(const Pack<T, VEC>& p, int i) {
   return static_cast<float>(p.v[i]);
@@ -423,7 +414,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
     const bool valid = row < rows;
     const TIn* xr = x + row * hidden;
     Pack<TIn, VEC> v[CHUNKS];
-    float sum = 0.f, unused = 0.f;
+    float sum = 0.f;
 #pragma unroll
     for (int k = 0; k < CHUNKS; ++k) {
       const int c = k * tpr + static_cast<int>(threadIdx.x);
@@ -436,7 +427,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
         }
       }
     }
-    row_sum2(sum, unused);
+    row_sum(sum);
     float mean = 0.f, m2 = sum;
     if (!rms) {
       // Two passes over the registers: the mean, then the squared deviations from it.
@@ -453,7 +444,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
           }
         }
       }
-      row_sum2(m2, unused);
+      row_sum(m2);
     }
     const float invvar = rsqrtf(m2 * inv_n + eps);
     if (!valid) continue;  // after the last block-wide sum of this row group
@@ -567,7 +558,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
         }
       }
     }
-    row_sum2(sum_g, sum_gx);
+    row_sum(sum_g, sum_gx);
     if (!valid) continue;  // after the last block-wide sum of this row group
     const float mean_g = rms ? 0.f : sum_g * inv_n;
     const float proj = sum_gx * inv_n;
