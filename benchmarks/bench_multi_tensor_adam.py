@@ -7,6 +7,9 @@ Variants, each on fresh copies of the same fp32 tensors (grads, params, exp_avg,
   it cannot be loaded, so the reference is never timed under its name);
 - ``ours (256 thr)``: on a GPU, the same with the launcher's blocks of 256 threads instead of
   512 (``AMP_FUSED_OPS_MULTI_TENSOR_BLOCK=256``), for an A/B of the two in one process;
+- ``ours (apex)``: on a GPU, the same kernel launched as Apex's launcher did (a launch per 320
+  chunks or per 36 tensors of four lists, ``AMP_FUSED_OPS_MULTI_TENSOR_LAYOUT=apex``) instead of
+  one launch per batch of up to 81 tensors, for an A/B of the two layouts in one process;
 - ``FusedAdam``: ``amp_optimizers.FusedAdam`` (AdamW mode), the whole ``optimizer.step()`` a
   user calls, over the same op;
 - ``torch fused``: ``torch.optim.AdamW(fused=True)``;
@@ -102,6 +105,8 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_b
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 1e-2
 BLOCK_ENV = "AMP_FUSED_OPS_MULTI_TENSOR_BLOCK"  # the launcher's threads per block: 512 or 256
 OURS_256 = "ours (256 thr)"
+LAYOUT_ENV = "AMP_FUSED_OPS_MULTI_TENSOR_LAYOUT"  # the launcher's launches: batch or apex
+OURS_APEX = "ours (apex)"
 
 # Tensors are (grads, params, exp_avgs, exp_avg_sqs), each a list with one entry per shape.
 TensorLists = list[list[Tensor]]
@@ -260,9 +265,12 @@ def run_size(
     builders["torch fused"] = lambda lists: torch_adamw_step(lists, fused=True)
     if kernel_reason is None:
         builders[ours] = lambda lists: multi_tensor_step(amp_C.multi_tensor_adam, lists)
-        if args.device == "cuda":  # the launcher's blocks of 256 threads beside its 512
+        if args.device == "cuda":  # the launcher's variants: 256-thread blocks, Apex's launches
             builders[OURS_256] = lambda lists: with_env(
                 BLOCK_ENV, "256", multi_tensor_step(amp_C.multi_tensor_adam, lists)
+            )
+            builders[OURS_APEX] = lambda lists: with_env(
+                LAYOUT_ENV, "apex", multi_tensor_step(amp_C.multi_tensor_adam, lists)
             )
     else:
         size.skipped[ours] = kernel_reason
@@ -314,7 +322,15 @@ def run_size(
                 torch.cuda.synchronize()
             del lists
 
-    order = [ours, OURS_256, "FusedAdam", "torch fused", "torch foreach", "torch for-loop"]
+    order = [
+        ours,
+        OURS_256,
+        OURS_APEX,
+        "FusedAdam",
+        "torch fused",
+        "torch foreach",
+        "torch for-loop",
+    ]
     order.append("reference")
     size.results = [summarize(name, times[name]) for name in order if name in times]
     for r in size.results:

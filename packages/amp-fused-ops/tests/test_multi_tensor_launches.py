@@ -270,3 +270,100 @@ def test_an_unknown_block_size_is_refused(monkeypatch: pytest.MonkeyPatch) -> No
         extension().multi_tensor_scale(
             CHUNK, noop_flag(0, DEVICE), [_randn([5], 2), _randn([5], 3)], 0.5
         )
+
+
+# --- Apex's launches (AMP_FUSED_OPS_MULTI_TENSOR_LAYOUT=apex) ------------------------------------
+
+APEX_MAX_TENSORS = (110, 64, 48, 36, 30)  # Apex's tensors per launch, lists of depth 1 to 5
+APEX_MAX_BLOCKS = 320  # and blocks per launch
+# The multi-tensor passes of each op of OPS, by list depth.
+PASSES = {"l2norm": (1,), "scale": (2,), "axpby": (3,), "adam": (4,), "lamb": (5, 2)}
+LAYOUT_ENV = "AMP_FUSED_OPS_MULTI_TENSOR_LAYOUT"
+
+
+def _apex_launches(sizes: list[int], depth: int) -> int:
+    """The launches of Apex's multi_tensor_apply over non-empty tensors of ``sizes``.
+
+    Its host loop: each chunk takes the next block; a launch is made when the tensors are full
+    at a tensor's last chunk, when the blocks are full, or at the last chunk of the last
+    tensor; a tensor cut by a launch continues as the first tensor of the next.
+    """
+    launches = tensors = blocks = 0
+    for t, numel in enumerate(sizes):
+        tensors += 1
+        chunks = math.ceil(numel / CHUNK)
+        for chunk in range(chunks):
+            blocks += 1
+            ends_tensor = chunk == chunks - 1
+            if (
+                (tensors == APEX_MAX_TENSORS[depth - 1] and ends_tensor)
+                or blocks == APEX_MAX_BLOCKS
+                or (t == len(sizes) - 1 and ends_tensor)
+            ):
+                launches += 1
+                blocks = 0
+                tensors = 0 if ends_tensor else 1
+    return launches
+
+
+@pytest.mark.skipif(not EMULATED, reason="counts launches with the emulator")
+@pytest.mark.parametrize("name", list(OPS))
+def test_the_apex_layout_launches_as_apex_did(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from amp_fused_ops.emulation import _kernels as _emulation
+
+    depth, call, launches = OPS[name]
+    # Non-empty tensors (Apex's loop gives an empty tensor a slot that it may never launch).
+    sizes = [max(n, 1) for n in _sizes(2 * max_tensors(depth) + 3, depth)]
+    ext = extension()
+    counted = {}
+    for layout in ("batch", "apex"):
+        monkeypatch.setenv(LAYOUT_ENV, layout)
+        with _emulation.count_launches_only():
+            _emulation.reset_counters()
+            call(ext, sizes, noop_flag(0, DEVICE))
+            counted[layout] = _emulation.counters()
+    ours = sum(_launches(len(sizes), d) for d in PASSES[name])
+    apex = sum(_apex_launches(sizes, d) for d in PASSES[name])
+    assert apex > ours  # the big tensor crosses a 320-block launch; smaller batches of tensors
+    assert counted["batch"].launches == launches(len(sizes))
+    assert counted["apex"].launches == launches(len(sizes)) - ours + apex
+    assert counted["apex"].blocks == counted["batch"].blocks  # one block per chunk either way
+
+
+def _sgd_stochastic(impl: Any, sizes: list[int], flag: Tensor) -> list[Any]:
+    """bfloat16 SGD with stochastic rounding: its random bits are keyed by each element's
+    index in its tensor, which a tensor continued in the next launch must keep."""
+    params = [p.to(torch.bfloat16) for p in _randn(sizes, 14)]
+    grads = _randn(sizes, 15)
+    bufs = [torch.zeros_like(g) for g in grads]
+    impl.multi_tensor_sgd(CHUNK, flag, [grads, params, bufs], 0.0, 0.0, 0.0, 2.0**-6,
+                          False, False, False, 1.0, -0x1234_5678, 7)  # fmt: skip
+    return [params]
+
+
+@pytest.mark.parametrize("name", [*OPS, "sgd_stochastic"])
+def test_the_apex_layout_gives_the_same_bits(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each chunk is computed by one block in either layout, and the per-chunk partials are
+    reduced in chunk order: every result is the same bit for bit."""
+    if name == "sgd_stochastic":
+        depth, call = 3, _sgd_stochastic
+    else:
+        depth, call = OPS[name][0], OPS[name][1]
+    sizes = _sizes(max_tensors(depth) + 4, depth, RUN_BIG_CHUNKS)
+    results = {}
+    for layout in ("batch", "apex"):
+        monkeypatch.setenv(LAYOUT_ENV, layout)
+        flag = noop_flag(0, DEVICE)
+        results[layout] = _flatten(call(extension(), sizes, flag))
+        assert flag.item() == 0
+    for i, (a, b) in enumerate(zip(results["apex"], results["batch"], strict=True)):
+        assert torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)), i
+
+
+def test_an_unknown_layout_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(LAYOUT_ENV, "per_tensor")
+    message = f"{LAYOUT_ENV}=per_tensor is not one of 'batch', 'apex'"
+    with pytest.raises(RuntimeError, match=message):
+        extension().multi_tensor_scale(
+            CHUNK, noop_flag(0, DEVICE), [_randn([5], 2), _randn([5], 3)], 0.5
+        )

@@ -10,7 +10,8 @@
 //   blocks as well (a launch per 20M elements at 2048 * 32 elements per chunk, each with its
 //   own tail of idle SMs); here the grid is bounded only by CUDA's 2**31 - 1 blocks.
 //   Zero-size tensors take a slot and no block. (This layout is compiled with nvcc and
-//   tested on the emulator; it has not run on a GPU yet.)
+//   tested on the emulator; it has not run on a GPU yet.) AMP_FUSED_OPS_MULTI_TENSOR_LAYOUT=apex
+//   launches as Apex did, with the same kernel (LaunchLimits), for an A/B of the two.
 // - One generic kernel (multi_tensor_kernel) runs one op functor per element: it loads the
 //   element of every list the functor reads into float registers (not the lists it only
 //   writes), calls the functor (fp32 math), and stores the lists the functor writes. The kernel is templated on the storage dtype of each list,
@@ -59,6 +60,20 @@ inline int multi_tensor_block_size() {
               " is not one of '512', '256'");
   return 256;
 }
+
+// Where one launch ends. By default a launch takes up to MaxTensors<Depth> tensors and every
+// chunk of them. AMP_FUSED_OPS_MULTI_TENSOR_LAYOUT=apex reproduces the launches of Apex's
+// launcher (for comparing the two on a GPU): a launch ends after Apex's 110, 64, 48, 36 or 30
+// tensors (lists of depth 1 to 5) or after 320 blocks, whichever comes first, and a tensor whose
+// chunks do not all fit continues in the next launch. The kernel is the same (a continued
+// tensor's first_block is negative: the chunks it took in earlier launches); each chunk is
+// computed by one block either way, so the results are the same bit for bit. Read at every call.
+struct LaunchLimits {
+  int tensors;     // per launch, at most MaxTensors<Depth>
+  int64_t blocks;  // per launch
+};
+constexpr int kApexMaxBlocks = 320;
+constexpr int kApexMaxTensors[5] = {110, 64, 48, 36, 30};
 constexpr int kVectorBytes = 16;
 // CUDA's limit on the parameters of a kernel (4 KiB before CUDA 12.1 and before Volta), and the
 // part of it the metadata may take: the rest holds the op functor, chunk_size, the noop flag
@@ -98,7 +113,9 @@ template <int Depth>
 struct TensorListMetadata {
   void* addresses[Depth][MaxTensors<Depth>::value];
   int64_t sizes[MaxTensors<Depth>::value];
-  int first_block[MaxTensors<Depth>::value];  // block of each tensor's chunk 0, increasing
+  // Block of each tensor's chunk 0, increasing; for a tensor continued from the previous
+  // launch (only under AMP_FUSED_OPS_MULTI_TENSOR_LAYOUT=apex), minus the chunks it took there.
+  int first_block[MaxTensors<Depth>::value];
   int tensors;          // tensors of this batch
   int start_tensor;     // index (in the caller's lists) of this batch's tensor 0
   int64_t first_chunk;  // index (among all chunks of the call) of this launch's block 0
@@ -129,7 +146,7 @@ static_assert(ceil_pow2(1) == 1 && ceil_pow2(68) == 128 && ceil_pow2(128) == 128
 // ptxas spill in some instantiations, on sm_90.
 template <int Depth>
 __device__ __forceinline__ int tensor_of_block(const TensorListMetadata<Depth>& meta, int block) {
-  int found = 0;  // first_block[0] == 0 <= block
+  int found = 0;  // first_block[0] <= 0 <= block
 #pragma unroll
   for (int step = ceil_pow2(MaxTensors<Depth>::value) / 2; step > 0; step /= 2) {
     const int next = found + step;
@@ -487,6 +504,20 @@ __global__ void __launch_bounds__(kBlockSize)
   }
 }
 
+// The limits of one launch of lists of depth Depth (see LaunchLimits).
+template <int Depth>
+LaunchLimits launch_limits() {
+  static_assert(kApexMaxTensors[Depth - 1] <= MaxTensors<Depth>::value,
+                "Apex's tensors per launch fit the metadata");
+  const char* value = std::getenv("AMP_FUSED_OPS_MULTI_TENSOR_LAYOUT");
+  if (value == nullptr || *value == '\0' || std::strcmp(value, "batch") == 0) {
+    return {MaxTensors<Depth>::value, kMaxGridBlocks};
+  }
+  TORCH_CHECK(std::strcmp(value, "apex") == 0, "AMP_FUSED_OPS_MULTI_TENSOR_LAYOUT=", value,
+              " is not one of 'batch', 'apex'");
+  return {kApexMaxTensors[Depth - 1], kApexMaxBlocks};
+}
+
 // Launches multi_tensor_kernel<Op, Ts...> over `lists` (already checked): one launch per batch
 // of MaxTensors<Depth> consecutive tensors, one block per chunk of the batch. A zero-size tensor
 // takes a slot of its batch and no block (its first_block equals the next tensor's, and
@@ -515,6 +546,7 @@ void multi_tensor_apply(int64_t chunk_size, const at::Tensor& noop_flag, const T
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   int* noop = noop_flag.data_ptr<int>();
 
+  const LaunchLimits limits = launch_limits<Depth>();
   TensorListMetadata<Depth> meta{};
   int blocks = 0;  // in the current launch
   int64_t chunks_done = 0;
@@ -529,20 +561,35 @@ void multi_tensor_apply(int64_t chunk_size, const at::Tensor& noop_flag, const T
     blocks = 0;
     meta.tensors = 0;
   };
-  for (size_t t = 0; t < n; ++t) {
+  // Tensor t into the current launch, its chunk `first` onward (first > 0: it continues).
+  auto add = [&](size_t t, int64_t first) {
     if (meta.tensors == 0) {
       meta.start_tensor = static_cast<int>(t);
       meta.first_chunk = chunks_done;
     }
     const int local = meta.tensors++;
-    const int64_t numel = lists[0][t].numel();
     for (int l = 0; l < Depth; ++l) {
       meta.addresses[l][local] = lists[l][t].data_ptr();
     }
-    meta.sizes[local] = numel;
-    meta.first_block[local] = blocks;
-    blocks += static_cast<int>((numel + chunk_size - 1) / chunk_size);
-    if (meta.tensors == MaxTensors<Depth>::value) {
+    meta.sizes[local] = lists[0][t].numel();
+    meta.first_block[local] = blocks - static_cast<int>(first);
+  };
+  for (size_t t = 0; t < n; ++t) {
+    int64_t chunks = (lists[0][t].numel() + chunk_size - 1) / chunk_size;
+    add(t, 0);
+    // Only under a block limit (the default one is never reached, checked above): the chunks
+    // that do not fit continue in the next launch. A full launch is launched at once, so the
+    // current one has room (blocks < limits.blocks) here.
+    for (int64_t first = 0; blocks + chunks > limits.blocks;) {
+      const int64_t taken = limits.blocks - blocks;
+      blocks += static_cast<int>(taken);
+      chunks -= taken;
+      first += taken;
+      launch();
+      add(t, first);
+    }
+    blocks += static_cast<int>(chunks);
+    if (meta.tensors == limits.tensors || blocks == limits.blocks) {
       launch();
     }
   }
