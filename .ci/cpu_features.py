@@ -87,6 +87,22 @@ def torch_view() -> tuple[str, bool | None]:
     return view, onednn_bf16
 
 
+def cores() -> str:
+    """The machine's cores, and how many this process may run on when that is fewer.
+
+    ``taskset`` or a container's CPU set narrows the second; the test sessions still start one
+    pytest-xdist worker per core of the machine (``os.cpu_count()``), which then share them.
+    """
+    total = os.cpu_count() or 1
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        usable = total
+    if usable < total:
+        return f"{total} cores ({usable} usable by this process)"
+    return f"{total} cores"
+
+
 def describe() -> str:
     """One line: the CPU, its cores, the features found, the limits set, and torch's view."""
     model, flags = cpuinfo()
@@ -94,7 +110,7 @@ def describe() -> str:
     limits = [f"{name}={os.environ[name]}" for name in LIMITS if os.environ.get(name)]
     view, onednn_bf16 = torch_view()
     parts = [
-        f"{os.cpu_count()} cores of {model}",
+        f"{cores()} of {model}",
         f"features {' '.join(names)}",
         kind(flags, onednn_bf16),
         *([f"limited by {' '.join(limits)}"] if limits else []),
