@@ -84,3 +84,36 @@ def test_a_step_calls_the_ops_without_the_apex_convention(
     assert seen.names == ops
     assert through_amp_C == []  # the dispatcher ops directly, not Apex's amp_C convention
     assert all(not torch.equal(p, b) for p, b in zip(params, before, strict=True))
+
+
+class _ChunkSizes(TorchDispatchMode):
+    """Records the chunk size (the first argument) of this package's multi-tensor ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.chunk_sizes: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        namespace, _, name = func._schema.name.partition("::")
+        if namespace == "amp_fused_ops" and name.startswith("multi_tensor_"):
+            self.chunk_sizes.add(args[0])
+        return func(*args, **kwargs or {})
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_step_launches_with_the_chunk_size_of_multi_tensor_applier_at_that_step(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Apex's optimizers passed ``multi_tensor_applier.chunk_size`` as it was at each step."""
+    from amp_fused_ops import multi_tensor_applier
+
+    make, _ = OPTIMIZERS[name]
+    params = [torch.randn(n).requires_grad_() for n in (3, 40)]
+    optimizer = make(params)
+    for chunk_size in (2048 * 32, 16):
+        monkeypatch.setattr(multi_tensor_applier, "chunk_size", chunk_size)
+        for p in params:
+            p.grad = torch.randn(p.shape)
+        with _ChunkSizes() as seen:
+            optimizer.step()
+        assert seen.chunk_sizes == {chunk_size}

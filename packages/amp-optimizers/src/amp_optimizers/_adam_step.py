@@ -30,10 +30,6 @@ from amp_fused_ops import multi_tensor_applier, multi_tensor_op
 
 from ._step_helpers import lr_arguments
 
-# The chunk size Apex's optimizers launch with (multi_tensor_applier's); results never depend
-# on it.
-_CHUNK_SIZE = multi_tensor_applier.chunk_size
-
 __all__ = [
     "device_scalar",
     "fused_adam",
@@ -148,7 +144,7 @@ def _plain_adam(
     lr, lr_tensor = lr_arguments(lr)
     for index, (grads, params, exp_avgs, exp_avg_sqs) in enumerate(tensor_lists):
         adam(
-            _CHUNK_SIZE,
+            multi_tensor_applier.chunk_size,  # read at each step, as Apex's optimizers did
             noop_flag(params[0].device),
             grads,
             params,
@@ -209,7 +205,7 @@ def _device_adam(
     adam = multi_tensor_op("multi_tensor_adam_capturable_master", sharded=sharded)
     for lists in buckets:
         adam(
-            _CHUNK_SIZE,
+            multi_tensor_applier.chunk_size,  # read at each step, as Apex's optimizers did
             noop,
             *lists,
             lr,
