@@ -46,16 +46,20 @@ OPTIMIZERS: dict[str, tuple[Callable[[list[torch.Tensor]], Any], set[str]]] = {
 
 
 class _OpNames(TorchDispatchMode):
-    """Records the names of this package's ops that reach the dispatcher."""
+    """Records the names of this package's ops that reach the dispatcher, and the chunk sizes
+    (the first argument) of its multi-tensor ops."""
 
     def __init__(self) -> None:
         super().__init__()
         self.names: set[str] = set()
+        self.chunk_sizes: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         namespace, _, name = func._schema.name.partition("::")
         if namespace == "amp_fused_ops":
             self.names.add(name)
+            if name.startswith("multi_tensor_"):
+                self.chunk_sizes.add(args[0])
         return func(*args, **kwargs or {})
 
 
@@ -86,20 +90,6 @@ def test_a_step_calls_the_ops_without_the_apex_convention(
     assert all(not torch.equal(p, b) for p, b in zip(params, before, strict=True))
 
 
-class _ChunkSizes(TorchDispatchMode):
-    """Records the chunk size (the first argument) of this package's multi-tensor ops."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.chunk_sizes: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        namespace, _, name = func._schema.name.partition("::")
-        if namespace == "amp_fused_ops" and name.startswith("multi_tensor_"):
-            self.chunk_sizes.add(args[0])
-        return func(*args, **kwargs or {})
-
-
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_a_step_launches_with_the_chunk_size_of_multi_tensor_applier_at_that_step(
     name: str, monkeypatch: pytest.MonkeyPatch
@@ -114,6 +104,6 @@ def test_a_step_launches_with_the_chunk_size_of_multi_tensor_applier_at_that_ste
         monkeypatch.setattr(multi_tensor_applier, "chunk_size", chunk_size)
         for p in params:
             p.grad = torch.randn(p.shape)
-        with _ChunkSizes() as seen:
+        with _OpNames() as seen:
             optimizer.step()
         assert seen.chunk_sizes == {chunk_size}
