@@ -19,6 +19,7 @@ out: the list is of the ops O1 casts.
 Usage:
     python benchmarks/bench_o1_ops.py --device cpu      # bfloat16 by default on the CPU
     python benchmarks/bench_o1_ops.py --device cuda --half-dtype float16
+    python benchmarks/bench_o1_ops.py --device cuda --list  # how O1 treats each op, no timing
 
 Prints a table and writes ``benchmarks/out/o1_ops_<device>.json``. Never asserts a time.
 """
@@ -122,10 +123,25 @@ def time_calls(call: Callable[[], object], device: str, calls: int) -> float:
     return (time.perf_counter() - begin) / calls * 1e6
 
 
+def treatment(device: str) -> dict[str, str]:
+    """How O1 treats each op of :data:`OPS` on ``device``: ``torch``, ``policy (<cast>)`` or
+    ``method``. Read from PyTorch's registrations alone, so it needs no such device here."""
+    policy = policy_ops(device)
+    how = {}
+    for name, (op, _) in OPS.items():
+        if op.startswith("Tensor."):  # O1 wraps Tensor.cpu in Python (docs/opt_levels.rst)
+            how[name] = "method"
+        elif op in policy:
+            how[name] = f"policy ({policy[op]})"
+        else:
+            how[name] = "torch"
+    return how
+
+
 def run(args: argparse.Namespace) -> list[dict[str, object]]:
     inputs = make_inputs(args.device)
     half = getattr(torch, args.half_dtype)
-    policy = policy_ops(args.device)
+    how = treatment(args.device)
     autocast_us: dict[str, list[float]] = {name: [] for name in OPS}
     o1_us: dict[str, list[float]] = {name: [] for name in OPS}
 
@@ -146,14 +162,8 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
             amp.close()
     rows = []
     for name, (op, _) in OPS.items():
-        if op.startswith("Tensor."):  # O1 wraps Tensor.cpu in Python (docs/opt_levels.rst)
-            how = "method"
-        elif op in policy:
-            how = f"policy ({policy[op]})"
-        else:
-            how = "torch"
         a, o = min(autocast_us[name]), min(o1_us[name])
-        rows.append({"op": name, "aten": op, "o1": how, "autocast_us": a, "o1_us": o})
+        rows.append({"op": name, "aten": op, "o1": how[name], "autocast_us": a, "o1_us": o})
     return rows
 
 
@@ -184,11 +194,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--calls", type=int, default=200, help="calls per op and round")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
+    parser.add_argument(
+        "--list", action="store_true",
+        help="only list how O1 treats each op on --device (no timing; no such device needed)",
+    )  # fmt: skip
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.list:
+        how = treatment(args.device)
+        print(f"how amp O1 treats each op on {args.device}, torch {torch.__version__}:")
+        for name, (op, _) in OPS.items():
+            print(f"    {name:<15}{op:<32}{how[name]}")
+        taken = sum(h != "torch" for h in how.values())
+        print(f"{taken} of {len(how)} ops take a Python kernel of O1 on {args.device}")
+        return 0
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_o1_ops: CUDA is not available; nothing timed on cuda.")
         return 0

@@ -16,7 +16,8 @@
 #   gpu_tests  every test marked gpu
 #   benches    bench_norm_host, bench_multi_tensor_adam (wall and device time),
 #              bench_optimizer_overhead (wall and host time), bench_amp_step and
-#              bench_o1_ops (O1's host cost per op) on cuda
+#              bench_o1_ops (O1's host cost per op) on cuda, profile_o1_step (where an O1
+#              step's host time goes against autocast's)
 #   profile    nsys / ncu of one norm step per set of kernels, where the tools exist
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -59,6 +60,7 @@ step bench_overhead 120 python benchmarks/bench_optimizer_overhead.py --device c
     --out-dir "$OUT_DIR"
 step bench_amp_step 240 python benchmarks/bench_amp_step.py --device cuda --out-dir "$OUT_DIR"
 step bench_o1_ops 90 python benchmarks/bench_o1_ops.py --device cuda --out-dir "$OUT_DIR"
+step profile_o1_step 120 python benchmarks/profile_o1_step.py --device cuda --half-dtype float16
 
 PROFILE='
 import os, sys, torch

@@ -7,6 +7,7 @@ their own time (``cProfile``). A diagnostic, not a benchmark: profiling slows ev
 
 Usage:
     python benchmarks/profile_o1_step.py --loss-scale dynamic
+    python benchmarks/profile_o1_step.py --device cuda --half-dtype float16  # host side on a GPU
     python benchmarks/profile_o1_step.py --loss-scale 1.0 --threads 1 --steps 20
 
 Never asserts anything; prints only.
@@ -29,7 +30,8 @@ from bench_amp_step import MlpConfig, mlp_autocast_step, mlp_o1_step
 
 
 def op_table(step: Step, steps: int) -> dict[str, tuple[int, float]]:
-    """``{aten op: (calls, self CPU microseconds)}`` over ``steps`` calls of ``step``."""
+    """``{aten op: (calls, self CPU microseconds)}`` over ``steps`` calls of ``step`` (on a GPU
+    too: the host's time, which is what O1 adds)."""
     for _ in range(3):
         step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -40,6 +42,7 @@ def op_table(step: Step, steps: int) -> dict[str, tuple[int, float]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--loss-scale", default="dynamic", help='"dynamic" or a number')
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--steps", type=int, default=10)
@@ -47,12 +50,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     half = getattr(torch, args.half_dtype)
-    device = torch.device("cpu")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("profile_o1_step: CUDA is not available; nothing profiled on cuda.")
+        return 0
+    device = torch.device(args.device)
     cfg = MlpConfig()
     gen = torch.Generator().manual_seed(0)
-    data = (torch.randn(cfg.batch, cfg.dim, generator=gen), torch.randn(cfg.batch, cfg.dim))
+    data = (
+        torch.randn(cfg.batch, cfg.dim, generator=gen).to(device),
+        torch.randn(cfg.batch, cfg.dim).to(device),
+    )
     print(
-        f"{args.threads} thread(s), loss scale {args.loss_scale}, load average {load_average()}"
+        f"{args.device}, {args.half_dtype}, {args.threads} thread(s), loss scale "
+        f"{args.loss_scale}, load average {load_average()}"
         f"\nCPU flags: {format_cpu_flags(cpu_flags())}"
     )
     autocast = op_table(mlp_autocast_step(cfg, device, 0, data, half), args.steps)
