@@ -71,6 +71,19 @@ _builds: dict[Path, SessionBuild] = {}
 CONFIGURED_BUILD = ext_cache.build_directory("cpu").resolve()
 
 
+def own_messages(caplog: pytest.LogCaptureFixture, level: int | None = None) -> list[str]:
+    """The messages amp_fused_ops logged (at ``level`` only, when given), in order.
+
+    Other loggers are left out: torch's own warn too (a CUDA build of torch on a machine without
+    a GPU logs "No CUDA runtime is found" from ``torch.utils.cpp_extension`` at import).
+    """
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name.split(".")[0] == "amp_fused_ops" and (level is None or r.levelno == level)
+    ]
+
+
 def child_env(cache: Path, **extra: str) -> dict[str, str]:
     """Environment for a child Python that imports this checkout's amp_fused_ops."""
     env = dict(os.environ)

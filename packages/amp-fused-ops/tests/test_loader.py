@@ -17,7 +17,13 @@ from types import ModuleType
 import pytest
 import torch
 
-from _cpu_extension_helpers import SessionBuild, child_env, race_reports, session_cache
+from _cpu_extension_helpers import (
+    SessionBuild,
+    child_env,
+    own_messages,
+    race_reports,
+    session_cache,
+)
 from amp_fused_ops.extensions import _api as ext_api
 from amp_fused_ops.extensions import _build as ext_build
 from amp_fused_ops.extensions import _loader
@@ -48,7 +54,7 @@ def _fail_compile(kind: str, build_dir: Path) -> None:
 
 
 def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    return own_messages(caplog, logging.WARNING)
 
 
 @pytest.mark.slow  # a real compile, where the session's build was copied from the user's cache

@@ -25,7 +25,13 @@ from typing import Any
 
 import pytest
 
-from _cpu_extension_helpers import SessionBuild, child_env, copy_build, session_cache
+from _cpu_extension_helpers import (
+    SessionBuild,
+    child_env,
+    copy_build,
+    own_messages,
+    session_cache,
+)
 from amp_fused_ops import __version__
 from amp_fused_ops.extensions import _api as api
 from amp_fused_ops.extensions import _build as ext_build
@@ -238,7 +244,7 @@ def test_damaged_module_is_rebuilt_from_scratch(
     assert ext is not None and ext.__file__ == str(module)
     # ninja found nothing to take for up to date: no module, no object, no build file.
     assert calls == [["amp_fused_ops.lock", "amp_fused_ops.lock.json"]]
-    damaged, compiling = (r.getMessage() for r in caplog.records)
+    damaged, compiling = own_messages(caplog)
     assert damaged.startswith(f"the compiled module in {module.parent} does not match")
     assert damaged.endswith("; compiling it again from scratch")
     assert compiling.startswith("compiling amp_fused_ops CPU extension (rebuilding from scratch")
@@ -469,7 +475,7 @@ def test_corrupt_build_record_gets_a_hint_and_is_rebuilt(
     with caplog.at_level(logging.WARNING, logger="amp_fused_ops"):
         assert _loader.get_extension("cpu") is not None
     assert len(calls) == 1
-    assert "is unreadable (JSONDecodeError" in caplog.records[0].getMessage()
+    assert "is unreadable (JSONDecodeError" in own_messages(caplog)[0]
     assert json.loads((module.parent / MARKER).read_text())["file"] == module.name
 
 
@@ -615,7 +621,7 @@ def test_disable_after_loading_tells_the_truth(
     with caplog.at_level(logging.INFO, logger="amp_fused_ops"):
         assert _loader.get_extension("cpu") is ext
         assert _loader.get_extension("cpu") is ext
-    lines = [r.getMessage() for r in caplog.records]
+    lines = own_messages(caplog)
     assert lines == [
         "amp_fused_ops CPU extension: disabled by AMP_FUSED_OPS_DISABLE=1, but it was loaded "
         "earlier in this process and its kernels stay registered with the dispatcher, so the "
