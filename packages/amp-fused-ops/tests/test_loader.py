@@ -201,10 +201,9 @@ def test_cuda_cache_key_follows_the_arch_list(
     assert not _loader._arch_covers("8.0;9.0+PTX", "8.6")
 
 
-@pytest.mark.skipif(not (CUDA_DIR / "ops_registration.cpp").exists(), reason="no csrc/cuda sources")
-def test_cuda_build_compiles_every_source_of_csrc_cuda(
-    cuda_toolchain: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+def _record_cuda_loads(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, object]]:
+    """Replaces ``cpp_extension.load`` by a recorder of its arguments that writes an empty
+    module; returns the list the calls go to."""
     from torch.utils import cpp_extension
 
     calls: list[dict[str, object]] = []
@@ -219,6 +218,14 @@ def test_cuda_build_compiles_every_source_of_csrc_cuda(
         return module
 
     monkeypatch.setattr(cpp_extension, "load", fake_load)
+    return calls
+
+
+@pytest.mark.skipif(not (CUDA_DIR / "ops_registration.cpp").exists(), reason="no csrc/cuda sources")
+def test_cuda_build_compiles_every_source_of_csrc_cuda(
+    cuda_toolchain: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls = _record_cuda_loads(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="amp_fused_ops"):
         assert _loader.get_extension("cuda") is not None
     (call,) = calls
@@ -231,6 +238,27 @@ def test_cuda_build_compiles_every_source_of_csrc_cuda(
     assert line.startswith("compiling amp_fused_ops CUDA extension (first use on this machine")
     meta = json.loads((_loader.build_directory("cuda") / "amp_fused_ops_build.json").read_text())
     assert meta["arch"] == "9.0"
+
+
+@pytest.mark.skipif(not (CUDA_DIR / "ops_registration.cpp").exists(), reason="no csrc/cuda sources")
+def test_headers_of_torch_nvidia_packages_are_searched_after_the_toolkit(
+    cuda_toolchain: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A toolkit without cusparse.h takes it from torch's nvidia-* packages, whose folder also
+    holds the CUDA runtime headers of torch's CUDA release: searched before the toolkit's own,
+    they made an nvcc of another minor release refuse every unit (CCCL's "CUDA compiler and
+    CUDA toolkit headers are incompatible"). They come after the toolkit's, as -isystem."""
+    include = tmp_path / "site" / "nvidia" / "cu13" / "include"
+    include.mkdir(parents=True)
+    (include / "cusparse.h").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    calls = _record_cuda_loads(monkeypatch)
+    assert _loader.get_extension("cuda") is not None
+    (call,) = calls
+    assert str(include) not in (call.get("extra_include_paths") or [])  # -I: before the toolkit
+    for key in ("extra_cflags", "extra_cuda_cflags"):
+        flags = list(call[key])  # type: ignore[call-overload]
+        assert flags[flags.index(str(include)) - 1] == "-isystem", key
 
 
 def test_cuda_home_skips_wrapper_scripts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -157,14 +157,14 @@ def _load_cuda(cpp_extension: Any, sources: list[str], build_dir: Path) -> Modul
     previous_home = cpp_extension.CUDA_HOME
     cpp_extension.CUDA_HOME = str(home)
     try:
+        after = toolkit.after_toolkit_flags(toolkit.extra_cuda_include_paths(home))
         with _environment(CUDA_HOME=str(home), **{ARCH_ENV: arch_list}):
             loaded = cpp_extension.load(
                 name=MODULE_NAMES["cuda"],
                 sources=sources,
-                extra_cflags=list(flags.CUDA_CFLAGS),
-                extra_cuda_cflags=list(flags.CUDA_NVCC_FLAGS),
+                extra_cflags=[*flags.CUDA_CFLAGS, *after],
+                extra_cuda_cflags=[*flags.CUDA_NVCC_FLAGS, *after],
                 extra_ldflags=list(flags.extra_ldflags()),
-                extra_include_paths=toolkit.extra_cuda_include_paths(home),
                 build_directory=str(build_dir),
                 with_cuda=True,
                 is_python_module=False,

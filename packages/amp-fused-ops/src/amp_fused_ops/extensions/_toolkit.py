@@ -99,7 +99,11 @@ def extra_cuda_include_paths(home: Path) -> list[str]:
     """Headers PyTorch's CUDA headers need that the toolkit may lack (``cusparse.h``).
 
     pip's ``nvidia-*`` packages ship them under ``site-packages/nvidia/cu<major>/include``;
-    they are added only when the toolkit has no ``cusparse.h`` of its own.
+    they are added only when the toolkit has no ``cusparse.h`` of its own, and they are
+    searched after the toolkit's own headers (:func:`after_toolkit_flags`): that folder also
+    holds the CUDA runtime's headers of torch's CUDA release, which nvcc accepts only from its
+    own release (torch 2.15 for CUDA 13.2 with an nvcc of CUDA 13.0 stops at CCCL's "CUDA
+    compiler and CUDA toolkit headers are incompatible").
     """
     if (home / "include" / "cusparse.h").exists():
         return []
@@ -112,6 +116,16 @@ def extra_cuda_include_paths(home: Path) -> list[str]:
         if (include / "cusparse.h").exists():
             found.append(str(include))
     return found
+
+
+def after_toolkit_flags(paths: list[str]) -> list[str]:
+    """Compiler flags that search ``paths`` after the toolkit's headers.
+
+    ``torch.utils.cpp_extension`` passes ``extra_include_paths`` as ``-I`` (before everything)
+    and the toolkit's ``include`` as ``-isystem``, ahead of the extra flags: ``-isystem`` in the
+    extra flags comes after it, for nvcc and the host compiler alike.
+    """
+    return [flag for path in paths for flag in ("-isystem", path)]
 
 
 def compiler_command() -> list[str]:
