@@ -427,6 +427,21 @@ def test_cpu_flags_follow_the_vector_width_torch_uses(
     assert not any(flag.startswith("-mavx") for flag in _loader._extra_cflags())
 
 
+def test_cuda_cache_key_follows_where_the_library_headers_come_from(
+    cuda_toolchain: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Headers taken from torch's nvidia-* packages (a toolkit without cusparse.h) are part of
+    the CUDA build's key: a build made with another search order is not taken for this one."""
+    from amp_fused_ops.extensions import _cache as cache
+
+    before = cache.source_hash("cuda")
+    include = tmp_path / "site" / "nvidia" / "cu13" / "include"
+    include.mkdir(parents=True)
+    (include / "cusparse.h").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    assert cache.source_hash("cuda") != before
+
+
 def test_cache_key_covers_the_shared_headers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -131,11 +131,14 @@ def source_hash(kind: str) -> str:
         digest.update(path.read_bytes())
     used = (*flags.extra_cflags(), toolkit.compiler_command()[0])
     if kind == "cuda":
+        home = toolkit.cuda_home()
+        includes = toolkit.extra_cuda_include_paths(home) if home is not None else []
         used = (
             *flags.CUDA_CFLAGS,
             *flags.CUDA_NVCC_FLAGS,
+            *toolkit.after_toolkit_flags(includes),  # the headers of torch's nvidia-* packages
             toolkit.compiler_command()[0],
-            str(toolkit.cuda_home()),
+            str(home),
         )
     used = (*used, *flags.extra_ldflags())
     digest.update(" ".join(used).encode())
