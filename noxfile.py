@@ -72,6 +72,17 @@ PREBUILT_WHEELHOUSE = WHEELHOUSE / "prebuilt"
 # compile them), unless TORCH_CUDA_ARCH_LIST says otherwise.
 PREBUILT_CUDA_ARCHS = "8.0;9.0;10.0+PTX"
 
+
+def _usable_cores() -> int:
+    """The cores this process may run on: a container's CPU set or ``taskset`` narrows them
+    (``os.cpu_count()`` counts the host's), and one pytest-xdist worker or compile job per core
+    beyond them would only share the same cores."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
 nox.options.sessions = ["lint", "tests"]
 nox.options.reuse_existing_virtualenvs = True
 
@@ -621,7 +632,7 @@ def wheel_prebuilt(session: nox.Session) -> None:
     kinds = ["cpu"]
     env = {
         "AMP_FUSED_OPS_CACHE": str(Path(session.create_tmp()).resolve() / "kernel-build-cache"),
-        "MAX_JOBS": os.environ.get("MAX_JOBS", str(os.cpu_count() or 1)),
+        "MAX_JOBS": os.environ.get("MAX_JOBS", str(_usable_cores())),
     }
     cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
     has_nvcc = shutil.which("nvcc") is not None or (Path(cuda_home) / "bin" / "nvcc").exists()
@@ -757,7 +768,7 @@ def cuda_build(session: nox.Session) -> None:
     env = {
         "CUDA_HOME": os.environ.get("CUDA_HOME", "/usr/local/cuda"),
         "TORCH_CUDA_ARCH_LIST": os.environ.get("TORCH_CUDA_ARCH_LIST", "9.0"),
-        "MAX_JOBS": os.environ.get("MAX_JOBS", str(os.cpu_count() or 1)),
+        "MAX_JOBS": os.environ.get("MAX_JOBS", str(_usable_cores())),
         # A cache of this session's own: the build below always compiles (--force).
         "AMP_FUSED_OPS_CACHE": str(Path(session.create_tmp()) / "amp_fused_ops_cache"),
         "PYTHONPATH": str(ROOT / "packages" / "amp-fused-ops" / "src"),
@@ -791,7 +802,7 @@ def cuda_ptxas(session: nox.Session) -> None:
         "PYTHONPATH": str(ROOT / "packages" / "amp-fused-ops" / "src"),
     }
     session.run(
-        "python", "benchmarks/ptxas_report.py", "--jobs", str(os.cpu_count() or 1),
+        "python", "benchmarks/ptxas_report.py", "--jobs", str(_usable_cores()),
         *session.posargs, env=env,
     )  # fmt: skip
 
@@ -855,7 +866,7 @@ ONE_PROCESS_TEST_PACKAGES = ("amp-parallel", "amp-legacy-fp16")
 def _xdist(
     session: nox.Session, distribution: str, *, one_process: bool = False
 ) -> tuple[list[str], dict[str, str]]:
-    """pytest-xdist arguments and environment: one worker process per CPU, one thread each.
+    """pytest-xdist arguments and environment: one worker process per usable CPU, one thread each.
 
     Most tests are short and single-threaded in Python (small tensors, subprocesses starting,
     the emulator running a launch's blocks one after the other), so a second worker on the
@@ -875,7 +886,7 @@ def _xdist(
     value = os.environ.get("AMP_TEST_WORKERS", "")
     if value and not (value.isdigit() and int(value) >= 1):
         session.error(f"AMP_TEST_WORKERS={value!r}: expected a number of workers, 1 or more")
-    workers = int(value) if value else 1 if one_process else (os.cpu_count() or 1)
+    workers = int(value) if value else 1 if one_process else _usable_cores()
     if workers == 1:
         return [], {}
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -904,7 +915,7 @@ def cuda_emulation(session: nox.Session) -> None:
     build (see packages/amp-fused-ops/tests/_kernel_target.py).
     """
     _install_checkout(session, "pytest", "pytest-xdist", "ninja")
-    session.env["MAX_JOBS"] = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
+    session.env["MAX_JOBS"] = os.environ.get("MAX_JOBS", str(_usable_cores()))
     session.env["AMP_FUSED_OPS_CACHE"] = os.environ.get(
         "AMP_FUSED_OPS_CACHE", str((Path(session.cache_dir) / "emulated-kernels").resolve())
     )

@@ -90,8 +90,8 @@ def torch_view() -> tuple[str, bool | None]:
 def cores() -> str:
     """The machine's cores, and how many this process may run on when that is fewer.
 
-    ``taskset`` or a container's CPU set narrows the second; the test sessions still start one
-    pytest-xdist worker per core of the machine (``os.cpu_count()``), which then share them.
+    ``taskset`` or a container's CPU set narrows the second, and the nox sessions size their
+    pytest-xdist workers and compile jobs by it (one per usable core).
     """
     total = os.cpu_count() or 1
     try:
