@@ -81,9 +81,10 @@ def build(build_dir: Path, stable_include: str | None) -> None:
         torch.ops.load_library(path)
 
 
-def bump_then_redispatch() -> None:
+def bump_then_redispatch() -> torch.library.Library:
     """A Python ADInplaceOrView kernel for the third variant: the version counters of the
-    four lists, then the op below ADInplaceOrView."""
+    four lists, then the op below ADInplaceOrView. The kernel stays registered while the
+    returned library lives."""
     op = torch.ops.amp_abi_cost_stable_bumped.adam_like.default
     after = torch._C._after_ADInplaceOrView_keyset
     increment = torch._C._increment_version
@@ -95,7 +96,7 @@ def bump_then_redispatch() -> None:
 
     library = torch.library.Library("amp_abi_cost_stable_bumped", "IMPL")
     library.impl("adam_like", kernel, "ADInplaceOrView", with_keyset=True)
-    bump_then_redispatch.library = library  # type: ignore[attr-defined]  # kept alive
+    return library
 
 
 def variants() -> dict[str, Callable[..., Any]]:
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads or default_threads())
     build_dir = args.build_dir or Path(tempfile.mkdtemp(prefix="amp_abi_cost_"))
     build(build_dir, args.stable_include)
-    bump_then_redispatch()
+    library = bump_then_redispatch()  # noqa: F841  (registered while it lives)
     ops = variants()
     check_results(ops)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), CPU flags: "
