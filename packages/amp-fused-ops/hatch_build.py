@@ -3,21 +3,29 @@
 Every regular wheel gets ``csrc/`` as ``amp_fused_ops/csrc`` (the loader compiles it just in
 time; editable installs find it next to ``src/``). The compile step is a no-op unless
 ``AMP_FUSED_OPS_BUILD_EXT=1`` (so ``nox -s build`` and plain ``pip install`` make a
-pure-Python wheel that compiles just in time on first use). With the variable set,
-the wheel target compiles ``csrc/cpu`` through the loader (``amp_fused_ops/extensions``: the
-same ``torch.utils.cpp_extension`` build as just in time), ships the module in
-``amp_fused_ops/_prebuilt/`` with a JSON note of the torch and Python it was built for and of
-the module's size and SHA-256 (checked before it is loaded), and marks the wheel
-platform-specific. The loader uses that module only when torch and Python
-match; otherwise it compiles as usual. The build needs torch importable, so build with
+pure-Python wheel that compiles just in time on first use). With the variable set, the wheel
+target compiles the portable modules of the torch in the build environment through the loader
+(``amp_fused_ops/extensions``: the same ``torch.utils.cpp_extension`` build as just in time;
+the CPU kind once per instruction set, AVX2 and AVX-512 on x86-64), ships them in
+``amp_fused_ops/_prebuilt/``, each with a JSON note of the torch, Python and instruction set it
+was built for and of its size and SHA-256 (checked before it is loaded), and marks the wheel
+platform-specific. The build needs torch importable, so build with
 ``python -m build --no-isolation`` (or put torch in the build requirements)::
 
     AMP_FUSED_OPS_BUILD_EXT=1 python -m build --no-isolation --wheel packages/amp-fused-ops
 
+A module built with ATen's C++ API runs only under the torch release it was built against. To
+serve several releases with one wheel, build their modules first, each in an environment with
+that torch (``python -m amp_fused_ops build cpu --wheel-dir DIR``), and name the folders in
+``AMP_FUSED_OPS_PREBUILT_DIRS`` (separated by ``os.pathsep``): the wheel ships them too. The
+loader takes the module of the running torch release and the best instruction set of the CPU,
+and compiles just in time under any other torch. The wheel does not pin torch.
+
 The variable names the kinds: ``1`` or ``cpu`` (the CPU extension), ``cuda``, or
 ``cpu,cuda`` / ``all``. The CUDA extension needs a CUDA build of torch and nvcc, and is
 compiled for ``TORCH_CUDA_ARCH_LIST`` (no GPU needed; set it to every architecture the wheel
-must serve, e.g. ``8.0;9.0;10.0+PTX``); the loader uses it only on a GPU of one of those
+must serve, e.g. ``8.0;9.0;10.0+PTX``); the loader uses it only with the exact torch version it
+was built against (its CUDA runtime is part of that) and on a GPU of one of those
 architectures::
 
     AMP_FUSED_OPS_BUILD_EXT=cpu,cuda TORCH_CUDA_ARCH_LIST="8.0;9.0" \\
@@ -27,7 +35,6 @@ architectures::
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shutil
 import sys
@@ -39,7 +46,21 @@ from typing import Any
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
 BUILD_ENV = "AMP_FUSED_OPS_BUILD_EXT"
+PREBUILT_DIRS_ENV = "AMP_FUSED_OPS_PREBUILT_DIRS"
 _KIND_VALUES = {"1": ("cpu",), "all": ("cpu", "cuda")}
+
+
+def prebuilt_dirs(value: str) -> list[Path]:
+    """The folders ``AMP_FUSED_OPS_PREBUILT_DIRS=value`` names (``os.pathsep``-separated).
+
+    Raises:
+        RuntimeError: If one is not a folder.
+    """
+    folders = [Path(part) for part in value.split(os.pathsep) if part.strip()]
+    missing = [str(folder) for folder in folders if not folder.is_dir()]
+    if missing:
+        raise RuntimeError(f"{PREBUILT_DIRS_ENV} names folders that do not exist: {missing}")
+    return folders
 
 
 def requested_kinds(value: str) -> tuple[str, ...]:
@@ -106,6 +127,11 @@ class CustomBuildHook(BuildHookInterface):
             build_data["force_include"][str(csrc)] = "amp_fused_ops/csrc"
         kinds = requested_kinds(os.environ.get(BUILD_ENV, ""))
         if not kinds:
+            if os.environ.get(PREBUILT_DIRS_ENV, "").strip():
+                raise RuntimeError(
+                    f"{PREBUILT_DIRS_ENV} is set but {BUILD_ENV} is not: set {BUILD_ENV}=cpu "
+                    "(or cpu,cuda) to build a wheel with prebuilt modules"
+                )
             return
         try:
             loader = _load_loader(Path(self.root))
@@ -114,54 +140,35 @@ class CustomBuildHook(BuildHookInterface):
                 f"{BUILD_ENV} needs torch in the build environment ({error}); build with "
                 "`python -m build --no-isolation` in an environment that has torch"
             ) from error
-        # The notes shipped with the modules are written here; finalize() removes the folder.
+        # The modules and notes are gathered here; finalize() removes the folder.
         self._build_dir = Path(tempfile.mkdtemp(prefix="amp_fused_ops_ext_"))
-        # A shipped wheel must run on any CPU of its architecture: no host-specific flags.
-        os.environ[loader._settings.PORTABLE_ENV] = "1"
-        torch_versions = {self._build_kind(loader, kind, build_data) for kind in kinds}
-        build_data["pure_python"] = False
-        build_data["infer_tag"] = True
-        # The modules load only with the torch they were built for (the loader checks the
-        # version, local label included): the wheel requires exactly that torch.
-        build_data["dependencies"].extend(f"torch=={version}" for version in sorted(torch_versions))
-
-    def _build_kind(self, loader: ModuleType, kind: str, build_data: dict[str, Any]) -> str:
-        """Compile ``kind`` (or reuse its build) and add the module and its note to the wheel.
-
-        The build goes into the loader's cache folder (``AMP_FUSED_OPS_CACHE``, else
-        ``~/.cache/amp_fused_ops``) under the key of a portable build: a verified build of the
-        same sources, flags, torch and Python is reused instead of compiled again.
-
-        Returns:
-            The torch version the module was built for.
-        """
-        build_dir = loader._cache.build_directory(kind)
-        try:
-            module_path = loader._api.build_extension(kind, force=False, build_dir=build_dir)
-        except loader._settings.ExtensionUnavailableError as error:
-            if not (build_dir / loader._settings.FAILED).exists():
+        staged = self._build_dir / "_prebuilt"
+        for kind in kinds:
+            try:
+                written = loader._api.build_for_wheel(kind, staged)
+            except loader._settings.ExtensionUnavailableError as error:
                 raise RuntimeError(
                     f"{BUILD_ENV}: cannot build the {kind} extension: {error}"
                 ) from error
-            try:  # an earlier failure is remembered by the cache; a wheel build tries again
-                module_path = loader._api.build_extension(kind, force=True, build_dir=build_dir)
-            except loader._settings.ExtensionUnavailableError as again:
-                raise RuntimeError(
-                    f"{BUILD_ENV}: cannot build the {kind} extension: {again}"
-                ) from again
-        name = loader._settings.MODULE_NAMES[kind]
-        note = self._build_dir / f"{name}.json"
-        # The build record (torch, Python, arch, size, SHA-256) is the note of the wheel.
-        record = json.loads((build_dir / loader._settings.MARKER).read_text())
-        keys = ("file", "torch", "python", "arch", "size", "sha256")
-        note.write_text(json.dumps({key: record[key] for key in keys if key in record}))
-        prebuilt = "amp_fused_ops/_prebuilt"
-        build_data["force_include"][str(module_path)] = f"{prebuilt}/{module_path.name}"
-        build_data["force_include"][str(note)] = f"{prebuilt}/{note.name}"
-        self.app.display_info(
-            f"{BUILD_ENV}: shipping the {kind} extension {module_path.name} (from {build_dir})"
-        )
-        return str(record["torch"])
+            for path in written:
+                self.app.display_info(f"{BUILD_ENV}: shipping {path.name}")
+        for folder in prebuilt_dirs(os.environ.get(PREBUILT_DIRS_ENV, "")):
+            gathered = []
+            for kind in loader._settings.KINDS:
+                try:
+                    gathered += loader._prebuilt.gather(kind, folder, staged)
+                except loader._settings.ExtensionUnavailableError as error:
+                    raise RuntimeError(f"{PREBUILT_DIRS_ENV}: {error}") from error
+            if not gathered:
+                raise RuntimeError(f"{PREBUILT_DIRS_ENV}: {folder} holds no prebuilt module")
+            for path in gathered:
+                self.app.display_info(f"{PREBUILT_DIRS_ENV}: shipping {path.name} (from {folder})")
+        for path in sorted(staged.iterdir()):
+            build_data["force_include"][str(path)] = f"amp_fused_ops/_prebuilt/{path.name}"
+        build_data["pure_python"] = False
+        build_data["infer_tag"] = True
+        # No pin on torch: the loader takes the module built for the running torch release and
+        # compiles just in time under any other (the package's own torch range applies).
 
     def finalize(self, version: str, build_data: dict[str, Any], artifact_path: str) -> None:
         """Remove the temporary build folder once the wheel is written.

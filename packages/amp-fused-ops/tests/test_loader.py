@@ -28,6 +28,7 @@ from amp_fused_ops.extensions import _api as ext_api
 from amp_fused_ops.extensions import _build as ext_build
 from amp_fused_ops.extensions import _loader
 from amp_fused_ops.extensions import _lookup as ext_lookup
+from amp_fused_ops.extensions import _prebuilt as ext_prebuilt
 from amp_fused_ops.extensions import _toolkit as ext_toolkit
 
 OPS = ("multi_tensor_scale", "multi_tensor_axpby", "multi_tensor_l2norm", "multi_tensor_adam")
@@ -331,24 +332,51 @@ def test_build_failure_names_the_log_and_is_not_retried(
     assert len(calls) == 2  # `build` retries
 
 
-def test_prebuilt_module_is_preferred_when_torch_matches(
-    build: SessionBuild, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv(_loader.CACHE_ENV, str(build.cache))
-    built = _loader.extension_status("cpu").path
-    assert built is not None
-    prebuilt = tmp_path / "_prebuilt"
-    prebuilt.mkdir()
-    shutil.copy(built, prebuilt / built.name)
-    meta: dict[str, object] = {
-        "file": built.name,
-        "torch": torch.__version__,
+def _ship(built: Path, folder: Path, torch_version: str, isa: str, **meta: object) -> Path:
+    """Put a copy of ``built`` into ``folder`` as a wheel ships it, with its note."""
+    name = f"amp_fused_ops_cpu.torch-{torch_version.split('+')[0]}.{isa}.so"
+    folder.mkdir(exist_ok=True)
+    shutil.copy(built, folder / name)
+    note: dict[str, object] = {
+        "file": name,
+        "torch": torch_version,
         "python": _loader._python_tag(),
+        "isa": isa,
         "size": built.stat().st_size,
         "sha256": hashlib.sha256(built.read_bytes()).hexdigest(),
+        **meta,
     }
-    (prebuilt / "amp_fused_ops_cpu.json").write_text(json.dumps(meta))
-    monkeypatch.setattr(ext_lookup, "PREBUILT_DIR", prebuilt)
+    (folder / f"{name.removesuffix('.so')}.json").write_text(json.dumps(note))
+    return folder / name
+
+
+@pytest.fixture
+def wheel_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty ``_prebuilt/`` the loader reads instead of the installed package's."""
+    folder = tmp_path / "_prebuilt"
+    folder.mkdir()
+    monkeypatch.setattr(ext_prebuilt, "PREBUILT_DIR", folder)
+    return folder
+
+
+def _built(build: SessionBuild, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The session's build of the CPU extension (the loader's cache becomes the session's)."""
+    monkeypatch.setenv(_loader.CACHE_ENV, str(build.cache))
+    status = _loader.extension_status("cpu")
+    assert status.state == "built" and status.path is not None, status
+    return status.path
+
+
+def _capability(monkeypatch: pytest.MonkeyPatch, capability: str) -> None:
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+
+
+def test_prebuilt_module_is_preferred_when_torch_matches(
+    build: SessionBuild, wheel_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built = _built(build, monkeypatch)
+    shipped = _ship(built, wheel_folder, torch.__version__, _loader._host_isas()[0])
     imported: list[Path] = []
     real_import = _loader._import_compiled
 
@@ -359,14 +387,79 @@ def test_prebuilt_module_is_preferred_when_torch_matches(
     monkeypatch.setattr(ext_lookup, "import_compiled", spy)
     assert _loader.extension_status("cpu").state == "prebuilt"
     assert _loader.get_extension("cpu") is not None
-    assert imported == [prebuilt / built.name]  # (Python reuses the module object by name)
+    assert imported == [shipped]
+    note = shipped.with_suffix(".json")
+    meta = json.loads(note.read_text())
     meta["sha256"] = "0" * 64  # not the bytes it was built with: never loaded
-    (prebuilt / "amp_fused_ops_cpu.json").write_text(json.dumps(meta))
+    note.write_text(json.dumps(meta))
     assert _loader.extension_status("cpu").state == "built"
-    meta["sha256"] = hashlib.sha256(built.read_bytes()).hexdigest()
-    meta["torch"] = "0.0.1"  # built for another torch: ignored
-    (prebuilt / "amp_fused_ops_cpu.json").write_text(json.dumps(meta))
-    assert _loader.extension_status("cpu").state == "built"
+
+
+def test_prebuilt_module_of_the_best_instruction_set_the_cpu_runs(
+    build: SessionBuild, wheel_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A wheel ships AVX2 and AVX-512 modules per torch release; torch's CPU capability (which
+    ATEN_CPU_CAPABILITY lowers) picks one, and a CPU that has neither compiles just in time."""
+    built = _built(build, monkeypatch)
+    avx2 = _ship(built, wheel_folder, torch.__version__, "avx2")
+    avx512 = _ship(built, wheel_folder, torch.__version__, "avx512")
+    _capability(monkeypatch, "AVX512")
+    assert _loader.extension_status("cpu").path == avx512
+    _capability(monkeypatch, "AVX2")
+    assert _loader.extension_status("cpu").path == avx2
+    _capability(monkeypatch, "DEFAULT")
+    status = _loader.extension_status("cpu")
+    assert status.state != "prebuilt"
+    assert status.detail.endswith(
+        f"the wheel's prebuilt cpu modules for torch {torch.__version__}, Python "
+        f"{_loader._python_tag()} need avx2, avx512; this CPU runs baseline (torch's CPU "
+        "capability DEFAULT)"
+    )
+
+
+def test_prebuilt_module_serves_its_torch_release_whatever_the_local_label(
+    build: SessionBuild, wheel_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU kernels link only torch's CPU libraries: a module built with the CUDA build of a
+    release serves its CPU build (and the other way round); another release compiles."""
+    built = _built(build, monkeypatch)
+    isa = _loader._host_isas()[0]
+    release = torch.__version__.split("+")[0]
+    label = "+cpu" if "+cu" in torch.__version__ else "+cu130"
+    other_build = _ship(built, wheel_folder, release + label, isa)
+    assert _loader.extension_status("cpu").path == other_build
+    other_build.unlink()
+    other_build.with_suffix(".json").unlink()
+    _ship(built, wheel_folder, "2.10.0+cpu", isa)
+    _ship(built, wheel_folder, "2.99.1", isa)
+    status = _loader.extension_status("cpu")
+    assert status.state == "built"
+    assert status.detail.endswith(
+        "the wheel's prebuilt cpu modules are for torch 2.10.0+cpu (Python "
+        f"{_loader._python_tag()}), torch 2.99.1 (Python {_loader._python_tag()}); this is "
+        f"torch {torch.__version__}, Python {_loader._python_tag()}"
+    )
+
+
+def test_prebuilt_module_that_does_not_load_falls_back_to_the_cache(
+    build: SessionBuild,
+    wheel_folder: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A shipped module the dynamic loader refuses (a torch patch release that broke its ABI, a
+    library missing on this system) is logged once and skipped, never the end of the ops."""
+    built = _built(build, monkeypatch)
+    junk = wheel_folder / "not-a-library.so"
+    junk.write_bytes(b"\x7fELF but not really")
+    broken = _ship(junk, wheel_folder, torch.__version__, _loader._host_isas()[0])
+    monkeypatch.setattr(ext_build, "compile_extension", _fail_compile)
+    with caplog.at_level(logging.WARNING, logger="amp_fused_ops"):
+        module = _loader.get_extension("cpu")
+    assert module is not None and Path(str(module.__file__)) == built
+    (warning,) = _warnings(caplog)
+    assert warning.startswith(f"the compiled module {broken} cannot be imported (")
+    assert warning.endswith("; using the cache or a just-in-time build instead")
 
 
 def _cli(cache: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -422,9 +515,18 @@ def test_cpu_flags_follow_the_vector_width_torch_uses(
     # at::parallel_for runs on one thread in code compiled without OpenMP.
     openmp = sys.platform.startswith("linux") and torch.backends.openmp.is_available()
     assert ("-fopenmp" in flags) is openmp
-    # A wheel built ahead of time runs on any CPU of its architecture: no host flags.
+    # A module built ahead of time for a wheel: the flags of the instruction set it names,
+    # whatever this host has.
     monkeypatch.setenv(_loader.PORTABLE_ENV, "1")
     assert not any(flag.startswith("-mavx") for flag in _loader._extra_cflags())
+    monkeypatch.setenv(_loader.PORTABLE_ENV, "avx2")
+    portable = _loader._extra_cflags()
+    assert "-mavx2" in portable and "-mfma" in portable and "-mavx512f" not in portable
+    monkeypatch.setenv(_loader.PORTABLE_ENV, "avx512")
+    assert {"-mavx2", "-mavx512f", "-mavx512bw"} <= set(_loader._extra_cflags())
+    monkeypatch.setenv(_loader.PORTABLE_ENV, "avx10")
+    with pytest.raises(_loader.ExtensionUnavailableError, match="'avx10' names no instruction"):
+        _loader._extra_cflags()
 
 
 def test_cuda_cache_key_follows_where_the_library_headers_come_from(

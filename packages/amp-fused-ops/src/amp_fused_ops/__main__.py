@@ -8,7 +8,11 @@ also fails when that kind cannot be built here, instead of skipping it::
 
     TORCH_CUDA_ARCH_LIST=9.0 python -m amp_fused_ops build cuda   # works without a GPU
 
-``build --force`` compiles from scratch whatever the cache holds. Failures (a compiler error,
+``build --force`` compiles from scratch whatever the cache holds. ``build KIND --wheel-dir DIR``
+compiles the portable modules a wheel ships for this torch (the CPU kind: one per instruction
+set, AVX2 and AVX-512 on x86-64) and writes them with their notes into DIR, for
+``AMP_FUSED_OPS_PREBUILT_DIRS`` of a wheel build (``packages/amp-fused-ops/hatch_build.py``).
+Failures (a compiler error,
 an unwritable cache, another build holding the lock too long) print one line that says what
 to do, and exit with status 1.
 """
@@ -20,6 +24,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -55,6 +60,18 @@ def _info() -> int:
     return 0
 
 
+def _build_for_wheel(kind: str, out_dir: str) -> int:
+    """Write the portable modules of ``kind`` into ``out_dir``; returns 1 if one failed."""
+    try:
+        paths = _loader.build_for_wheel(kind, Path(out_dir))
+    except (_loader.ExtensionUnavailableError, OSError) as error:
+        print(f"{kind} extension: FAILED: {error}", file=sys.stderr)
+        return 1
+    for path in paths:
+        print(f"{kind} extension: wrote {path}")
+    return 0
+
+
 def _build(kinds: Sequence[str], force: bool, *, explicit: bool) -> int:
     """Build each kind this machine can; returns 1 if a build failed, else 0.
 
@@ -67,7 +84,9 @@ def _build(kinds: Sequence[str], force: bool, *, explicit: bool) -> int:
         if kind == "cuda" and status.state == "unavailable" and not explicit:
             print(f"cuda extension: skipped ({status.detail})")
             continue
-        if status.state in ("built", "prebuilt") and not force:
+        # A portable build (for a wheel) goes to the cache whatever the installed wheel ships.
+        done = ("built",) if os.environ.get(_loader.PORTABLE_ENV) else ("built", "prebuilt")
+        if status.state in done and not force:
             print(f"{kind} extension: already {status.state} ({status.detail}); --force rebuilds")
             continue
         try:
@@ -119,6 +138,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="compile again from scratch, whatever the cache holds",
     )
+    build.add_argument(
+        "--wheel-dir",
+        metavar="DIR",
+        default=None,
+        help="write the portable modules a wheel ships for this torch into DIR (one kind)",
+    )
     args = parser.parse_args(argv)
     # An application entry point may configure logging (the library never does).
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -127,6 +152,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.kind is not None and args.kind_option is not None and args.kind != args.kind_option:
         parser.error(f"build: kind {args.kind!r} and --kind {args.kind_option!r} disagree")
     chosen = args.kind or args.kind_option or "all"
+    if args.wheel_dir is not None:
+        if chosen == "all" or args.force:
+            parser.error("build --wheel-dir: name one kind (cpu or cuda), without --force")
+        return _build_for_wheel(chosen, args.wheel_dir)
     kinds = list(_loader.KINDS) if chosen == "all" else [chosen]
     return _build(kinds, args.force, explicit=chosen != "all")
 

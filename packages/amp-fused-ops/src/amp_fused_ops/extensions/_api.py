@@ -16,6 +16,9 @@ stays the answer and one WARNING line says so and points to
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -23,9 +26,13 @@ from types import ModuleType
 from amp_fused_ops.ops import _registry
 
 from . import _cache as cache
+from . import _flags as flags
 from . import _lookup as lookup
+from . import _prebuilt as prebuilt
 from ._settings import (
     DISABLE_ENV,
+    PACKAGE_DIR,
+    PORTABLE_ENV,
     PREBUILT_DIR,
     ExtensionStatus,
     ExtensionUnavailableError,
@@ -174,6 +181,56 @@ def build_extension(kind: str, *, force: bool = False, build_dir: Path | None = 
             _resolved[kind] = module
             _reasons.pop(kind, None)
     return Path(str(module.__file__))
+
+
+def build_for_wheel(kind: str, out_dir: Path) -> list[Path]:
+    """Compile the portable modules of ``kind`` that a wheel ships, and write them into ``out_dir``.
+
+    For this torch and Python: ``cpu``, one module per instruction set of
+    :data:`~amp_fused_ops.extensions._flags.WHEEL_CPU_ISAS` (x86-64; elsewhere the baseline);
+    ``cuda``, one for
+    ``TORCH_CUDA_ARCH_LIST``. Each is compiled (or taken from the cache, where a verified build
+    of the same sources, flags and torch is) by a child process, since two modules of one kind
+    cannot be loaded into one process; then copied under its wheel name with its note
+    (:mod:`~amp_fused_ops.extensions._prebuilt`). ``python -m amp_fused_ops build KIND
+    --wheel-dir DIR`` and the wheel's build hook call this.
+
+    Returns:
+        The modules written.
+
+    Raises:
+        ValueError: If ``kind`` is unknown.
+        ExtensionUnavailableError: If a module cannot be built (with the child's output).
+    """
+    check_kind(kind)
+    variants = flags.wheel_isas() if kind == "cpu" else ("1",)
+    written = []
+    for variant in variants:
+        env = dict(os.environ)
+        env[PORTABLE_ENV] = variant
+        # The child imports this package from where this process did (a checkout's src/ too).
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(PACKAGE_DIR.parent), env.get("PYTHONPATH", "")) if p
+        )
+        command = [sys.executable, "-m", "amp_fused_ops", "build", kind]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise ExtensionUnavailableError(
+                f"the portable {kind} module ({PORTABLE_ENV}={variant}) did not build: "
+                f"{done.stderr.strip() or done.stdout.strip()}"
+            )
+        saved = os.environ.get(PORTABLE_ENV)
+        os.environ[PORTABLE_ENV] = variant
+        try:
+            build_dir = cache.build_directory(kind)
+        finally:
+            if saved is None:
+                os.environ.pop(PORTABLE_ENV, None)
+            else:
+                os.environ[PORTABLE_ENV] = saved
+        written.append(prebuilt.stage(kind, build_dir, out_dir))
+        logger.info("portable %s module (%s) for the wheel: %s", kind, variant, written[-1])
+    return written
 
 
 def extension_status(kind: str) -> ExtensionStatus:

@@ -110,6 +110,8 @@ def compile_extension(kind: str, build_dir: Path) -> ModuleType:
     meta: dict[str, Any] = {"torch": torch.__version__, "python": record.python_tag()}
     if kind == "cuda":
         meta["arch"] = str(toolkit.cuda_arch_list())
+    else:
+        meta["isa"] = flags.portable_isa() or "host"
     # What the next estimate on this machine learns from.
     meta.update(
         seconds=round(seconds, 1),

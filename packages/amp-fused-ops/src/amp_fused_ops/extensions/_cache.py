@@ -14,7 +14,7 @@ import torch
 
 from . import _flags as flags
 from . import _toolkit as toolkit
-from ._settings import ARCH_ENV, CACHE_ENV, PACKAGE_DIR, check_kind
+from ._settings import ARCH_ENV, CACHE_ENV, PACKAGE_DIR, PORTABLE_ENV, check_kind
 
 # Files of csrc/<kind> that make the extension (hashed) and that are compiled.
 SOURCE_SUFFIXES = {"cpu": (".cpp", ".h"), "cuda": (".cu", ".cpp", ".h", ".cuh")}
@@ -57,6 +57,7 @@ def build_directory(kind: str) -> Path:
         env.get("CXX"),
         env.get(ARCH_ENV),
         env.get("CUDA_HOME"),
+        env.get(PORTABLE_ENV),
     )
 
 
@@ -68,9 +69,10 @@ def _build_directory(
     cxx: str | None,
     arch_list: str | None,
     cuda_home: str | None,
+    portable: str | None,
 ) -> Path:
     # Memoized on the environment it depends on (hashing the sources reads every file).
-    del cache, xdg, cxx, arch_list, cuda_home  # read again through os.environ by the helpers
+    del cache, xdg, cxx, arch_list, cuda_home, portable  # read again by the helpers
     cuda = f"cu{torch.version.cuda}" if torch.version.cuda else "cpu"
     python = f"py{sys.version_info.major}{sys.version_info.minor}"
     archs = f"-sm{toolkit.arch_tag(toolkit.cuda_arch_list())}" if kind == "cuda" else ""

@@ -8,11 +8,12 @@ import sys
 
 import torch
 
-from ._settings import PORTABLE_ENV
+from ._settings import PORTABLE_ENV, ExtensionUnavailableError
 
 # -fno-math-errno lets sqrt vectorize (the kernels never read errno). No -march=native: the
 # AVX2 flags are added only where torch reports AVX2 on this host (the cache key includes the
-# flags), and never for a wheel built ahead of time (PORTABLE_ENV, set by hatch_build.py).
+# flags); a module built ahead of time for a wheel (PORTABLE_ENV, set by hatch_build.py) is
+# compiled for a named instruction set instead, and loaded only where the CPU has it.
 BASE_CFLAGS = ("-O3", "-fno-math-errno")
 AVX2_CFLAGS = ("-mavx2", "-mfma", "-mf16c")
 # Where torch runs its own AVX-512 kernels, the same vector width.
@@ -23,6 +24,13 @@ AVX512_CFLAGS = (
     "-mavx512dq",
     "-mprefer-vector-width=512",
 )
+CPU_ISAS = ("baseline", "avx2", "avx512")
+"""The instruction sets a portable CPU module can be compiled for, from the most widely runnable:
+``baseline`` (the architecture's defaults: SSE2 on x86-64), ``avx2`` (AVX2, FMA, F16C: the x86-64
+CPUs of the last ten years) and ``avx512`` (the AVX-512 subset torch's own AVX512 kernels use)."""
+WHEEL_CPU_ISAS = ("avx2", "avx512")
+"""The CPU modules a wheel ships for each torch release: torch picks its kernels the same way."""
+_ISA_CFLAGS = {"baseline": (), "avx2": AVX2_CFLAGS, "avx512": (*AVX2_CFLAGS, *AVX512_CFLAGS)}
 CUDA_CFLAGS = ("-O3",)
 # No --use_fast_math: the kernels match the reference's IEEE float32 division and sqrt.
 CUDA_NVCC_FLAGS = ("-O3",)
@@ -41,19 +49,62 @@ def openmp_cflags() -> tuple[str, ...]:
     return ()
 
 
-def extra_cflags() -> tuple[str, ...]:
-    """The C++ flags of the CPU extension on this host (portable ones for a wheel)."""
-    base = (*BASE_CFLAGS, *openmp_cflags())
-    if os.environ.get(PORTABLE_ENV, "").strip() == "1":
-        return base
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return base
+def _is_x86_64() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def wheel_isas() -> tuple[str, ...]:
+    """The instruction sets of a wheel's CPU modules, on this machine's architecture."""
+    return WHEEL_CPU_ISAS if _is_x86_64() else ("baseline",)
+
+
+def portable_isa() -> str | None:
+    """The instruction set ``AMP_FUSED_OPS_PORTABLE`` asks a portable build for, or ``None``.
+
+    ``1`` means ``baseline``; ``avx2`` and ``avx512`` (x86-64 only) name the others; unset or
+    ``0``: a build for this host.
+
+    Raises:
+        ExtensionUnavailableError: If the value names no instruction set this machine's
+            compiler targets.
+    """
+    value = os.environ.get(PORTABLE_ENV, "").strip().lower()
+    if value in ("", "0"):
+        return None
+    isa = "baseline" if value == "1" else value
+    if isa not in CPU_ISAS or (isa != "baseline" and not _is_x86_64()):
+        allowed = ", ".join(CPU_ISAS if _is_x86_64() else ("baseline",))
+        raise ExtensionUnavailableError(
+            f"{PORTABLE_ENV}={value!r} names no instruction set a portable build of this "
+            f"{platform.machine()} machine can target; use 1 or one of: {allowed}"
+        )
+    return isa
+
+
+def host_isas() -> tuple[str, ...]:
+    """The instruction sets this CPU runs, best first, as torch sees it.
+
+    Read from ``torch.backends.cpu.get_cpu_capability()``, so ``ATEN_CPU_CAPABILITY=avx2``
+    (which holds torch's own kernels to AVX2) holds a prebuilt module to AVX2 too.
+    """
+    if not _is_x86_64():
+        return ("baseline",)
     capability = torch.backends.cpu.get_cpu_capability()
     if capability == "AVX512":
-        return (*base, *AVX2_CFLAGS, *AVX512_CFLAGS)
+        return ("avx512", "avx2", "baseline")
     if capability == "AVX2":
-        return (*base, *AVX2_CFLAGS)
-    return base
+        return ("avx2", "baseline")
+    return ("baseline",)
+
+
+def extra_cflags() -> tuple[str, ...]:
+    """The C++ flags of the CPU extension on this host (those of the named instruction set for a
+    portable build)."""
+    base = (*BASE_CFLAGS, *openmp_cflags())
+    isa = portable_isa()
+    if isa is None:
+        isa = host_isas()[0]
+    return (*base, *_ISA_CFLAGS[isa])
 
 
 def loaded_libstdcxx() -> str | None:

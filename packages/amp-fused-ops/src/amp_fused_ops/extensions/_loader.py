@@ -38,6 +38,7 @@ from __future__ import annotations
 from ._api import (
     build_directory,
     build_extension,
+    build_for_wheel,
     clear_cache,
     extension_status,
     get_extension,
@@ -46,7 +47,7 @@ from ._api import (
 from ._build import compile_extension as _compile  # noqa: F401
 from ._cache import cache_root, source_dir
 from ._flags import extra_cflags as _extra_cflags  # noqa: F401
-from ._lookup import PREBUILT_DIR as _PREBUILT_DIR  # noqa: F401
+from ._flags import host_isas as _host_isas  # noqa: F401
 from ._lookup import import_compiled as _import_compiled  # noqa: F401
 from ._lookup import missing_tools_reason as _missing_tools_reason  # noqa: F401
 from ._record import python_tag as _python_tag  # noqa: F401
@@ -61,6 +62,7 @@ from ._settings import (
     ExtensionUnavailableError,
 )
 from ._settings import MODULE_NAMES as _MODULE_NAMES  # noqa: F401
+from ._settings import PREBUILT_DIR as _PREBUILT_DIR  # noqa: F401
 from ._toolkit import arch_covers as _arch_covers  # noqa: F401
 from ._toolkit import (
     compiler_path,
@@ -76,6 +78,7 @@ __all__ = [
     "get_extension",
     "unavailable_reason",
     "build_extension",
+    "build_for_wheel",
     "extension_status",
     "clear_cache",
     "ExtensionStatus",

@@ -12,6 +12,7 @@ import torch
 from . import _build as build
 from . import _cache as cache
 from . import _lock as lock
+from . import _prebuilt as prebuilt
 from . import _progress as progress
 from . import _record as record
 from . import _toolkit as toolkit
@@ -21,7 +22,6 @@ from ._settings import (
     FAILED,
     MODULE_NAMES,
     PACKAGE_DIR,
-    PREBUILT_DIR,
     ExtensionStatus,
     ExtensionUnavailableError,
     disabled_kinds,
@@ -76,29 +76,16 @@ def import_or_explain(path: Path) -> ModuleType:
 
 
 def prebuilt_module_path(kind: str) -> Path | None:
-    """The module shipped in the wheel, if it was built for this torch, Python (and GPU).
+    """The module of the wheel built for this torch, Python and CPU (or GPU), if it ships one.
 
     Raises:
-        DamagedBuildError: If its note is unreadable or the module does not match it.
+        DamagedBuildError: If a note is unreadable or the chosen module does not match it.
     """
-    name = MODULE_NAMES.get(kind)
-    meta_path = PREBUILT_DIR / f"{name}.json"
-    if name is None or not meta_path.is_file():
-        return None
-    meta = record.read_json(meta_path)
-    if meta.get("torch") != torch.__version__ or meta.get("python") != record.python_tag():
-        logger.debug("ignoring prebuilt %s: built for %s", name, meta)
-        return None
-    if kind == "cuda" and torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        if not toolkit.arch_covers(str(meta.get("arch", "")), f"{major}.{minor}"):
-            logger.debug("ignoring prebuilt %s: built for %s, device is sm_%d%d", name, meta,
-                         major, minor)  # fmt: skip
-            return None
-    path = PREBUILT_DIR / str(meta.get("file", ""))
-    problem = record.mismatch(path, meta)
-    if problem is not None:
-        raise DamagedBuildError(f"the prebuilt module of this wheel is damaged: {problem}")
+    path = prebuilt.select(kind)
+    if path is None:
+        reason = prebuilt.mismatch_reason(kind)
+        if reason is not None:
+            logger.debug("no prebuilt %s module: %s", kind, reason)
     return path
 
 
@@ -143,12 +130,16 @@ def load_or_build(
     """
     if allow_prebuilt and not force:
         try:
-            prebuilt = prebuilt_module_path(kind)
+            shipped = prebuilt_module_path(kind)
         except DamagedBuildError as error:
+            shipped = None
             logger.warning("%s; ignoring it", error)
         else:
-            if prebuilt is not None:
-                return import_or_explain(prebuilt)
+            if shipped is not None:
+                try:
+                    return import_or_explain(shipped)
+                except ExtensionUnavailableError as error:
+                    logger.warning("%s; using the cache or a just-in-time build instead", error)
     damaged = None
     if not force:
         try:
@@ -192,11 +183,13 @@ def extension_status(kind: str) -> ExtensionStatus:
     if reason is not None:
         return ExtensionStatus(kind, "unavailable", reason)
     try:
-        prebuilt = prebuilt_module_path(kind)
+        shipped = prebuilt_module_path(kind)
     except DamagedBuildError:
-        prebuilt = None  # the cache is used instead
-    if prebuilt is not None:
-        return ExtensionStatus(kind, "prebuilt", f"shipped in the wheel: {prebuilt}", prebuilt)
+        shipped = None  # the cache is used instead
+    if shipped is not None:
+        return ExtensionStatus(kind, "prebuilt", f"shipped in the wheel: {shipped}", shipped)
+    not_shipped = prebuilt.mismatch_reason(kind)
+    why = "" if not_shipped is None else f"; {not_shipped}"
     build_dir = cache.build_directory(kind)
     damaged = None
     try:
@@ -204,14 +197,14 @@ def extension_status(kind: str) -> ExtensionStatus:
     except DamagedBuildError as error:
         damaged, cached = str(error), None
     if cached is not None:
-        return ExtensionStatus(kind, "built", f"cached: {cached}", cached)
+        return ExtensionStatus(kind, "built", f"cached: {cached}{why}", cached)
     failed = build_dir / FAILED
     if damaged is None and failed.exists():
         return ExtensionStatus(kind, "unavailable", build.failed_reason(kind, failed))
     missing = missing_tools_reason(kind) or cache.unwritable_reason(build_dir, create=False)
     if missing is not None:
         prefix = "" if damaged is None else f"{damaged}; it cannot be compiled again: "
-        return ExtensionStatus(kind, "unavailable", prefix + missing)
+        return ExtensionStatus(kind, "unavailable", prefix + missing + why)
     estimate = progress.describe_estimate(kind, len(cache.compiled_sources(kind)))
     if damaged is not None:
         detail = (
@@ -219,4 +212,6 @@ def extension_status(kind: str) -> ExtensionStatus:
             "`python -m amp_fused_ops build --force`"
         )
         return ExtensionStatus(kind, "not built", detail)
-    return ExtensionStatus(kind, "not built", f"compiles on first use ({estimate}) in {build_dir}")
+    return ExtensionStatus(
+        kind, "not built", f"compiles on first use ({estimate}) in {build_dir}{why}"
+    )
