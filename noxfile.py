@@ -28,6 +28,7 @@ import platform
 import re
 import shlex
 import shutil
+import subprocess
 import sys
 import time
 import zipfile
@@ -76,6 +77,9 @@ PREBUILT_CUDA_ARCHS = "8.0;9.0;10.0+PTX"
 # under which its op tests run: the floor of the packages' torch range and the release between.
 # AMP_PREBUILT_TORCH (space-separated) names others, e.g. every release for a published wheel.
 PREBUILT_OTHER_TORCH = ("2.11.0", "2.12.1")
+# The wheel is for every Python (its modules link no Python API): its tests also run under this
+# Python, with the session's torch release, on the module the session's Python built.
+PREBUILT_OTHER_PYTHON = "3.12"
 # The tests a prebuilt wheel runs under each torch release it serves: the amp_C ops, the
 # fused norms and the fused optimizers, on the CPU kernels the wheel ships.
 PREBUILT_TESTS = (
@@ -636,17 +640,44 @@ def _prebuilt_other_torch() -> list[str]:
     return value.split() if value is not None else list(PREBUILT_OTHER_TORCH)
 
 
-def _torch_virtualenv(session: nox.Session, venv: Path, version: str) -> str:
+def _find_python(version: str) -> str | None:
+    """An interpreter of Python ``version`` (``"3.12"``): on ``PATH``, else one pyenv installed.
+
+    A pyenv shim on ``PATH`` that has no such version behind it is not taken.
+    """
+    candidates = [shutil.which(f"python{version}")]
+    root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
+    candidates += sorted(map(str, root.glob(f"versions/{version}.*/bin/python{version}")))
+    for candidate in candidates:
+        if candidate is None:
+            continue
+        try:
+            found = subprocess.run(
+                [candidate, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                capture_output=True, text=True, timeout=60, check=False,
+            )  # fmt: skip
+        except OSError:
+            continue
+        if found.returncode == 0 and found.stdout.strip() == version:
+            return candidate
+    return None
+
+
+def _torch_virtualenv(
+    session: nox.Session, venv: Path, version: str, interpreter: str | None = None
+) -> str:
     """A virtualenv at ``venv`` with ``torch==version`` and pytest installed; returns its python.
 
-    Kept between runs once it has them (a file in it names the version installed).
+    ``interpreter``: the Python it is made from (default: the one running nox). Kept between
+    runs once it has them (a file in it names the version installed).
     """
     python = str(venv / ("Scripts" if os.name == "nt" else "bin") / "python")
     done = venv / "amp-torch-version"
     if done.is_file() and done.read_text() == version:
         return python
     shutil.rmtree(venv, ignore_errors=True)
-    session.run("python", "-m", "virtualenv", "--quiet", str(venv), silent=True)
+    chosen = ["-p", interpreter] if interpreter else []
+    session.run("python", "-m", "virtualenv", "--quiet", *chosen, str(venv), silent=True)
     start = time.perf_counter()
     session.run(
         python, "-m", "pip", "install", "--no-compile", "--quiet", f"torch=={version}",
@@ -736,16 +767,20 @@ def wheel_prebuilt(session: nox.Session) -> None:
     space-separated ``AMP_PREBUILT_TORCH``), each compiled in a virtualenv with that torch
     (CUDA builds from the index, which run on a CPU machine); and, where the session's torch is
     a CUDA build and nvcc is found, the CUDA kernels for ``TORCH_CUDA_ARCH_LIST`` (default
-    8.0;9.0;10.0+PTX). The wheel does not pin torch: under a release it has no module for, the
-    kernels compile just in time. It is tagged with the oldest manylinux its modules allow
-    (``auditwheel``). Compiles go through the kernel cache, so running the session again packs
-    the same builds without compiling.
+    8.0;9.0;10.0+PTX). ``AMP_PREBUILT_OTHER_ISA=best`` (CI) compiles the other releases' CPU
+    module for this CPU's best instruction set only, the one their tests load here (both sets
+    are still compiled for the session's torch). The wheel does not pin torch: under a release
+    it has no module for, the kernels compile just in time. It is tagged with the oldest
+    manylinux its modules allow (``auditwheel``). Compiles go through the kernel cache, so
+    running the session again packs the same builds without compiling.
 
     Then, with the kernel cache pointing at an empty folder that must stay empty:
     the wheel is installed into a fresh virtualenv with the command README.md shows
     (``pip install --find-links dist/prebuilt amp-fused-ops``) and the first ``amp_C`` ops run
-    on its kernels; and under every torch release it serves, the ``amp_C``, norm and optimizer
-    tests (``PREBUILT_TESTS``) run on the module the wheel ships for that release.
+    on its kernels; and under every torch release it serves, and under the session's torch
+    release with Python ``PREBUILT_OTHER_PYTHON`` (the wheel is tagged ``py3-none``: the
+    modules link no Python API), the ``amp_C``, norm and optimizer tests (``PREBUILT_TESTS``)
+    run on the module the wheel ships for that release.
     """
     _link_torch(session)
     _install(
@@ -771,6 +806,10 @@ def wheel_prebuilt(session: nox.Session) -> None:
     env["AMP_FUSED_OPS_BUILD_EXT"] = ",".join(kinds)
 
     # The CPU modules of the other torch releases, each built where that torch is installed.
+    isas: list[str] = []
+    if os.environ.get("AMP_PREBUILT_OTHER_ISA", "all") == "best":
+        isas = ["--isa", "best"]
+        session.log("the other torch releases: the module of this CPU's best instruction set only")
     others: dict[str, str] = {}
     staged: list[str] = []
     for version in _prebuilt_other_torch():
@@ -780,7 +819,7 @@ def wheel_prebuilt(session: nox.Session) -> None:
         shutil.rmtree(stage, ignore_errors=True)
         start = time.perf_counter()
         session.run(
-            python, "-m", "amp_fused_ops", "build", "cpu", "--wheel-dir", str(stage),
+            python, "-m", "amp_fused_ops", "build", "cpu", "--wheel-dir", str(stage), *isas,
             env={**env, "PYTHONPATH": str(ROOT / "packages" / "amp-fused-ops" / "src")},
             external=True,
         )  # fmt: skip
@@ -827,12 +866,27 @@ def wheel_prebuilt(session: nox.Session) -> None:
             f"packages/{package}", silent=True,
         )  # fmt: skip
     test_wheels = [wheel, *sorted(companions.glob("*.whl"))]
-    runs = {_torch_query(session, "torch.__version__"): python, **others}
-    for version, python in runs.items():
+    base = _torch_query(session, "torch.__version__")
+    runs = {f"torch {base}": python}
+    runs.update((f"torch {version}", python) for version, python in others.items())
+    # The session's module under another Python and the other build of its torch release (a
+    # CUDA build from the index where the session's torch is a CPU one).
+    interpreter = _find_python(PREBUILT_OTHER_PYTHON)
+    if interpreter is not None:
+        release = base.split("+", 1)[0]
+        venv = tmp / f"py{PREBUILT_OTHER_PYTHON}-torch-{release}"
+        runs[f"torch {release}, Python {PREBUILT_OTHER_PYTHON}"] = _torch_virtualenv(
+            session, venv, release, interpreter
+        )
+    elif os.environ.get("CI"):
+        session.error(f"no Python {PREBUILT_OTHER_PYTHON} found for the wheel's cross-Python run")
+    else:
+        session.warn(f"no Python {PREBUILT_OTHER_PYTHON} found: its run is left out")
+    for index, (label, python) in enumerate(runs.items()):
         start = time.perf_counter()
-        session.log(f"the wheel's op tests under torch {version}")
-        _test_prebuilt_wheel(session, python, test_wheels, tmp / f"empty-cache-{version}")
-        session.log(f"torch {version}: passed in {time.perf_counter() - start:.0f} s")
+        session.log(f"the wheel's op tests under {label}")
+        _test_prebuilt_wheel(session, python, test_wheels, tmp / f"empty-cache-{index}")
+        session.log(f"{label}: passed in {time.perf_counter() - start:.0f} s")
     session.log(f"ready: {wheel.relative_to(ROOT)}")
 
 

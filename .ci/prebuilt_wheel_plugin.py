@@ -3,9 +3,10 @@
 Loaded with ``-p prebuilt_wheel_plugin`` (this folder on ``PYTHONPATH``) in a virtualenv that has
 the amp-fused-ops wheel with prebuilt modules installed and ``AMP_FUSED_OPS_CACHE`` pointing at
 an empty folder. Before the first test of each process, the CPU extension is loaded: it must be
-the wheel's module for this torch release, else every test fails (a test would otherwise pass
-on a just-in-time build or skip for want of kernels). The session checks afterwards that the
-cache folder is still empty (nothing was compiled).
+the wheel's module for this torch release and for the best instruction set torch's CPU
+capability allows, else every test fails (a test would otherwise pass on a just-in-time build
+or skip for want of kernels). The cases of the PyTorch reference path are left out. The session
+checks afterwards that the cache folder is still empty (nothing was compiled).
 """
 
 from __future__ import annotations
@@ -16,6 +17,19 @@ import pytest
 import torch
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Leave out the cases of the PyTorch reference path (a ``reference`` parameter): they run
+    no kernel of the wheel, and the package's own test runs cover them."""
+    kept, left_out = [], []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        on_reference = callspec is not None and "reference" in callspec.id.split("-")
+        (left_out if on_reference else kept).append(item)
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = kept
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _runs_on_the_wheels_module() -> None:
     from amp_fused_ops import extensions
@@ -23,9 +37,13 @@ def _runs_on_the_wheels_module() -> None:
     module = extensions.get_extension("cpu")
     path = Path(str(module.__file__)) if module is not None else None
     release = torch.__version__.split("+", 1)[0]
-    if path is None or path.parent.name != "_prebuilt" or f".torch-{release}." not in path.name:
+    # The wheel ships AVX2 and AVX-512 modules of every release: the best one this CPU runs.
+    capability = torch.backends.cpu.get_cpu_capability()
+    isa = {"AVX512": "avx512", "AVX2": "avx2"}.get(capability, "baseline")
+    name = f"amp_fused_ops_cpu.torch-{release}.{isa}.so"
+    if path is None or path.parent.name != "_prebuilt" or path.name != name:
         reason = extensions.unavailable_reason("cpu")
         raise AssertionError(
             f"the CPU extension under torch {torch.__version__} is {path} ({reason}), not the "
-            f"wheel's module for torch {release}"
+            f"wheel's {name} (torch's CPU capability: {capability})"
         )

@@ -38,6 +38,7 @@ import importlib.util
 import os
 import shutil
 import sys
+import sysconfig
 import tempfile
 from pathlib import Path
 from types import ModuleType
@@ -166,7 +167,9 @@ class CustomBuildHook(BuildHookInterface):
         for path in sorted(staged.iterdir()):
             build_data["force_include"][str(path)] = f"amp_fused_ops/_prebuilt/{path.name}"
         build_data["pure_python"] = False
-        build_data["infer_tag"] = True
+        # One wheel for every Python: the modules link torch's C++ libraries, no Python API.
+        platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")
+        build_data["tag"] = f"py3-none-{platform}"
         # No pin on torch: the loader takes the module built for the running torch release and
         # compiles just in time under any other (the package's own torch range applies).
 

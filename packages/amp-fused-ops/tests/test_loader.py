@@ -29,6 +29,7 @@ from amp_fused_ops.extensions import _build as ext_build
 from amp_fused_ops.extensions import _loader
 from amp_fused_ops.extensions import _lookup as ext_lookup
 from amp_fused_ops.extensions import _prebuilt as ext_prebuilt
+from amp_fused_ops.extensions import _record as ext_record
 from amp_fused_ops.extensions import _toolkit as ext_toolkit
 
 OPS = ("multi_tensor_scale", "multi_tensor_axpby", "multi_tensor_l2norm", "multi_tensor_adam")
@@ -198,8 +199,31 @@ def test_cuda_cache_key_follows_the_arch_list(
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
     both = _loader.build_directory("cuda")
     assert sm90 != both and "-sm80-90+PTX-" in both.name
-    assert _loader._arch_covers("8.0;9.0+PTX", "9.0")
-    assert not _loader._arch_covers("8.0;9.0+PTX", "8.6")
+
+
+@pytest.mark.parametrize(
+    ("arch_list", "capability", "runs"),
+    [
+        ("8.0;9.0+PTX", "9.0", True),
+        ("8.0;9.0+PTX", "8.6", True),  # sm_80 machine code runs on 8.6 and 8.9 (same major)
+        ("8.0;9.0+PTX", "8.9", True),
+        ("8.6", "8.0", False),  # never on an older minor
+        ("8.0;9.0", "10.0", False),  # nor across majors without PTX
+        ("8.0;9.0;10.0+PTX", "12.0", True),  # the driver compiles the PTX of 10.0
+        ("9.0+PTX", "8.9", False),  # PTX is for its architecture and newer only
+        ("9.0a", "9.0", True),
+        ("10.0a", "10.3", False),  # architecture-specific: that architecture only
+        ("10.0f", "10.3", True),  # family-specific: the family
+        ("8.0 9.0,10.0", "10.0", True),
+        ("", "9.0", False),
+    ],
+)
+def test_prebuilt_cuda_module_follows_cuda_compatibility_rules(
+    arch_list: str, capability: str, runs: bool
+) -> None:
+    """A wheel's CUDA module built for 8.0, 9.0 and 10.0+PTX is taken on an A10 (8.6), an L4
+    (8.9) or a 12.0 GPU, where CUDA runs it; not on a GPU it cannot run on."""
+    assert _loader._arch_covers(arch_list, capability) is runs
 
 
 def _record_cuda_loads(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, object]]:
@@ -411,9 +435,8 @@ def test_prebuilt_module_of_the_best_instruction_set_the_cpu_runs(
     status = _loader.extension_status("cpu")
     assert status.state != "prebuilt"
     assert status.detail.endswith(
-        f"the wheel's prebuilt cpu modules for torch {torch.__version__}, Python "
-        f"{_loader._python_tag()} need avx2, avx512; this CPU runs baseline (torch's CPU "
-        "capability DEFAULT)"
+        f"the wheel's prebuilt cpu modules for torch {torch.__version__} need avx2, avx512; "
+        "this CPU runs baseline (torch's CPU capability DEFAULT)"
     )
 
 
@@ -421,12 +444,13 @@ def test_prebuilt_module_serves_its_torch_release_whatever_the_local_label(
     build: SessionBuild, wheel_folder: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The CPU kernels link only torch's CPU libraries: a module built with the CUDA build of a
-    release serves its CPU build (and the other way round); another release compiles."""
+    release serves its CPU build (and the other way round), under any Python; another release
+    compiles."""
     built = _built(build, monkeypatch)
     isa = _loader._host_isas()[0]
     release = torch.__version__.split("+")[0]
     label = "+cpu" if "+cu" in torch.__version__ else "+cu130"
-    other_build = _ship(built, wheel_folder, release + label, isa)
+    other_build = _ship(built, wheel_folder, release + label, isa, python="3.99")
     assert _loader.extension_status("cpu").path == other_build
     other_build.unlink()
     other_build.with_suffix(".json").unlink()
@@ -435,9 +459,8 @@ def test_prebuilt_module_serves_its_torch_release_whatever_the_local_label(
     status = _loader.extension_status("cpu")
     assert status.state == "built"
     assert status.detail.endswith(
-        "the wheel's prebuilt cpu modules are for torch 2.10.0+cpu (Python "
-        f"{_loader._python_tag()}), torch 2.99.1 (Python {_loader._python_tag()}); this is "
-        f"torch {torch.__version__}, Python {_loader._python_tag()}"
+        "the wheel's prebuilt cpu modules are for torch 2.10.0+cpu, torch 2.99.1; this is "
+        f"torch {torch.__version__}"
     )
 
 
@@ -460,6 +483,34 @@ def test_prebuilt_module_that_does_not_load_falls_back_to_the_cache(
     (warning,) = _warnings(caplog)
     assert warning.startswith(f"the compiled module {broken} cannot be imported (")
     assert warning.endswith("; using the cache or a just-in-time build instead")
+
+
+def test_wheel_modules_are_staged_under_their_instruction_set(tmp_path: Path) -> None:
+    """A just-in-time build whose host flags are those of an instruction set is that set's
+    module for a wheel; written under the set's name with a note that verifies, it is refused
+    without a set; two different modules of one name never both reach a wheel."""
+    build_dir = tmp_path / "cpu-build"
+    build_dir.mkdir()
+    module = build_dir / "amp_fused_ops_cpu.so"
+    module.write_bytes(b"module bytes")
+    meta = {"torch": "2.13.0+cpu", "python": "3.11", "isa": "host", "seconds": 1.0}
+    ext_record.write_record(build_dir, module, meta)
+    with pytest.raises(ValueError, match="built for 'host'"):
+        ext_prebuilt.stage("cpu", build_dir, tmp_path / "refused")
+    staged = ext_prebuilt.stage("cpu", build_dir, tmp_path / "out", isa="avx512")
+    assert staged.name == "amp_fused_ops_cpu.torch-2.13.0.avx512.so"
+    (shipped,) = ext_prebuilt.shipped("cpu", tmp_path / "out")
+    assert shipped.path == staged and shipped.isa == "avx512" and shipped.torch == "2.13.0+cpu"
+    assert ext_record.mismatch(staged, shipped.meta) is None
+    assert "seconds" not in shipped.meta  # the note keeps what the loader reads
+    wheel = tmp_path / "wheel"
+    assert ext_prebuilt.gather("cpu", tmp_path / "out", wheel) == [wheel / staged.name]
+    assert ext_prebuilt.gather("cpu", tmp_path / "out", wheel) == [wheel / staged.name]  # same
+    module.write_bytes(b"other bytes")  # another build of the same name
+    ext_record.write_record(build_dir, module, meta)
+    ext_prebuilt.stage("cpu", build_dir, tmp_path / "other", isa="avx512")
+    with pytest.raises(ext_record.DamagedBuildError, match="two different modules named"):
+        ext_prebuilt.gather("cpu", tmp_path / "other", wheel)
 
 
 def _cli(cache: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:

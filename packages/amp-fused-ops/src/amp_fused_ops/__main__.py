@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from amp_fused_ops._version import __version__
-from amp_fused_ops.extensions import _loader
+from amp_fused_ops.extensions import _flags, _loader
 
 
 def _info() -> int:
@@ -60,10 +60,10 @@ def _info() -> int:
     return 0
 
 
-def _build_for_wheel(kind: str, out_dir: str) -> int:
+def _build_for_wheel(kind: str, out_dir: str, isas: Sequence[str] | None) -> int:
     """Write the portable modules of ``kind`` into ``out_dir``; returns 1 if one failed."""
     try:
-        paths = _loader.build_for_wheel(kind, Path(out_dir))
+        paths = _loader.build_for_wheel(kind, Path(out_dir), isas=isas)
     except (_loader.ExtensionUnavailableError, OSError) as error:
         print(f"{kind} extension: FAILED: {error}", file=sys.stderr)
         return 1
@@ -144,6 +144,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="write the portable modules a wheel ships for this torch into DIR (one kind)",
     )
+    build.add_argument(
+        "--isa",
+        action="append",
+        choices=[*_flags.CPU_ISAS, "best"],
+        default=None,
+        help="with --wheel-dir and the cpu kind: only this instruction set (repeatable; best: "
+        "the best one this CPU runs; default: AVX2 and AVX-512 on x86-64)",
+    )
     args = parser.parse_args(argv)
     # An application entry point may configure logging (the library never does).
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -152,10 +160,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.kind is not None and args.kind_option is not None and args.kind != args.kind_option:
         parser.error(f"build: kind {args.kind!r} and --kind {args.kind_option!r} disagree")
     chosen = args.kind or args.kind_option or "all"
+    if args.isa is not None and (args.wheel_dir is None or chosen != "cpu"):
+        parser.error("build --isa: only with --wheel-dir and the cpu kind")
     if args.wheel_dir is not None:
         if chosen == "all" or args.force:
             parser.error("build --wheel-dir: name one kind (cpu or cuda), without --force")
-        return _build_for_wheel(chosen, args.wheel_dir)
+        isas = None
+        if args.isa is not None:
+            isas = [_flags.host_isas()[0] if isa == "best" else isa for isa in args.isa]
+        return _build_for_wheel(chosen, args.wheel_dir, isas)
     kinds = list(_loader.KINDS) if chosen == "all" else [chosen]
     return _build(kinds, args.force, explicit=chosen != "all")
 

@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -183,27 +184,35 @@ def build_extension(kind: str, *, force: bool = False, build_dir: Path | None = 
     return Path(str(module.__file__))
 
 
-def build_for_wheel(kind: str, out_dir: Path) -> list[Path]:
+def build_for_wheel(kind: str, out_dir: Path, *, isas: Sequence[str] | None = None) -> list[Path]:
     """Compile the portable modules of ``kind`` that a wheel ships, and write them into ``out_dir``.
 
-    For this torch and Python: ``cpu``, one module per instruction set of
-    :data:`~amp_fused_ops.extensions._flags.WHEEL_CPU_ISAS` (x86-64; elsewhere the baseline);
-    ``cuda``, one for
-    ``TORCH_CUDA_ARCH_LIST``. Each is compiled (or taken from the cache, where a verified build
-    of the same sources, flags and torch is) by a child process, since two modules of one kind
-    cannot be loaded into one process; then copied under its wheel name with its note
-    (:mod:`~amp_fused_ops.extensions._prebuilt`). ``python -m amp_fused_ops build KIND
-    --wheel-dir DIR`` and the wheel's build hook call this.
+    For this torch: ``cpu``, one module per instruction set of ``isas`` (default
+    :data:`~amp_fused_ops.extensions._flags.WHEEL_CPU_ISAS` on x86-64, elsewhere the
+    baseline); ``cuda``, one for ``TORCH_CUDA_ARCH_LIST``. Each is compiled (or taken from
+    the cache, where a verified build of the same sources, flags and torch is) by a child
+    process, since two modules of one kind cannot be loaded into one process; then copied
+    under its wheel name with its note (:mod:`~amp_fused_ops.extensions._prebuilt`).
+    ``python -m amp_fused_ops build KIND --wheel-dir DIR [--isa ISA ...]`` and the wheel's
+    build hook call this.
 
     Returns:
         The modules written.
 
     Raises:
-        ValueError: If ``kind`` is unknown.
+        ValueError: If ``kind`` is unknown, or ``isas`` names an unknown instruction set or is
+            given for the CUDA kind.
         ExtensionUnavailableError: If a module cannot be built (with the child's output).
     """
     check_kind(kind)
-    variants = flags.wheel_isas() if kind == "cpu" else ("1",)
+    if isas is not None:
+        unknown = [isa for isa in isas if isa not in flags.CPU_ISAS]
+        if kind != "cpu" or unknown or not isas:
+            raise ValueError(
+                f"instruction sets {list(isas)} for the {kind} kind: name some of "
+                f"{flags.CPU_ISAS}, for the cpu kind only"
+            )
+    variants = (tuple(isas) if isas else flags.wheel_isas()) if kind == "cpu" else ("1",)
     written = []
     for variant in variants:
         env = dict(os.environ)
@@ -228,7 +237,8 @@ def build_for_wheel(kind: str, out_dir: Path) -> list[Path]:
                 os.environ.pop(PORTABLE_ENV, None)
             else:
                 os.environ[PORTABLE_ENV] = saved
-        written.append(prebuilt.stage(kind, build_dir, out_dir))
+        isa = variant if kind == "cpu" else None
+        written.append(prebuilt.stage(kind, build_dir, out_dir, isa=isa))
         logger.info("portable %s module (%s) for the wheel: %s", kind, variant, written[-1])
     return written
 

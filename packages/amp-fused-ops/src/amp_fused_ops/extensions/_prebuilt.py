@@ -9,10 +9,13 @@ per instruction set (:data:`_flags.WHEEL_CPU_ISAS`), each with a note beside it:
 
 A CPU module is chosen when its torch release equals this torch's without the local label
 (``2.13.0`` serves ``2.13.0+cpu`` and the CUDA builds of 2.13.0: the CPU kernels link only
-torch's CPU libraries), its Python matches, and this CPU has its instruction set; the best such
-set wins. A CUDA module needs the exact torch version (its CUDA runtime is part of it) and a
-GPU its architectures cover. Under any other torch, nothing matches and the loader compiles
-just in time, as it would without a wheel; :func:`mismatch_reason` says why.
+torch's CPU libraries) and this CPU has its instruction set; the best such set wins. A CUDA
+module needs the exact torch version (its CUDA runtime is part of it) and a GPU its
+architectures cover. The Python version does not matter: the modules are libraries of
+dispatcher ops that link torch's C++ libraries and no Python API, so the module built under one
+Python serves torch's builds for every other (the wheel is tagged ``py3-none``). Under any other
+torch, nothing matches and the loader compiles just in time, as it would without a wheel;
+:func:`mismatch_reason` says why.
 """
 
 from __future__ import annotations
@@ -89,9 +92,7 @@ def shipped(kind: str, folder: Path | None = None) -> list[Prebuilt]:
 
 
 def _serves(module: Prebuilt) -> bool:
-    """Whether ``module`` was built for this torch and Python (not yet: this CPU or GPU)."""
-    if module.meta.get("python") != record.python_tag():
-        return False
+    """Whether ``module`` was built for this torch (not yet: this CPU or GPU)."""
     if module.kind == "cpu":
         return release(module.torch) == release(torch.__version__)
     return module.torch == torch.__version__
@@ -137,8 +138,8 @@ def mismatch_reason(kind: str) -> str | None:
         return str(error)
     if not modules or select_quietly(kind) is not None:
         return None
-    here = f"torch {torch.__version__}, Python {record.python_tag()}"
-    built = sorted({f"torch {m.torch} (Python {m.meta.get('python')})" for m in modules})
+    here = f"torch {torch.__version__}"
+    built = sorted({f"torch {m.torch}" for m in modules})
     serving = [m for m in modules if _serves(m)]
     if not serving:
         return f"the wheel's prebuilt {kind} modules are for {', '.join(built)}; this is {here}"
@@ -165,20 +166,33 @@ def select_quietly(kind: str) -> Path | None:
         return None
 
 
-def stage(kind: str, build_dir: Path, out_dir: Path) -> Path:
+def stage(kind: str, build_dir: Path, out_dir: Path, *, isa: str | None = None) -> Path:
     """Copy the finished build in ``build_dir`` into ``out_dir`` (wheel name, with its note).
+
+    ``isa``: the instruction set of a CPU module. The folder's key covers the compiler flags,
+    so a folder filled by a just-in-time build whose host flags are those of ``isa`` (the
+    AVX-512 flags on a CPU with AVX-512) holds exactly that module; its own record says
+    ``host``.
 
     Returns:
         The copied module.
 
     Raises:
         DamagedBuildError: If the build is unfinished or does not match its record.
+        ValueError: If a CPU module's instruction set is unknown (a host build, no ``isa``).
     """
     module = record.verified_module(build_dir)
     if module is None:
         raise DamagedBuildError(f"{build_dir} holds no finished build of the {kind} extension")
     built = record.read_json(build_dir / MARKER)
     meta = {key: built[key] for key in NOTE_KEYS if key in built}
+    if isa is not None:
+        meta["isa"] = isa
+    if kind == "cpu" and meta.get("isa") not in flags.CPU_ISAS:
+        raise ValueError(
+            f"the CPU module in {build_dir} was built for {meta.get('isa')!r}, not for one of "
+            f"{flags.CPU_ISAS}: name the instruction set its flags are those of"
+        )
     name = module_name(kind, meta)
     meta["file"] = name
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -89,10 +89,37 @@ def arch_tag(arch_list: str | None) -> str:
     return "-".join(re.sub(r"[^0-9A-Za-z+]", "", p) for p in parts) or "none"
 
 
+def _capability_numbers(text: str) -> tuple[int, int] | None:
+    """``(9, 0)`` for ``"9.0"`` (a trailing architecture letter aside), or None."""
+    match = re.fullmatch(r"(\d+)\.(\d+)[af]?", text)
+    return (int(match[1]), int(match[2])) if match else None
+
+
 def arch_covers(arch_list: str, capability: str) -> bool:
-    """Whether code built for ``arch_list`` runs on a device of ``capability`` (``"9.0"``)."""
-    parts = [p for p in re.split(r"[;\s,]+", arch_list) if p]
-    return any(p.removesuffix("+PTX") == capability for p in parts)
+    """Whether code built for ``arch_list`` runs on a device of ``capability`` (``"9.0"``).
+
+    CUDA's compatibility rules: the machine code of ``X.Y`` runs on every device ``X.Z`` with
+    ``Z >= Y`` (``8.0`` serves ``8.6`` and ``8.9``; ``9.0a``, specific to its architecture,
+    serves ``9.0`` only); the PTX of ``X.Y`` (``X.Y+PTX``) is compiled by the driver for any
+    device of ``X.Y`` or newer.
+    """
+    device = _capability_numbers(capability)
+    if device is None:
+        return False
+    for part in (p for p in re.split(r"[;\s,]+", arch_list) if p):
+        ptx = part.endswith("+PTX")
+        base = part.removesuffix("+PTX")
+        built = _capability_numbers(base)
+        if built is None:
+            continue
+        if ptx and device >= built:
+            return True
+        if base.endswith("a"):
+            if device == built:
+                return True
+        elif device[0] == built[0] and device[1] >= built[1]:
+            return True
+    return False
 
 
 def extra_cuda_include_paths(home: Path) -> list[str]:
