@@ -724,16 +724,13 @@ def _manylinux(session: nox.Session, wheel: Path, out_dir: Path) -> Path:
 def _test_prebuilt_wheel(
     session: nox.Session, python: str, wheels: list[Path], empty_cache: Path
 ) -> None:
-    """Install ``wheels`` into the virtualenv of ``python`` and run PREBUILT_TESTS there.
+    """Install ``wheels`` into the virtualenv of ``python`` (which has pytest and pytest-xdist)
+    and run PREBUILT_TESTS there.
 
     Nothing is compiled: ``AMP_FUSED_OPS_CACHE`` is an empty folder that must stay empty, and
     ``.ci/prebuilt_wheel_plugin.py`` fails every test unless the CPU kernels are the wheel's
-    module for that torch release.
+    module for that torch release (it names the module in pytest's header).
     """
-    session.run(
-        python, "-m", "pip", "install", "--no-compile", "--quiet", "pytest", "pytest-xdist",
-        external=True,
-    )  # fmt: skip
     session.run(
         python, "-m", "pip", "install", "--no-compile", "--quiet", "--no-deps",
         "--force-reinstall", *map(str, wheels), external=True,
@@ -746,7 +743,6 @@ def _test_prebuilt_wheel(
         # One thread per xdist worker, as in the tests session (no oversubscribed cores).
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
     }
-    session.run(python, "-m", "amp_fused_ops", "info", env=env, external=True)
     session.run(
         python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "prebuilt_wheel_plugin",
         "-n", str(_usable_cores()), "-m", "not gpu and not extended", *PREBUILT_TESTS,
@@ -761,7 +757,7 @@ def _test_prebuilt_wheel(
 def wheel_prebuilt(session: nox.Session) -> None:
     """Build the amp-fused-ops wheel with prebuilt kernels for several torch releases; test it.
 
-    Writes dist/prebuilt/amp_fused_ops-<version>-<python>-<platform>.whl. It ships the C++ CPU
+    Writes dist/prebuilt/amp_fused_ops-<version>-py3-none-<platform>.whl. It ships the C++ CPU
     kernels compiled for AVX2 and for AVX-512 (the loader takes the best one the CPU runs) for
     the session's torch and for each release of ``PREBUILT_OTHER_TORCH`` (or the
     space-separated ``AMP_PREBUILT_TORCH``), each compiled in a virtualenv with that torch
@@ -774,13 +770,14 @@ def wheel_prebuilt(session: nox.Session) -> None:
     manylinux its modules allow (``auditwheel``). Compiles go through the kernel cache, so
     running the session again packs the same builds without compiling.
 
-    Then, with the kernel cache pointing at an empty folder that must stay empty:
-    the wheel is installed into a fresh virtualenv with the command README.md shows
-    (``pip install --find-links dist/prebuilt amp-fused-ops``) and the first ``amp_C`` ops run
-    on its kernels; and under every torch release it serves, and under the session's torch
-    release with Python ``PREBUILT_OTHER_PYTHON`` (the wheel is tagged ``py3-none``: the
-    modules link no Python API), the ``amp_C``, norm and optimizer tests (``PREBUILT_TESTS``)
-    run on the module the wheel ships for that release.
+    The wheel is also copied into the wheelhouse dist/, beside the plain one, where pip prefers
+    it on the platform it is for. Then, with the kernel cache pointing at an empty folder that
+    must stay empty: the wheel is installed into a fresh virtualenv with the wheelhouse's
+    command in README.md (``pip install --find-links dist amp-fused-ops``) and the first
+    ``amp_C`` ops run on its kernels; and under every torch release it serves, and under the
+    session's torch release with Python ``PREBUILT_OTHER_PYTHON`` (the wheel is tagged
+    ``py3-none``: the modules link no Python API), the ``amp_C``, norm and optimizer tests
+    (``PREBUILT_TESTS``) run on the module the wheel ships for that release.
     """
     _link_torch(session)
     _install(
@@ -839,13 +836,21 @@ def wheel_prebuilt(session: nox.Session) -> None:
         session.error(f"expected one platform wheel in {PREBUILT_WHEELHOUSE}, found {wheels}")
     wheel = _manylinux(session, wheels[0], tmp / "manylinux")
     session.run("python", "-m", "twine", "check", "--strict", str(wheel))
+    # Also into the wheelhouse, beside the plain wheel of `nox -s build`: pip takes the wheel of
+    # the more specific platform, so the wheelhouse's install command gets this one on a
+    # platform it is for, and the plain one (kernels compiled just in time) elsewhere.
+    WHEELHOUSE.mkdir(exist_ok=True)
+    for stale in WHEELHOUSE.glob("amp_fused_ops-*.whl"):
+        if not stale.name.endswith("-none-any.whl"):
+            stale.unlink()
+    shutil.copy2(wheel, WHEELHOUSE / wheel.name)
 
     venv = tmp / "prebuilt-check"
     python = _fresh_virtualenv(session, venv)
-    command = ["pip", "install", "--find-links", "dist/prebuilt", "amp-fused-ops"]
+    command = ["pip", "install", "--find-links", "dist", "amp-fused-ops"]
     if f"{shlex.join(command)}\n" not in (ROOT / "README.md").read_text():
         session.error(f"README.md does not show `{shlex.join(command)}` on a line of its own")
-    session.log("README.md's install command, in a fresh virtualenv")
+    session.log("README.md's install command of the wheelhouse, in a fresh virtualenv")
     session.run(python, "-m", *command, silent=True, external=True)
     empty_cache = tmp / "empty-kernel-cache"
     shutil.rmtree(empty_cache, ignore_errors=True)
@@ -854,6 +859,10 @@ def wheel_prebuilt(session: nox.Session) -> None:
     session.run(python, "-m", "amp_fused_ops", "info", env=check_env, external=True)
     session.run(
         python, str(CI_DIR / "wheel_checks.py"), "first-use", str(venv), env=check_env,
+        external=True,
+    )  # fmt: skip
+    session.run(
+        python, "-m", "pip", "install", "--no-compile", "--quiet", "pytest", "pytest-xdist",
         external=True,
     )  # fmt: skip
 

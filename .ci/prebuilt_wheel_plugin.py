@@ -17,6 +17,18 @@ import pytest
 import torch
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Say which CPU kernels the tests will run on (also under ``-q``)."""
+    from amp_fused_ops import extensions
+
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and not hasattr(session.config, "workerinput"):
+        status = extensions.extension_status("cpu")
+        reporter.write_line(
+            f"amp_fused_ops CPU kernels, torch {torch.__version__}: {status.state}, {status.detail}"
+        )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Leave out the cases of the PyTorch reference path (a ``reference`` parameter): they run
     no kernel of the wheel, and the package's own test runs cover them."""

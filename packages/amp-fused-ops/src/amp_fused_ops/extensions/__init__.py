@@ -33,6 +33,8 @@ extension into a wheel:
 - ``_lock``: the build lock, who holds it, and how long others wait for it;
 - ``_progress``: the compile-time estimate and the progress lines while compiling;
 - ``_build``: compiling and importing a build;
+- ``_prebuilt``: the modules a wheel ships (one per torch release and instruction set): which
+  one serves this process, and writing them for a wheel;
 - ``_lookup``: why a kind cannot be built, and choosing prebuilt / cached / fresh;
 - ``_api``: what callers use (``get_extension`` and friends) and the per-process memo;
 - ``_loader``: every name of the above that the rest of the package and its tests read.
@@ -50,6 +52,7 @@ from ._loader import (
     KINDS,
     ExtensionStatus,
     build_extension,
+    build_for_wheel,
     clear_cache,
     extension_status,
     get_extension,
@@ -64,6 +67,7 @@ __all__ = [
     "extension_status",
     "ExtensionStatus",
     "build_extension",
+    "build_for_wheel",
     "clear_cache",
     "use_reference",
     "ReferenceCalls",

@@ -5,7 +5,9 @@ Two kinds exist: ``"cpu"`` (C++ kernels in ``csrc/cpu``) and ``"cuda"`` (CUDA ke
 ``get_extension(kind)`` returns the extension, in this order of preference:
 
 1. a prebuilt module shipped in the wheel (``_prebuilt/``, made by ``hatch_build.py`` when
-   ``AMP_FUSED_OPS_BUILD_EXT=1``), if it was built for this torch and Python;
+   ``AMP_FUSED_OPS_BUILD_EXT=1``), if one was built for this torch release (and, for the CPU
+   kind, for an instruction set this CPU has; the best one wins): see
+   :mod:`~amp_fused_ops.extensions._prebuilt`; one that does not load is skipped with a warning;
 2. a module already compiled into the cache (``$AMP_FUSED_OPS_CACHE`` or
    ``~/.cache/amp_fused_ops``), in a folder keyed by torch version, CUDA version (or
    ``cpu``), the GPU architectures (CUDA kind: ``TORCH_CUDA_ARCH_LIST``, else the current
