@@ -180,7 +180,9 @@ def _torch_install_plan() -> tuple[str, list[list[str]]]:
         raise SystemExit(f"AMP_TORCH_BUILD={build!r}: expected 'cpu' or 'cuda' (or leave it unset)")
     if build == "cuda" or platform.system() != "Linux":
         # PyPI's Linux wheels are CUDA builds; its macOS and Windows wheels are CPU builds.
-        return build, [[f"torch=={TORCH_PIN}"]]
+        # "===" matches the version string exactly: "==" also takes a local "+cpu" build of
+        # the release, which pip prefers where a folder it looks in has one (CI machines).
+        return build, [[f"torch==={TORCH_PIN}"]]
     # Linux CPU build: first wherever pip already looks (a local wheel folder, a mirror),
     # then PyTorch's CPU index. "+cpu" keeps PyPI's CUDA build of the same release out.
     cpu = f"torch=={TORCH_PIN}+cpu"
@@ -249,6 +251,8 @@ def _install_shared_torch(
         session.log(f"pip found no {' '.join(args)} where it looks; trying the next source")
     if not (partial / "torch").is_dir():
         session.error(f"torch was not installed into {partial}")
+    if label == "cuda" and not any(partial.glob("torch/lib/libtorch_cuda*.so")):
+        session.error(f"the torch installed into {partial} is not a CUDA build")
     partial.rename(target)
 
 
