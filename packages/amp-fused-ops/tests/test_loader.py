@@ -416,7 +416,9 @@ def test_prebuilt_module_is_preferred_when_torch_matches(
     meta = json.loads(note.read_text())
     meta["sha256"] = "0" * 64  # not the bytes it was built with: never loaded
     note.write_text(json.dumps(meta))
-    assert _loader.extension_status("cpu").state == "built"
+    status = _loader.extension_status("cpu")
+    assert status.state == "built"
+    assert "; the prebuilt module of this wheel is damaged: the SHA-256 of" in status.detail
 
 
 def test_prebuilt_module_of_the_best_instruction_set_the_cpu_runs(

@@ -134,10 +134,10 @@ def mismatch_reason(kind: str) -> str | None:
     """
     try:
         modules = shipped(kind)
-    except DamagedBuildError as error:
+        if not modules or select(kind) is not None:
+            return None
+    except DamagedBuildError as error:  # a note unreadable, or the chosen module damaged
         return str(error)
-    if not modules or select_quietly(kind) is not None:
-        return None
     here = f"torch {torch.__version__}"
     built = sorted({f"torch {m.torch}" for m in modules})
     serving = [m for m in modules if _serves(m)]
@@ -156,14 +156,6 @@ def mismatch_reason(kind: str) -> str | None:
         f"the wheel's prebuilt cuda module is for architectures {archs}; this GPU is "
         f"sm_{major}{minor}"
     )
-
-
-def select_quietly(kind: str) -> Path | None:
-    """:func:`select`, with a damaged module counted as none."""
-    try:
-        return select(kind)
-    except DamagedBuildError:
-        return None
 
 
 def stage(kind: str, build_dir: Path, out_dir: Path, *, isa: str | None = None) -> Path:
