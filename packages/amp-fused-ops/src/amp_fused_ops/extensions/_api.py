@@ -26,6 +26,7 @@ from types import ModuleType
 
 from amp_fused_ops.ops import _registry
 
+from . import _build as build
 from . import _cache as cache
 from . import _flags as flags
 from . import _lookup as lookup
@@ -228,15 +229,8 @@ def build_for_wheel(kind: str, out_dir: Path, *, isas: Sequence[str] | None = No
                 f"the portable {kind} module ({PORTABLE_ENV}={variant}) did not build: "
                 f"{done.stderr.strip() or done.stdout.strip()}"
             )
-        saved = os.environ.get(PORTABLE_ENV)
-        os.environ[PORTABLE_ENV] = variant
-        try:
+        with build.environment(**{PORTABLE_ENV: variant}):
             build_dir = cache.build_directory(kind)
-        finally:
-            if saved is None:
-                os.environ.pop(PORTABLE_ENV, None)
-            else:
-                os.environ[PORTABLE_ENV] = saved
         isa = variant if kind == "cpu" else None
         written.append(prebuilt.stage(kind, build_dir, out_dir, isa=isa))
         logger.info("portable %s module (%s) for the wheel: %s", kind, variant, written[-1])

@@ -132,8 +132,8 @@ def _forget_torch_build(cpp_extension: Any, name: str) -> None:
 
 
 @contextlib.contextmanager
-def _environment(**values: str) -> Iterator[None]:
-    """Set environment variables for the duration of a build, then restore them."""
+def environment(**values: str) -> Iterator[None]:
+    """Set environment variables for the duration of a block, then restore them."""
     saved = {name: os.environ.get(name) for name in values}
     os.environ.update(values)
     try:
@@ -160,7 +160,7 @@ def _load_cuda(cpp_extension: Any, sources: list[str], build_dir: Path) -> Modul
     cpp_extension.CUDA_HOME = str(home)
     try:
         after = toolkit.after_toolkit_flags(toolkit.extra_cuda_include_paths(home))
-        with _environment(CUDA_HOME=str(home), **{ARCH_ENV: arch_list}):
+        with environment(CUDA_HOME=str(home), **{ARCH_ENV: arch_list}):
             loaded = cpp_extension.load(
                 name=MODULE_NAMES["cuda"],
                 sources=sources,

@@ -82,7 +82,7 @@ def prebuilt_module_path(kind: str) -> Path | None:
         DamagedBuildError: If a note is unreadable or the chosen module does not match it.
     """
     path = prebuilt.select(kind)
-    if path is None:
+    if path is None and logger.isEnabledFor(logging.DEBUG):  # the reason reads the notes again
         reason = prebuilt.mismatch_reason(kind)
         if reason is not None:
             logger.debug("no prebuilt %s module: %s", kind, reason)
