@@ -5,7 +5,10 @@ site-packages or its virtualenv's), every session reuses it through a ``.pth`` f
 the first session installs one into nox's cache folder (``.nox/.cache/torch/...``) and every
 later session links to that. That install is the CPU build on machines without an NVIDIA
 driver; ``AMP_TORCH_BUILD=cuda`` picks the CUDA build, and ``AMP_TORCH`` names any other
-requirement or a local wheel. ``cuda_build`` keeps its own CUDA torch (``AMP_CUDA_TORCH``).
+requirement or a local wheel. ``cuda_build`` and ``cuda_ptxas`` link a CUDA build of torch,
+installed once into the same cache (``CUDA_TORCH_RELEASE``; ``AMP_CUDA_TORCH`` installs another
+into their virtualenv), which ``wheel_prebuilt`` also takes as the other torch release its wheel
+serves.
 The test sessions install our packages from this checkout (editable, without dependencies),
 never from an index: a package's ``tests`` and ``slow_tests`` install that package and the
 toolkit packages its pyproject.toml declares (dependencies and extras, and theirs), nothing
@@ -73,13 +76,18 @@ PREBUILT_WHEELHOUSE = WHEELHOUSE / "prebuilt"
 # The CUDA architectures a prebuilt wheel's CUDA kernels are compiled for (when the machine can
 # compile them), unless TORCH_CUDA_ARCH_LIST says otherwise.
 PREBUILT_CUDA_ARCHS = "8.0;9.0;10.0+PTX"
+# The CUDA build of torch that `cuda_build` and `cuda_ptxas` compile against, installed once
+# into nox's cache (several GB) for every session that needs it (AMP_CUDA_TORCH: another one).
+CUDA_TORCH_RELEASE = "2.14.1"
 # The torch releases whose CPU modules the prebuilt wheel carries besides the session's own, and
-# under which its op tests run: the floor of the packages' torch range and the release between.
+# under which its op tests run: by default the CUDA build above, so that the wheel's check
+# installs no torch of its own (each CUDA build takes several GB of disk).
 # AMP_PREBUILT_TORCH (space-separated) names others, e.g. every release for a published wheel.
-PREBUILT_OTHER_TORCH = ("2.11.0", "2.12.1")
-# The wheel is for every Python (its modules link no Python API): its tests also run under this
-# Python, with the session's torch release, on the module the session's Python built.
-PREBUILT_OTHER_PYTHON = "3.12"
+PREBUILT_OTHER_TORCH = (CUDA_TORCH_RELEASE,)
+# AMP_PREBUILT_OTHER_PYTHON=3.12 (a published wheel): the wheel's op tests also run under that
+# Python, with a CUDA build of the session's torch release, on the module the session's Python
+# built. Without it, the modules are checked for references to Python's C API instead (the wheel
+# is tagged py3-none because they have none).
 # The tests a prebuilt wheel runs under each torch release it serves: the amp_C ops, the
 # fused norms and the fused optimizers, on the CPU kernels the wheel ships.
 PREBUILT_TESTS = (
@@ -194,8 +202,40 @@ def _shared_torch(session: nox.Session) -> Path:
     label, attempts = _torch_install_plan()
     digest = hashlib.sha256(repr(attempts).encode()).hexdigest()[:8]
     python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return _cached_torch(session, f"{python}-{label}-{digest}", label, attempts)
+
+
+def _release_torch(session: nox.Session, version: str, interpreter: str | None = None) -> Path:
+    """A folder with the CUDA build of torch ``version`` (from the index: it also runs on a
+    machine without a GPU) for ``interpreter`` (default: the Python running nox), installed
+    on first use for every session."""
+    tag = (
+        _python_tag(session, interpreter)
+        if interpreter
+        else (f"py{sys.version_info.major}{sys.version_info.minor}")
+    )
+    return _cached_torch(
+        session, f"{tag}-cuda-{version}", "cuda", [[f"torch==={version}"]], interpreter
+    )
+
+
+def _python_tag(session: nox.Session, interpreter: str) -> str:
+    code = "import sys; print('py%d%d' % sys.version_info[:2])"
+    output = session.run(interpreter, "-c", code, silent=True, external=True, log=False)
+    return str(output).strip().splitlines()[-1]
+
+
+def _cached_torch(
+    session: nox.Session,
+    name: str,
+    label: str,
+    attempts: list[list[str]],
+    interpreter: str | None = None,
+) -> Path:
+    """``.nox/.cache/torch/<name>``, torch installed there on first use (``pip install
+    --target`` with ``interpreter``, default the session's Python)."""
     # Absolute: the path goes into .pth files, where a relative one would not resolve.
-    target = (Path(session.cache_dir) / "torch" / f"{python}-{label}-{digest}").resolve()
+    target = (Path(session.cache_dir) / "torch" / name).resolve()
     if (target / "torch").is_dir():
         return target
     # Two nox processes at once (.ci/run compiles beside the tests) install it once: the
@@ -203,7 +243,7 @@ def _shared_torch(session: nox.Session) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive(target.with_name(target.name + ".lock")):
         if not (target / "torch").is_dir():
-            _install_shared_torch(session, label, attempts, target)
+            _install_shared_torch(session, label, attempts, target, interpreter)
     return target
 
 
@@ -223,28 +263,35 @@ def _exclusive(path: Path) -> Iterator[None]:
 
 
 def _install_shared_torch(
-    session: nox.Session, label: str, attempts: list[list[str]], target: Path
+    session: nox.Session,
+    label: str,
+    attempts: list[list[str]],
+    target: Path,
+    interpreter: str | None = None,
 ) -> None:
     partial = target.with_name(target.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    size = "several GB with the CUDA libraries" if label == "cuda" else "about 880 MB"
+    size = "5-6 GB with the CUDA libraries" if label == "cuda" else "about 880 MB"
+    free = shutil.disk_usage(target.parent).free / 2**30
     session.log(
-        f"installing torch ({label} build, {size}) once into {target}, for every session; "
-        "set AMP_TORCH_BUILD=cuda for the CUDA build, or AMP_TORCH to a requirement or a wheel"
+        f"installing torch ({label} build, {size}; {free:.1f} GiB free there) once into "
+        f"{target}, for every session"
     )
     for i, args in enumerate(attempts):
         last = i == len(attempts) - 1
         session.run(
-            "python",
+            interpreter or "python",
             "-m",
             "pip",
             "install",
+            "--no-compile",
             "--target",
             str(partial),
             "--progress-bar",
             "on",
             *args,
             success_codes=[0] if last else [0, 1],
+            external=interpreter is not None,
         )
         if (partial / "torch").is_dir():
             break
@@ -670,25 +717,27 @@ def _find_python(version: str) -> str | None:
 def _torch_virtualenv(
     session: nox.Session, venv: Path, version: str, interpreter: str | None = None
 ) -> str:
-    """A virtualenv at ``venv`` with ``torch==version`` and pytest installed; returns its python.
+    """A virtualenv at ``venv`` that imports the CUDA build of torch ``version`` and has numpy,
+    ninja, pytest and pytest-xdist; returns its python.
 
-    ``interpreter``: the Python it is made from (default: the one running nox). Kept between
-    runs once it has them (a file in it names the version installed).
+    torch is not installed into it: a ``.pth`` file links the install in nox's cache that
+    every session shares (``_release_torch``). ``interpreter``: the Python it is made from
+    (default: the one running nox). Kept between runs (a file in it names the torch linked).
     """
+    site = _release_torch(session, version, interpreter)
     python = str(venv / ("Scripts" if os.name == "nt" else "bin") / "python")
-    done = venv / "amp-torch-version"
-    if done.is_file() and done.read_text() == version:
+    done = venv / "amp-torch-site"
+    if done.is_file() and done.read_text() == str(site):
         return python
     shutil.rmtree(venv, ignore_errors=True)
     chosen = ["-p", interpreter] if interpreter else []
     session.run("python", "-m", "virtualenv", "--quiet", *chosen, str(venv), silent=True)
-    start = time.perf_counter()
+    (_site_packages(python, session) / TORCH_PTH).write_text(f"{site}\n")
     session.run(
-        python, "-m", "pip", "install", "--no-compile", "--quiet", f"torch=={version}",
-        "numpy", "ninja", "pytest", "pytest-xdist", external=True,
+        python, "-m", "pip", "install", "--no-compile", "--quiet", "numpy", "ninja", "pytest",
+        "pytest-xdist", external=True,
     )  # fmt: skip
-    session.log(f"torch {version} installed in {time.perf_counter() - start:.0f} s")
-    done.write_text(version)
+    done.write_text(str(site))
     return python
 
 
@@ -763,25 +812,27 @@ def wheel_prebuilt(session: nox.Session) -> None:
 
     Writes dist/prebuilt/amp_fused_ops-<version>-py3-none-<platform>.whl. It ships the C++ CPU
     kernels compiled for AVX2 and for AVX-512 (the loader takes the best one the CPU runs) for
-    the session's torch and for each release of ``PREBUILT_OTHER_TORCH`` (or the
-    space-separated ``AMP_PREBUILT_TORCH``), each compiled in a virtualenv with that torch
-    (CUDA builds from the index, which run on a CPU machine); and, where the session's torch is
-    a CUDA build and nvcc is found, the CUDA kernels for ``TORCH_CUDA_ARCH_LIST`` (default
-    8.0;9.0;10.0+PTX). ``AMP_PREBUILT_OTHER_ISA=best`` (CI) compiles the other releases' CPU
-    module for this CPU's best instruction set only, the one their tests load here (both sets
-    are still compiled for the session's torch). The wheel does not pin torch: under a release
-    it has no module for, the kernels compile just in time. It is tagged with the oldest
-    manylinux its modules allow (``auditwheel``). Compiles go through the kernel cache, so
-    running the session again packs the same builds without compiling.
+    the session's torch and for each release of ``PREBUILT_OTHER_TORCH`` (by default
+    ``CUDA_TORCH_RELEASE``, the CUDA build ``cuda_build`` compiles against: one install serves
+    both) or of the space-separated ``AMP_PREBUILT_TORCH``, each compiled in a virtualenv with
+    that torch (CUDA builds from the index, which run on a CPU machine, installed once into
+    nox's cache); and, where the session's torch is a CUDA build and nvcc is found, the CUDA
+    kernels for ``TORCH_CUDA_ARCH_LIST`` (default 8.0;9.0;10.0+PTX). ``AMP_PREBUILT_OTHER_ISA=
+    best`` (CI) compiles the other releases' CPU module for this CPU's best instruction set
+    only, the one their tests load here (both sets are still compiled for the session's torch).
+    The wheel does not pin torch: under a release it has no module for, the kernels compile
+    just in time. It is tagged with the oldest manylinux its modules allow (``auditwheel``) and
+    ``py3-none``: none of its modules uses Python's C API (checked). Compiles go through the
+    kernel cache, so running the session again packs the same builds without compiling.
 
     The wheel is also copied into the wheelhouse dist/, beside the plain one, where pip prefers
     it on the platform it is for. Then, with the kernel cache pointing at an empty folder that
     must stay empty: the wheel is installed into a fresh virtualenv with the wheelhouse's
     command in README.md (``pip install --find-links dist amp-fused-ops``) and the first
-    ``amp_C`` ops run on its kernels; and under every torch release it serves, and under the
-    session's torch release with Python ``PREBUILT_OTHER_PYTHON`` (the wheel is tagged
-    ``py3-none``: the modules link no Python API), the ``amp_C``, norm and optimizer tests
-    (``PREBUILT_TESTS``) run on the module the wheel ships for that release.
+    ``amp_C`` ops run on its kernels; and under every torch release it serves (and, with
+    ``AMP_PREBUILT_OTHER_PYTHON=3.12``, under that Python with a CUDA build of the session's
+    torch release), the ``amp_C``, norm and optimizer tests (``PREBUILT_TESTS``) run on the
+    module the wheel ships for that release.
     """
     _link_torch(session)
     _install(
@@ -811,9 +862,14 @@ def wheel_prebuilt(session: nox.Session) -> None:
     if os.environ.get("AMP_PREBUILT_OTHER_ISA", "all") == "best":
         isas = ["--isa", "best"]
         session.log("the other torch releases: the module of this CPU's best instruction set only")
+    base = _torch_query(session, "torch.__version__")
+    base_release = base.split("+", 1)[0]
     others: dict[str, str] = {}
     staged: list[str] = []
     for version in _prebuilt_other_torch():
+        if version == base_release:
+            session.log(f"torch {version} is the session's own release: its modules are built")
+            continue
         python = _torch_virtualenv(session, tmp / f"torch-{version}", version)
         others[version] = python
         stage = tmp / f"staged-torch-{version}"
@@ -840,6 +896,7 @@ def wheel_prebuilt(session: nox.Session) -> None:
         session.error(f"expected one platform wheel in {PREBUILT_WHEELHOUSE}, found {wheels}")
     wheel = _manylinux(session, wheels[0], tmp / "manylinux")
     session.run("python", "-m", "twine", "check", "--strict", str(wheel))
+    session.run("python", str(CI_DIR / "wheel_checks.py"), "no-python-api", str(wheel))
     # Also into the wheelhouse, beside the plain wheel of `nox -s build`: pip takes the wheel of
     # the more specific platform, so the wheelhouse's install command gets this one on a
     # platform it is for, and the plain one (kernels compiled just in time) elsewhere.
@@ -879,22 +936,19 @@ def wheel_prebuilt(session: nox.Session) -> None:
             f"packages/{package}", silent=True,
         )  # fmt: skip
     test_wheels = [wheel, *sorted(companions.glob("*.whl"))]
-    base = _torch_query(session, "torch.__version__")
     runs = {f"torch {base}": python}
     runs.update((f"torch {version}", python) for version, python in others.items())
     # The session's module under another Python and the other build of its torch release (a
     # CUDA build from the index where the session's torch is a CPU one).
-    interpreter = _find_python(PREBUILT_OTHER_PYTHON)
-    if interpreter is not None:
-        release = base.split("+", 1)[0]
-        venv = tmp / f"py{PREBUILT_OTHER_PYTHON}-torch-{release}"
-        runs[f"torch {release}, Python {PREBUILT_OTHER_PYTHON}"] = _torch_virtualenv(
-            session, venv, release, interpreter
+    other_python = os.environ.get("AMP_PREBUILT_OTHER_PYTHON", "")
+    if other_python:
+        interpreter = _find_python(other_python)
+        if interpreter is None:
+            session.error(f"AMP_PREBUILT_OTHER_PYTHON={other_python}: no such Python found")
+        venv = tmp / f"py{other_python}-torch-{base_release}"
+        runs[f"torch {base_release}, Python {other_python}"] = _torch_virtualenv(
+            session, venv, base_release, interpreter
         )
-    elif os.environ.get("CI"):
-        session.error(f"no Python {PREBUILT_OTHER_PYTHON} found for the wheel's cross-Python run")
-    else:
-        session.warn(f"no Python {PREBUILT_OTHER_PYTHON} found: its run is left out")
     for index, (label, python) in enumerate(runs.items()):
         start = time.perf_counter()
         session.log(f"the wheel's op tests under {label}")
@@ -1044,9 +1098,17 @@ def _check_cuda_toolchain(session: nox.Session) -> None:
         session.skip(f"nvcc not found on PATH or in {cuda_home}/bin: cannot compile {relative}")
 
     # A CPU build of torch cannot compile CUDA extensions, so this session has its own
-    # virtualenv (no system site packages) with a CUDA build of torch. AMP_CUDA_TORCH may name
-    # another requirement or a local wheel, e.g. a torch 2.14.1+cu130 wheel.
-    _install(session, os.environ.get("AMP_CUDA_TORCH", TORCH_REQUIREMENT), "ninja")
+    # virtualenv (no system site packages) that links the CUDA build of torch
+    # CUDA_TORCH_RELEASE, installed once into nox's cache (the prebuilt wheel's check runs on
+    # it too). AMP_CUDA_TORCH installs another requirement or a local wheel into the
+    # virtualenv instead, e.g. a torch 2.15.0+cu130 wheel.
+    requirement = os.environ.get("AMP_CUDA_TORCH")
+    if requirement:
+        _install(session, requirement, "ninja")
+    else:
+        site = _release_torch(session, CUDA_TORCH_RELEASE)
+        (_site_packages("python", session) / TORCH_PTH).write_text(f"{site}\n")
+        _install(session, "ninja")
     torch_cuda = _torch_query(session, "torch.version.cuda")
     if torch_cuda == "None":
         version = _torch_query(session, "torch.__version__")

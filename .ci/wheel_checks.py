@@ -6,6 +6,7 @@ Usage::
     python .ci/wheel_checks.py license <wheel> <sdist> <LICENSE>
     python .ci/wheel_checks.py metadata <wheel>...
     python .ci/wheel_checks.py first-use <virtualenv>
+    python .ci/wheel_checks.py no-python-api <wheel>
 
 ``imports``: the package imports from the wheel installed in the virtualenv (not from a
 checkout). ``license``: the wheel and the sdist ship the LICENSE file and the metadata declares
@@ -15,6 +16,9 @@ an NVIDIA package (a CPU-only machine must be able to install it next to a CPU t
 ``AMP_FUSED_OPS_CACHE`` pointing at an empty folder: the first ``amp_C`` ops (a scale and an
 Adam step) run on the kernels shipped in the wheel, nothing is compiled and nothing is written
 to the cache.
+``no-python-api``: no shared library in the wheel uses Python's C API (no undefined ``Py*`` or
+``_Py*`` symbol, no ``libpython`` needed), so one wheel tagged ``py3-none`` serves every Python;
+read with binutils' ``nm`` and ``readelf``.
 """
 
 from __future__ import annotations
@@ -23,8 +27,11 @@ import importlib
 import os
 import pathlib
 import re
+import shutil
+import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import zipfile
 
@@ -139,6 +146,46 @@ def check_first_use(venv: pathlib.Path) -> int:
     return 0
 
 
+# A symbol of Python's C API or of its internals (PyLong_FromLong, _Py_Dealloc, Py_None...).
+_PYTHON_SYMBOL = re.compile(r"^_?Py")
+
+
+def python_api_uses(library: pathlib.Path) -> list[str]:
+    """What ``library`` takes from Python: its undefined ``Py*``/``_Py*`` symbols and the
+    ``libpython`` it needs."""
+    for tool in ("nm", "readelf"):
+        if shutil.which(tool) is None:
+            raise RuntimeError(f"{tool} (binutils) not found: cannot read {library.name}")
+    symbols = subprocess.run(
+        ["nm", "-D", "--undefined-only", "--format=posix", str(library)],
+        capture_output=True, text=True, check=True,
+    ).stdout.split("\n")  # fmt: skip
+    uses = sorted({line.split()[0] for line in symbols if _PYTHON_SYMBOL.match(line)})
+    dynamic = subprocess.run(
+        ["readelf", "-d", "-W", str(library)], capture_output=True, text=True, check=True
+    ).stdout
+    uses += re.findall(r"\(NEEDED\)\s+Shared library: \[(libpython[^]]*)\]", dynamic)
+    return uses
+
+
+def check_no_python_api(wheel: pathlib.Path) -> int:
+    with zipfile.ZipFile(wheel) as archive, tempfile.TemporaryDirectory() as tmp:
+        names = [n for n in archive.namelist() if re.search(r"\.so(\.|$)", n)]
+        if not names:
+            print(f"{wheel.name} has no shared library to check", file=sys.stderr)
+            return 1
+        failed = 0
+        for name in names:
+            uses = python_api_uses(pathlib.Path(archive.extract(name, tmp)))
+            if uses:
+                failed = 1
+                shown = ", ".join(uses[:8]) + (" ..." if len(uses) > 8 else "")
+                print(f"{name} uses Python's C API ({len(uses)}): {shown}", file=sys.stderr)
+    if not failed:
+        print(f"{wheel.name}: {len(names)} shared libraries, none uses Python's C API")
+    return failed
+
+
 def main(argv: list[str]) -> int:
     command, args = argv[0], argv[1:]
     paths = [pathlib.Path(a) for a in args]
@@ -150,7 +197,12 @@ def main(argv: list[str]) -> int:
         return check_metadata(paths)
     if command == "first-use":
         return check_first_use(paths[0])
-    print(f"unknown check {command!r}: expected imports, license, metadata or first-use")
+    if command == "no-python-api":
+        return check_no_python_api(paths[0])
+    print(
+        f"unknown check {command!r}: expected imports, license, metadata, first-use or "
+        "no-python-api"
+    )
     return 2
 
 
