@@ -80,10 +80,10 @@ PREBUILT_CUDA_ARCHS = "8.0;9.0;10.0+PTX"
 # into nox's cache (several GB) for every session that needs it (AMP_CUDA_TORCH: another one).
 CUDA_TORCH_RELEASE = "2.14.1"
 # The torch releases whose CPU modules the prebuilt wheel carries besides the session's own, and
-# under which its op tests run: by default the CUDA build above, so that the wheel's check
-# installs no torch of its own (each CUDA build takes several GB of disk).
+# under which its op tests run: the floor of the packages' torch range and the CUDA build above
+# (whose install also lends its CUDA libraries to the others: see _torch_virtualenv).
 # AMP_PREBUILT_TORCH (space-separated) names others, e.g. every release for a published wheel.
-PREBUILT_OTHER_TORCH = (CUDA_TORCH_RELEASE,)
+PREBUILT_OTHER_TORCH = ("2.11.0", CUDA_TORCH_RELEASE)
 # AMP_PREBUILT_OTHER_PYTHON=3.12 (a published wheel): the wheel's op tests also run under that
 # Python, with a CUDA build of the session's torch release, on the module the session's Python
 # built. Without it, the modules are checked for references to Python's C API instead (the wheel
@@ -720,24 +720,41 @@ def _torch_virtualenv(
     """A virtualenv at ``venv`` that imports the CUDA build of torch ``version`` and has numpy,
     ninja, pytest and pytest-xdist; returns its python.
 
-    torch is not installed into it: a ``.pth`` file links the install in nox's cache that
-    every session shares (``_release_torch``). ``interpreter``: the Python it is made from
-    (default: the one running nox). Kept between runs (a file in it names the torch linked).
+    A ``.pth`` file links the CUDA build of ``CUDA_TORCH_RELEASE`` that every session shares
+    (``_release_torch``; 5-6 GB, installed once). Another release is installed into the
+    virtualenv without its dependencies (about 1 GB): it takes the linked install's CUDA 13
+    libraries, Triton and sympy, which the CPU kernels under test never call; where it does not
+    import so, its own dependencies are installed too. ``interpreter``: the Python it is made
+    from (default: the one running nox). Kept between runs (a file in it names what it has).
     """
-    site = _release_torch(session, version, interpreter)
+    site = _release_torch(session, CUDA_TORCH_RELEASE, interpreter)
     python = str(venv / ("Scripts" if os.name == "nt" else "bin") / "python")
-    done = venv / "amp-torch-site"
-    if done.is_file() and done.read_text() == str(site):
+    done = venv / "amp-torch"
+    stamp = f"torch {version}, dependencies from {site}"
+    if done.is_file() and done.read_text() == stamp:
         return python
     shutil.rmtree(venv, ignore_errors=True)
     chosen = ["-p", interpreter] if interpreter else []
     session.run("python", "-m", "virtualenv", "--quiet", *chosen, str(venv), silent=True)
     (_site_packages(python, session) / TORCH_PTH).write_text(f"{site}\n")
-    session.run(
-        python, "-m", "pip", "install", "--no-compile", "--quiet", "numpy", "ninja", "pytest",
-        "pytest-xdist", external=True,
-    )  # fmt: skip
-    done.write_text(str(site))
+    pip = [python, "-m", "pip", "install", "--no-compile", "--quiet"]
+    session.run(*pip, "numpy", "ninja", "pytest", "pytest-xdist", external=True)
+    if version != CUDA_TORCH_RELEASE:
+        start = time.perf_counter()
+        session.run(*pip, "--no-deps", f"torch==={version}", external=True)
+        check = f"import torch; assert torch.__version__.split('+')[0] == {version!r}"
+        imported = subprocess.run(
+            [python, "-c", check], capture_output=True, text=True, check=False
+        )
+        if imported.returncode != 0:
+            session.log(
+                f"torch {version} does not import with the dependencies of torch "
+                f"{CUDA_TORCH_RELEASE} ({imported.stderr.strip().splitlines()[-1:]}): "
+                "installing its own"
+            )
+            session.run(*pip, f"torch==={version}", external=True)
+        session.log(f"torch {version} installed in {time.perf_counter() - start:.0f} s")
+    done.write_text(stamp)
     return python
 
 
@@ -812,13 +829,13 @@ def wheel_prebuilt(session: nox.Session) -> None:
 
     Writes dist/prebuilt/amp_fused_ops-<version>-py3-none-<platform>.whl. It ships the C++ CPU
     kernels compiled for AVX2 and for AVX-512 (the loader takes the best one the CPU runs) for
-    the session's torch and for each release of ``PREBUILT_OTHER_TORCH`` (by default
-    ``CUDA_TORCH_RELEASE``, the CUDA build ``cuda_build`` compiles against: one install serves
-    both) or of the space-separated ``AMP_PREBUILT_TORCH``, each compiled in a virtualenv with
-    that torch (CUDA builds from the index, which run on a CPU machine, installed once into
-    nox's cache); and, where the session's torch is a CUDA build and nvcc is found, the CUDA
-    kernels for ``TORCH_CUDA_ARCH_LIST`` (default 8.0;9.0;10.0+PTX). ``AMP_PREBUILT_OTHER_ISA=
-    best`` (CI) compiles the other releases' CPU module for this CPU's best instruction set
+    the session's torch and for each release of ``PREBUILT_OTHER_TORCH`` (2.11.0 and
+    ``CUDA_TORCH_RELEASE``, the CUDA build ``cuda_build`` compiles against) or of the
+    space-separated ``AMP_PREBUILT_TORCH``, each compiled in a virtualenv with that torch (CUDA
+    builds from the index, which run on a CPU machine; see ``_torch_virtualenv``); and, where
+    the session's torch is a CUDA build and nvcc is found, the CUDA kernels for
+    ``TORCH_CUDA_ARCH_LIST`` (default 8.0;9.0;10.0+PTX). ``AMP_PREBUILT_OTHER_ISA=best`` (CI)
+    compiles the other releases' CPU module for this CPU's best instruction set
     only, the one their tests load here (both sets are still compiled for the session's torch).
     The wheel does not pin torch: under a release it has no module for, the kernels compile
     just in time. It is tagged with the oldest manylinux its modules allow (``auditwheel``) and
