@@ -84,6 +84,8 @@ CUDA_TORCH_RELEASE = "2.14.1"
 # (whose install also lends its CUDA libraries to the others: see _torch_virtualenv).
 # AMP_PREBUILT_TORCH (space-separated) names others, e.g. every release for a published wheel.
 PREBUILT_OTHER_TORCH = ("2.11.0", CUDA_TORCH_RELEASE)
+# AMP_PREBUILT_CUDA_ARCHS (e.g. "9.0"; CI, after `nox -s cuda_build`): the wheel also ships the
+# CUDA kernels of CUDA_TORCH_RELEASE for those architectures, through cuda_build's kernel cache.
 # AMP_PREBUILT_OTHER_PYTHON=3.12 (a published wheel): the wheel's op tests also run under that
 # Python, with a CUDA build of the session's torch release, on the module the session's Python
 # built. Without it, the modules are checked for references to Python's C API instead (the wheel
@@ -791,6 +793,42 @@ def _manylinux(session: nox.Session, wheel: Path, out_dir: Path) -> Path:
     return target
 
 
+def _stage_release_cuda(
+    session: nox.Session, others: dict[str, str], archs: str, tmp: Path, has_nvcc: bool
+) -> Path:
+    """Stage the CUDA module of torch ``CUDA_TORCH_RELEASE`` for ``archs`` for the wheel.
+
+    Compiled in that release's virtualenv through ``cuda_build``'s kernel cache: after that
+    session (same sources, torch, architectures and toolkit), it is taken from there as is.
+    """
+    if CUDA_TORCH_RELEASE not in others:
+        session.error(
+            f"AMP_PREBUILT_CUDA_ARCHS: the wheel must serve torch {CUDA_TORCH_RELEASE}, whose "
+            f"CUDA build it compiles with (AMP_PREBUILT_TORCH names {sorted(others)})"
+        )
+    if not has_nvcc:
+        session.error("AMP_PREBUILT_CUDA_ARCHS: nvcc not found on PATH or in CUDA_HOME/bin")
+    stage = tmp / f"staged-cuda-torch-{CUDA_TORCH_RELEASE}"
+    shutil.rmtree(stage, ignore_errors=True)
+    start = time.perf_counter()
+    session.run(
+        others[CUDA_TORCH_RELEASE], "-m", "amp_fused_ops", "build", "cuda", "--wheel-dir",
+        str(stage), external=True,
+        env={
+            "AMP_FUSED_OPS_CACHE": str(_cuda_build_cache(session)),
+            "CUDA_HOME": os.environ.get("CUDA_HOME", "/usr/local/cuda"),
+            "TORCH_CUDA_ARCH_LIST": archs,
+            "MAX_JOBS": os.environ.get("MAX_JOBS", str(_usable_cores())),
+            "PYTHONPATH": str(ROOT / "packages" / "amp-fused-ops" / "src"),
+        },
+    )  # fmt: skip
+    session.log(
+        f"CUDA module for torch {CUDA_TORCH_RELEASE}, architectures {archs}, in "
+        f"{time.perf_counter() - start:.0f} s"
+    )
+    return stage
+
+
 def _test_prebuilt_wheel(
     session: nox.Session, python: str, wheels: list[Path], empty_cache: Path
 ) -> None:
@@ -834,7 +872,10 @@ def wheel_prebuilt(session: nox.Session) -> None:
     space-separated ``AMP_PREBUILT_TORCH``, each compiled in a virtualenv with that torch (CUDA
     builds from the index, which run on a CPU machine; see ``_torch_virtualenv``); and, where
     the session's torch is a CUDA build and nvcc is found, the CUDA kernels for
-    ``TORCH_CUDA_ARCH_LIST`` (default 8.0;9.0;10.0+PTX). ``AMP_PREBUILT_OTHER_ISA=best`` (CI)
+    ``TORCH_CUDA_ARCH_LIST`` (default 8.0;9.0;10.0+PTX); with ``AMP_PREBUILT_CUDA_ARCHS`` (CI:
+    9.0, after ``cuda_build``, whose module it takes from that session's kernel cache), the
+    CUDA kernels of ``CUDA_TORCH_RELEASE`` for those architectures, loaded from the installed
+    wheel under that release at the end (no GPU needed). ``AMP_PREBUILT_OTHER_ISA=best`` (CI)
     compiles the other releases' CPU module for this CPU's best instruction set
     only, the one their tests load here (both sets are still compiled for the session's torch).
     The wheel does not pin torch: under a release it has no module for, the kernels compile
@@ -899,6 +940,9 @@ def wheel_prebuilt(session: nox.Session) -> None:
         )  # fmt: skip
         session.log(f"CPU modules for torch {version} in {time.perf_counter() - start:.0f} s")
         staged.append(str(stage))
+    cuda_archs = os.environ.get("AMP_PREBUILT_CUDA_ARCHS", "")
+    if cuda_archs:
+        staged.append(str(_stage_release_cuda(session, others, cuda_archs, tmp, has_nvcc)))
     env["AMP_FUSED_OPS_PREBUILT_DIRS"] = os.pathsep.join(staged)
 
     shutil.rmtree(PREBUILT_WHEELHOUSE, ignore_errors=True)
@@ -971,6 +1015,16 @@ def wheel_prebuilt(session: nox.Session) -> None:
         session.log(f"the wheel's op tests under {label}")
         _test_prebuilt_wheel(session, python, test_wheels, tmp / f"empty-cache-{index}")
         session.log(f"{label}: passed in {time.perf_counter() - start:.0f} s")
+    if cuda_archs:
+        # The wheel is installed there by its op tests above; no GPU is needed to load it.
+        empty_cache = tmp / "empty-cache-cuda"
+        shutil.rmtree(empty_cache, ignore_errors=True)
+        empty_cache.mkdir()
+        python = others[CUDA_TORCH_RELEASE]
+        session.run(
+            python, str(CI_DIR / "wheel_checks.py"), "cuda-module", str(Path(python).parents[1]),
+            env={"AMP_FUSED_OPS_CACHE": str(empty_cache)}, external=True,
+        )  # fmt: skip
     session.log(f"ready: {wheel.relative_to(ROOT)}")
 
 
@@ -1066,8 +1120,9 @@ def cuda_build(session: nox.Session) -> None:
         "CUDA_HOME": os.environ.get("CUDA_HOME", "/usr/local/cuda"),
         "TORCH_CUDA_ARCH_LIST": os.environ.get("TORCH_CUDA_ARCH_LIST", "9.0"),
         "MAX_JOBS": os.environ.get("MAX_JOBS", str(_usable_cores())),
-        # A cache of this session's own: the build below always compiles (--force).
-        "AMP_FUSED_OPS_CACHE": str(Path(session.create_tmp()) / "amp_fused_ops_cache"),
+        # A cache of this session's own: the build below always compiles (--force);
+        # wheel_prebuilt takes its module from there (AMP_PREBUILT_CUDA_ARCHS).
+        "AMP_FUSED_OPS_CACHE": str(_cuda_build_cache(session)),
         "PYTHONPATH": str(ROOT / "packages" / "amp-fused-ops" / "src"),
         "NVCC_APPEND_FLAGS": " ".join(
             filter(None, [os.environ.get("NVCC_APPEND_FLAGS"), NO_SPILL_NVCC_FLAGS])
@@ -1076,6 +1131,11 @@ def cuda_build(session: nox.Session) -> None:
     session.run("python", "-m", "amp_fused_ops", "info", env=env)
     session.run("python", "-m", "amp_fused_ops", "build", "cuda", "--force", env=env)
     session.run("python", "-c", _CUDA_IMPORT_CHECK, env=env)
+
+
+def _cuda_build_cache(session: nox.Session) -> Path:
+    """The kernel cache of ``cuda_build``, in nox's cache folder (``wheel_prebuilt`` reads it)."""
+    return (Path(session.cache_dir) / "cuda-build-kernels").resolve()
 
 
 # ptxas: a register spill is a warning, and every warning an error.

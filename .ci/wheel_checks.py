@@ -7,6 +7,7 @@ Usage::
     python .ci/wheel_checks.py metadata <wheel>...
     python .ci/wheel_checks.py first-use <virtualenv>
     python .ci/wheel_checks.py no-python-api <wheel>
+    python .ci/wheel_checks.py cuda-module <virtualenv>
 
 ``imports``: the package imports from the wheel installed in the virtualenv (not from a
 checkout). ``license``: the wheel and the sdist ship the LICENSE file and the metadata declares
@@ -18,7 +19,10 @@ Adam step) run on the kernels shipped in the wheel, nothing is compiled and noth
 to the cache.
 ``no-python-api``: no shared library in the wheel uses Python's C API (no undefined ``Py*`` or
 ``_Py*`` symbol, no ``libpython`` needed), so one wheel tagged ``py3-none`` serves every Python;
-read with binutils' ``nm`` and ``readelf``.
+read with binutils' ``nm`` and ``readelf``. ``cuda-module``: run in a virtualenv with a CUDA build
+of torch and an amp-fused-ops wheel that ships a CUDA module for it, with ``AMP_FUSED_OPS_CACHE``
+pointing at an empty folder: that module loads (no GPU needed) and registers its ops, and nothing
+is compiled.
 """
 
 from __future__ import annotations
@@ -186,6 +190,43 @@ def check_no_python_api(wheel: pathlib.Path) -> int:
     return failed
 
 
+def check_cuda_module(venv: pathlib.Path) -> int:
+    cache = pathlib.Path(os.environ.get("AMP_FUSED_OPS_CACHE", ""))
+    if not cache.is_dir() or any(cache.iterdir()):
+        print(
+            f"AMP_FUSED_OPS_CACHE={str(cache)!r} must name an existing empty folder",
+            file=sys.stderr,
+        )
+        return 1
+    import torch
+
+    from amp_fused_ops import extensions
+
+    status = extensions.extension_status("cuda")
+    print(f"cuda extension under torch {torch.__version__}: {status.state} ({status.detail})")
+    if status.state != "prebuilt":
+        print("the wheel's prebuilt CUDA module is not used", file=sys.stderr)
+        return 1
+    module = extensions.get_extension("cuda")
+    if module is None:
+        print(f"it did not load: {extensions.unavailable_reason('cuda')}", file=sys.stderr)
+        return 1
+    where = pathlib.Path(str(module.__file__)).resolve()
+    if not where.is_relative_to(venv.resolve()) or "_prebuilt" not in where.parts:
+        print(f"the CUDA module loaded is not the wheel's: {where}", file=sys.stderr)
+        return 1
+    ops = sorted(name for name in dir(module) if name.startswith("multi_tensor_"))
+    if not ops:
+        print(f"{where.name} registered no multi_tensor_ op", file=sys.stderr)
+        return 1
+    written = sorted(str(p) for p in cache.rglob("*"))
+    if written:
+        print(f"loading it wrote to the cache: {written}", file=sys.stderr)
+        return 1
+    print(f"loaded the wheel's {where.name} with {len(ops)} ops: {', '.join(ops)}")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     command, args = argv[0], argv[1:]
     paths = [pathlib.Path(a) for a in args]
@@ -199,9 +240,11 @@ def main(argv: list[str]) -> int:
         return check_first_use(paths[0])
     if command == "no-python-api":
         return check_no_python_api(paths[0])
+    if command == "cuda-module":
+        return check_cuda_module(paths[0])
     print(
-        f"unknown check {command!r}: expected imports, license, metadata, first-use or "
-        "no-python-api"
+        f"unknown check {command!r}: expected imports, license, metadata, first-use, "
+        "no-python-api or cuda-module"
     )
     return 2
 
