@@ -101,22 +101,52 @@ def check_metadata(wheels: list[pathlib.Path]) -> int:
     return failed
 
 
-def check_first_use(venv: pathlib.Path) -> int:
+def _empty_cache() -> pathlib.Path | None:
+    """``AMP_FUSED_OPS_CACHE``, which must name an existing empty folder (else ``None``)."""
     cache = os.environ.get("AMP_FUSED_OPS_CACHE", "")
     if not cache or not pathlib.Path(cache).is_dir() or any(pathlib.Path(cache).iterdir()):
         print(f"AMP_FUSED_OPS_CACHE={cache!r} must name an existing empty folder", file=sys.stderr)
+        return None
+    return pathlib.Path(cache)
+
+
+def _uses_prebuilt(kind: str) -> bool:
+    """Whether the loader will take the wheel's module of ``kind`` (loads nothing)."""
+    import torch
+
+    from amp_fused_ops import extensions
+
+    status = extensions.extension_status(kind)
+    print(f"{kind} extension under torch {torch.__version__}: {status.state} ({status.detail})")
+    if status.state != "prebuilt":
+        print(f"the wheel's prebuilt {kind} module is not used", file=sys.stderr)
+        return False
+    return True
+
+
+def _from_wheel(module: object, venv: pathlib.Path, cache: pathlib.Path) -> pathlib.Path | None:
+    """The file of ``module`` if it is a module of the wheel in ``venv`` and nothing was written
+    to ``cache``; else ``None``, with the reason printed."""
+    where = pathlib.Path(str(getattr(module, "__file__", ""))).resolve()
+    if module is None or not where.is_relative_to(venv.resolve()) or "_prebuilt" not in where.parts:
+        print(f"the module loaded is not the wheel's: {where}", file=sys.stderr)
+        return None
+    written = sorted(str(p) for p in cache.rglob("*"))
+    if written:
+        print(f"the cache was written to: {written}", file=sys.stderr)
+        return None
+    return where
+
+
+def check_first_use(venv: pathlib.Path) -> int:
+    cache = _empty_cache()
+    # A prebuilt module is loaded as is; below, a compile would show as a module outside the
+    # wheel and as files written to the (empty) cache.
+    if cache is None or not _uses_prebuilt("cpu"):
         return 1
     import torch
 
     from amp_fused_ops import amp_C, extensions, multi_tensor_applier
-
-    # A prebuilt module is loaded as is; below, a compile would show as a module outside the
-    # wheel and as files written to the (empty) cache.
-    status = extensions.extension_status("cpu")
-    print(f"cpu extension before the first op: {status.state} ({status.detail})")
-    if status.state != "prebuilt":
-        print("the wheel's prebuilt CPU kernels are not used", file=sys.stderr)
-        return 1
 
     start = time.perf_counter()
     flag = torch.zeros(1, dtype=torch.int)
@@ -137,14 +167,8 @@ def check_first_use(venv: pathlib.Path) -> int:
     torch.testing.assert_close(params[0], expected)
     elapsed = time.perf_counter() - start
 
-    module = extensions.get_extension("cpu")
-    where = pathlib.Path(str(getattr(module, "__file__", ""))).resolve()
-    if module is None or not where.is_relative_to(venv.resolve()) or "_prebuilt" not in where.parts:
-        print(f"the ops did not run on the wheel's kernels: {where}", file=sys.stderr)
-        return 1
-    written = sorted(str(p) for p in pathlib.Path(cache).rglob("*"))
-    if written:
-        print(f"the first use wrote to the cache: {written}", file=sys.stderr)
+    where = _from_wheel(extensions.get_extension("cpu"), venv, cache)
+    if where is None:
         return 1
     print(f"first amp_C ops ran on the prebuilt kernels {where} in {elapsed:.2f} s, no compile")
     return 0
@@ -191,37 +215,21 @@ def check_no_python_api(wheel: pathlib.Path) -> int:
 
 
 def check_cuda_module(venv: pathlib.Path) -> int:
-    cache = pathlib.Path(os.environ.get("AMP_FUSED_OPS_CACHE", ""))
-    if not cache.is_dir() or any(cache.iterdir()):
-        print(
-            f"AMP_FUSED_OPS_CACHE={str(cache)!r} must name an existing empty folder",
-            file=sys.stderr,
-        )
+    cache = _empty_cache()
+    if cache is None or not _uses_prebuilt("cuda"):
         return 1
-    import torch
-
     from amp_fused_ops import extensions
 
-    status = extensions.extension_status("cuda")
-    print(f"cuda extension under torch {torch.__version__}: {status.state} ({status.detail})")
-    if status.state != "prebuilt":
-        print("the wheel's prebuilt CUDA module is not used", file=sys.stderr)
-        return 1
     module = extensions.get_extension("cuda")
     if module is None:
         print(f"it did not load: {extensions.unavailable_reason('cuda')}", file=sys.stderr)
         return 1
-    where = pathlib.Path(str(module.__file__)).resolve()
-    if not where.is_relative_to(venv.resolve()) or "_prebuilt" not in where.parts:
-        print(f"the CUDA module loaded is not the wheel's: {where}", file=sys.stderr)
+    where = _from_wheel(module, venv, cache)
+    if where is None:
         return 1
     ops = sorted(name for name in dir(module) if name.startswith("multi_tensor_"))
     if not ops:
         print(f"{where.name} registered no multi_tensor_ op", file=sys.stderr)
-        return 1
-    written = sorted(str(p) for p in cache.rglob("*"))
-    if written:
-        print(f"loading it wrote to the cache: {written}", file=sys.stderr)
         return 1
     print(f"loaded the wheel's {where.name} with {len(ops)} ops: {', '.join(ops)}")
     return 0
