@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parent
 PACKAGES = ["amp-core", "amp-fused-ops", "amp-optimizers", "amp-parallel", "amp-legacy-fp16"]
 IMPORT_NAMES = {package: package.replace("-", "_") for package in PACKAGES}
 SRC_DIRS = [f"packages/{package}/src" for package in PACKAGES]
-TORCH_REQUIREMENT = "torch>=2.11,<2.16"
+TORCH_REQUIREMENT = "torch>=2.11"
 # The torch that sessions install when the interpreter running nox has none: the release the
 # toolkit is tested with. Its CPU build carries the local version label "+cpu" on Linux.
 TORCH_PIN = "2.13.0"
