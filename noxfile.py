@@ -85,24 +85,16 @@ CUDA_TORCH_RELEASE = "2.14.1"
 # AMP_PREBUILT_TORCH (space-separated) names others, e.g. every release for a published wheel.
 PREBUILT_OTHER_TORCH = ("2.11.0", CUDA_TORCH_RELEASE)
 # AMP_PREBUILT_CUDA_ARCHS (e.g. "9.0"; CI, after `nox -s cuda_build`): the wheel also ships the
-# CUDA kernels of CUDA_TORCH_RELEASE for those architectures, through cuda_build's kernel cache.
+# CUDA kernels of CUDA_TORCH_RELEASE for those architectures, through cuda_build's kernel cache
+# (AMP_PREBUILT_CUDA_TORCH, space-separated: of these releases instead, e.g. a GPU machine's).
 # AMP_PREBUILT_OTHER_PYTHON=3.12 (a published wheel): the wheel's op tests also run under that
 # Python, with a CUDA build of the session's torch release, on the module the session's Python
 # built. Without it, the modules are checked for references to Python's C API instead (the wheel
 # is tagged py3-none because they have none).
 # The tests a prebuilt wheel runs under each torch release it serves: the amp_C ops, the
-# fused norms and the fused optimizers, on the CPU kernels the wheel ships.
-PREBUILT_TESTS = (
-    "packages/amp-fused-ops/tests/test_amp_C_apex_ops.py",
-    "packages/amp-fused-ops/tests/test_contract_adam.py",
-    "packages/amp-fused-ops/tests/test_contract_lamb_novograd.py",
-    "packages/amp-fused-ops/tests/test_contract_norm_ops.py",
-    "packages/amp-fused-ops/tests/test_contract_scale_and_norms.py",
-    "packages/amp-fused-ops/tests/test_contract_sgd_adagrad.py",
-    "packages/amp-fused-ops/tests/test_norm_functions.py",
-    "packages/amp-optimizers/tests/test_fused_adam.py",
-    "packages/amp-optimizers/tests/test_parity.py",
-)
+# fused norms and the fused optimizers, on the CPU kernels the wheel ships (on a GPU machine,
+# benchmarks/gpu_run.sh runs their gpu cases on its CUDA kernels).
+PREBUILT_TESTS = tuple((CI_DIR / "prebuilt_tests.txt").read_text().split())
 
 
 def _usable_cores() -> int:
@@ -794,26 +786,31 @@ def _manylinux(session: nox.Session, wheel: Path, out_dir: Path) -> Path:
 
 
 def _stage_release_cuda(
-    session: nox.Session, others: dict[str, str], archs: str, tmp: Path, has_nvcc: bool
+    session: nox.Session,
+    others: dict[str, str],
+    version: str,
+    archs: str,
+    tmp: Path,
+    has_nvcc: bool,
 ) -> Path:
-    """Stage the CUDA module of torch ``CUDA_TORCH_RELEASE`` for ``archs`` for the wheel.
+    """Stage the CUDA module of torch ``version`` (a CUDA build) for ``archs`` for the wheel.
 
     Compiled in that release's virtualenv through ``cuda_build``'s kernel cache: after that
     session (same sources, torch, architectures and toolkit), it is taken from there as is.
     """
-    if CUDA_TORCH_RELEASE not in others:
+    if version not in others:
         session.error(
-            f"AMP_PREBUILT_CUDA_ARCHS: the wheel must serve torch {CUDA_TORCH_RELEASE}, whose "
-            f"CUDA build it compiles with (AMP_PREBUILT_TORCH names {sorted(others)})"
+            f"AMP_PREBUILT_CUDA_ARCHS: the wheel must serve torch {version}, whose CUDA build "
+            f"it compiles with (AMP_PREBUILT_TORCH names {sorted(others)})"
         )
     if not has_nvcc:
         session.error("AMP_PREBUILT_CUDA_ARCHS: nvcc not found on PATH or in CUDA_HOME/bin")
-    stage = tmp / f"staged-cuda-torch-{CUDA_TORCH_RELEASE}"
+    stage = tmp / f"staged-cuda-torch-{version}"
     shutil.rmtree(stage, ignore_errors=True)
     start = time.perf_counter()
     session.run(
-        others[CUDA_TORCH_RELEASE], "-m", "amp_fused_ops", "build", "cuda", "--wheel-dir",
-        str(stage), external=True,
+        others[version], "-m", "amp_fused_ops", "build", "cuda", "--wheel-dir", str(stage),
+        external=True,
         env={
             "AMP_FUSED_OPS_CACHE": str(_cuda_build_cache(session)),
             "CUDA_HOME": os.environ.get("CUDA_HOME", "/usr/local/cuda"),
@@ -823,7 +820,7 @@ def _stage_release_cuda(
         },
     )  # fmt: skip
     session.log(
-        f"CUDA module for torch {CUDA_TORCH_RELEASE}, architectures {archs}, in "
+        f"CUDA module for torch {version}, architectures {archs}, in "
         f"{time.perf_counter() - start:.0f} s"
     )
     return stage
@@ -875,9 +872,11 @@ def wheel_prebuilt(session: nox.Session) -> None:
     ``TORCH_CUDA_ARCH_LIST`` (default 8.0;9.0;10.0+PTX); with ``AMP_PREBUILT_CUDA_ARCHS`` (CI:
     9.0, after ``cuda_build``, whose module it takes from that session's kernel cache), the
     CUDA kernels of ``CUDA_TORCH_RELEASE`` for those architectures, loaded from the installed
-    wheel under that release at the end (no GPU needed). ``AMP_PREBUILT_OTHER_ISA=best`` (CI)
-    compiles the other releases' CPU module for this CPU's best instruction set
-    only, the one their tests load here (both sets are still compiled for the session's torch).
+    wheel under that release at the end (no GPU needed; ``AMP_PREBUILT_CUDA_TORCH`` names
+    other releases the wheel serves to compile them for instead, e.g. a GPU machine's).
+    ``AMP_PREBUILT_OTHER_ISA=best`` (CI) compiles the other releases' CPU module for this CPU's
+    best instruction set only, the one their tests load here (both sets are still compiled for
+    the session's torch).
     The wheel does not pin torch: under a release it has no module for, the kernels compile
     just in time. It is tagged with the oldest manylinux its modules allow (``auditwheel``) and
     ``py3-none``: none of its modules uses Python's C API (checked). Compiles go through the
@@ -941,8 +940,11 @@ def wheel_prebuilt(session: nox.Session) -> None:
         session.log(f"CPU modules for torch {version} in {time.perf_counter() - start:.0f} s")
         staged.append(str(stage))
     cuda_archs = os.environ.get("AMP_PREBUILT_CUDA_ARCHS", "")
+    cuda_releases = os.environ.get("AMP_PREBUILT_CUDA_TORCH", CUDA_TORCH_RELEASE).split()
     if cuda_archs:
-        staged.append(str(_stage_release_cuda(session, others, cuda_archs, tmp, has_nvcc)))
+        for version in cuda_releases:
+            stage = _stage_release_cuda(session, others, version, cuda_archs, tmp, has_nvcc)
+            staged.append(str(stage))
     env["AMP_FUSED_OPS_PREBUILT_DIRS"] = os.pathsep.join(staged)
 
     shutil.rmtree(PREBUILT_WHEELHOUSE, ignore_errors=True)
@@ -1015,12 +1017,12 @@ def wheel_prebuilt(session: nox.Session) -> None:
         session.log(f"the wheel's op tests under {label}")
         _test_prebuilt_wheel(session, python, test_wheels, tmp / f"empty-cache-{index}")
         session.log(f"{label}: passed in {time.perf_counter() - start:.0f} s")
-    if cuda_archs:
+    for version in cuda_releases if cuda_archs else []:
         # The wheel is installed there by its op tests above; no GPU is needed to load it.
         empty_cache = tmp / "empty-cache-cuda"
         shutil.rmtree(empty_cache, ignore_errors=True)
         empty_cache.mkdir()
-        python = others[CUDA_TORCH_RELEASE]
+        python = others[version]
         session.run(
             python, str(CI_DIR / "wheel_checks.py"), "cuda-module", str(Path(python).parents[1]),
             env={"AMP_FUSED_OPS_CACHE": str(empty_cache)}, external=True,

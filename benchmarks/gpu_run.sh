@@ -9,6 +9,9 @@
 # Needs a CUDA build of torch, nvcc and ninja (pytest for the tests); imports the packages from
 # the source folders (docs/design.rst, "Testing CUDA code"). Steps:
 #   env        nvidia-smi, torch and CUDA versions, `python -m amp_fused_ops info`
+#   prebuilt   with GPU_RUN_WHEELS=<wheelhouse> (a carried dist/ with a prebuilt wheel for this
+#              machine's torch): benchmarks/gpu_prebuilt_wheel.sh, the wheel installed without
+#              a CUDA toolkit in reach, the time to the first FusedAdam step, its gpu tests
 #   build      the CUDA extension for this GPU's architecture (the loader's just-in-time build)
 #   norm_tests the gpu tests of the fused norms' kernels (both sets of kernels)
 #   bench_norm FusedLayerNorm / FusedRMSNorm against torch, the resident and the per-row kernels
@@ -46,6 +49,9 @@ ARCH=$(python -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-${ARCH:-9.0}}
 
 step env 60 bash -c 'nvidia-smi; python -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"; nvcc --version; python -m amp_fused_ops info'
+if [ -n "${GPU_RUN_WHEELS:-}" ]; then
+    step prebuilt 300 bash benchmarks/gpu_prebuilt_wheel.sh "$GPU_RUN_WHEELS" "$OUT_DIR"
+fi
 step build 480 python -m amp_fused_ops build cuda
 step norm_tests 240 python -m pytest -q -m gpu -p no:cacheprovider \
     packages/amp-fused-ops/tests/test_contract_norm_ops.py \
@@ -83,6 +89,8 @@ for kernels in resident per_row; do
             --set full -o "$OUT_DIR/ncu_$kernels" python -c "$PROFILE" "$kernels"
     fi
 done
-rm -rf "$AMP_FUSED_OPS_CACHE"  # the compiled module: large, and rebuilt on the next machine
+# The compiled module and the prebuilt check's virtualenv: large, and made again on the next
+# machine.
+rm -rf "$AMP_FUSED_OPS_CACHE" "$OUT_DIR/prebuilt-venv"
 echo "gpu_run: done, status $STATUS; outputs in $OUT_DIR"
 exit "$STATUS"
