@@ -876,11 +876,11 @@ def wheel_prebuilt(session: nox.Session) -> None:
     other releases the wheel serves to compile them for instead, e.g. a GPU machine's).
     ``AMP_PREBUILT_OTHER_ISA=best`` (CI) compiles the other releases' CPU module for this CPU's
     best instruction set only, the one their tests load here (both sets are still compiled for
-    the session's torch).
-    The wheel does not pin torch: under a release it has no module for, the kernels compile
-    just in time. It is tagged with the oldest manylinux its modules allow (``auditwheel``) and
-    ``py3-none``: none of its modules uses Python's C API (checked). Compiles go through the
-    kernel cache, so running the session again packs the same builds without compiling.
+    the session's torch). The wheel does not pin torch: under a release it has no module for,
+    the kernels compile just in time. It is tagged with the oldest manylinux its modules allow
+    (``auditwheel``) and ``py3-none``: none of its modules uses Python's C API (checked).
+    Compiles go through the kernel cache, so running the session again packs the same builds
+    without compiling.
 
     The wheel is also copied into the wheelhouse dist/, beside the plain one, where pip prefers
     it on the platform it is for. Then, with the kernel cache pointing at an empty folder that
