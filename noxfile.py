@@ -195,25 +195,23 @@ def _shared_torch(session: nox.Session) -> Path:
     """A folder with torch and its dependencies, installed on first use for every session."""
     label, attempts = _torch_install_plan()
     digest = hashlib.sha256(repr(attempts).encode()).hexdigest()[:8]
-    python = f"py{sys.version_info.major}{sys.version_info.minor}"
-    return _cached_torch(session, f"{python}-{label}-{digest}", label, attempts)
+    return _cached_torch(session, f"{_python_tag(session)}-{label}-{digest}", label, attempts)
 
 
 def _release_torch(session: nox.Session, version: str, interpreter: str | None = None) -> Path:
     """A folder with the CUDA build of torch ``version`` (from the index: it also runs on a
     machine without a GPU) for ``interpreter`` (default: the Python running nox), installed
     on first use for every session."""
-    tag = (
-        _python_tag(session, interpreter)
-        if interpreter
-        else (f"py{sys.version_info.major}{sys.version_info.minor}")
-    )
+    tag = _python_tag(session, interpreter)
     return _cached_torch(
         session, f"{tag}-cuda-{version}", "cuda", [[f"torch==={version}"]], interpreter
     )
 
 
-def _python_tag(session: nox.Session, interpreter: str) -> str:
+def _python_tag(session: nox.Session, interpreter: str | None = None) -> str:
+    """``py<major><minor>`` of ``interpreter`` (default: the Python running nox)."""
+    if interpreter is None:
+        return f"py{sys.version_info.major}{sys.version_info.minor}"
     code = "import sys; print('py%d%d' % sys.version_info[:2])"
     output = session.run(interpreter, "-c", code, silent=True, external=True, log=False)
     return str(output).strip().splitlines()[-1]
@@ -372,8 +370,14 @@ def _link_torch(
     site = _torch_site(session)
     if hide_toolkit:
         site = _without_toolkit(session, site)
-    (_site_packages(python, session) / TORCH_PTH).write_text(f"{site}\n")
+    _link_site(session, python, site)
     return site
+
+
+def _link_site(session: nox.Session, python: str, site: Path) -> None:
+    """Append ``site`` to the ``sys.path`` of ``python`` (a virtualenv's), after its own
+    packages, through a ``.pth`` file."""
+    (_site_packages(python, session) / TORCH_PTH).write_text(f"{site}\n")
 
 
 def _install(session: nox.Session, *args: str) -> None:
@@ -730,7 +734,7 @@ def _torch_virtualenv(
     shutil.rmtree(venv, ignore_errors=True)
     chosen = ["-p", interpreter] if interpreter else []
     session.run("python", "-m", "virtualenv", "--quiet", *chosen, str(venv), silent=True)
-    (_site_packages(python, session) / TORCH_PTH).write_text(f"{site}\n")
+    _link_site(session, python, site)
     pip = [python, "-m", "pip", "install", "--no-compile", "--quiet"]
     session.run(*pip, "numpy", "ninja", "pytest", "pytest-xdist", external=True)
     if version != CUDA_TORCH_RELEASE:
@@ -1185,8 +1189,7 @@ def _check_cuda_toolchain(session: nox.Session) -> None:
     if requirement:
         _install(session, requirement, "ninja")
     else:
-        site = _release_torch(session, CUDA_TORCH_RELEASE)
-        (_site_packages("python", session) / TORCH_PTH).write_text(f"{site}\n")
+        _link_site(session, "python", _release_torch(session, CUDA_TORCH_RELEASE))
         _install(session, "ninja")
     torch_cuda = _torch_query(session, "torch.version.cuda")
     if torch_cuda == "None":
