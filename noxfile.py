@@ -1222,6 +1222,7 @@ EMULATION_TESTS = [
     "packages/amp-fused-ops/tests/test_multi_tensor_launches.py",
     "packages/amp-fused-ops/tests/test_amp_C_call_path.py",
     "packages/amp-fused-ops/tests/test_use_reference.py",
+    "packages/amp-fused-ops/tests/test_step_plan_kernels.py",
     "packages/amp-optimizers/tests/test_captured_steps.py",
 ]
 

@@ -19,6 +19,7 @@
 
 #include "multi_tensor_ops.h"
 #include "ops_schema.h"
+#include "step_plans.h"
 
 #ifndef AMP_FUSED_OPS_BACKEND
 #error "define AMP_FUSED_OPS_BACKEND (cpu or cuda) before including ops_registration.h"
@@ -151,6 +152,28 @@ void adam(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList grads,
   bump(params);
   bump(exp_avgs);
   bump(exp_avg_sqs);
+}
+
+// multi_tensor_adam on the lists of a gathered step plan (step_plans.h): the same arguments
+// but the lists, which the plan holds.
+void adam_plan(int64_t chunk_size, const at::Tensor& noop_flag, int64_t plan, int64_t bucket,
+               double lr, double beta1, double beta2, double eps, int64_t step, int64_t mode,
+               int64_t bias_correction, double weight_decay,
+               const std::optional<at::Tensor>& step_tensor, std::optional<int64_t> sr_seed,
+               std::optional<int64_t> sr_step, const std::optional<at::Tensor>& lr_tensor) {
+  GatheredBucket gathered;
+  gathered_bucket("multi_tensor_adam_plan", plan, bucket, gathered);
+  const TensorLists& tensor_lists = *gathered.lists;
+  TORCH_CHECK_VALUE(tensor_lists.size() == 4, "multi_tensor_adam_plan: step plan ", plan,
+                    " holds ", tensor_lists.size() - 2, " state lists, Adam needs 2");
+  const int64_t count = step_count("multi_tensor_adam_plan", step, step_tensor);
+  backend::multi_tensor_adam(chunk_size, noop_flag, tensor_lists,
+                             learning_rate("multi_tensor_adam_plan", lr, lr_tensor), beta1, beta2,
+                             eps, count, mode, bias_correction, weight_decay, sr_seed,
+                             sr_step.value_or(count));
+  bump(tensor_lists[1]);
+  bump(tensor_lists[2]);
+  bump(tensor_lists[3]);
 }
 
 void adam_capturable(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList grads,
@@ -289,6 +312,11 @@ void register_multi_tensor_impls(torch::Library& m) {
   m.impl("multi_tensor_novograd", TORCH_FN(novograd));
   m.impl("multi_tensor_lamb_stage1_cuda", TORCH_FN(lamb_stage1));
   m.impl("multi_tensor_lamb_stage2_cuda", TORCH_FN(lamb_stage2));
+  m.impl("multi_tensor_plan_set", TORCH_FN(plan_set));
+  m.impl("multi_tensor_plan_gather", TORCH_FN(plan_gather));
+  m.impl("multi_tensor_plan_release", TORCH_FN(plan_release));
+  m.impl("multi_tensor_plan_drop", TORCH_FN(plan_drop));
+  m.impl("multi_tensor_adam_plan", TORCH_FN(adam_plan));
 }
 
 }  // namespace

@@ -45,6 +45,9 @@ from amp_fused_ops.ops._schema_calls import multi_tensor_op
 # Norms of whole tensors, DTensor (FSDP2) shards reduced over their mesh
 from amp_fused_ops.ops._sharding import tensor_norms
 
+# A param group's lists kept by the compiled kernels across steps (what FusedAdam steps on)
+from amp_fused_ops.ops._step_plans import StepPlanLists, plans_available
+
 __all__ = [
     "__version__",
     # Multi-tensor apply
@@ -54,6 +57,8 @@ __all__ = [
     "amp_C",
     "multi_tensor_op",
     "tensor_norms",
+    "StepPlanLists",
+    "plans_available",
     # Normalization
     "FusedLayerNorm",
     "FusedRMSNorm",

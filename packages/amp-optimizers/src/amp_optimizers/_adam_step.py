@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from amp_fused_ops import multi_tensor_applier, multi_tensor_op
+from amp_fused_ops import StepPlanLists, multi_tensor_applier, multi_tensor_op
 
 from ._step_helpers import lr_arguments
 
@@ -57,6 +57,7 @@ def fused_adam(
     found_inf: Tensor | None = None,
     check_finite: bool = False,
     sharded: bool = False,
+    plan_lists: StepPlanLists | None = None,
 ) -> None:
     """One Adam step of one param group.
 
@@ -87,6 +88,8 @@ def fused_adam(
             raise ``found_inf`` when the step was skipped (not needed when ``found_inf``
             already covers every gradient, as ``GradScaler``'s does).
         sharded: The params are DTensors (FSDP2), decided once per step by the caller.
+        plan_lists: Plain path: step on these stored lists, their gradients gathered
+            (``tensor_lists`` then empty): one ``multi_tensor_adam_plan`` per bucket.
     """
     if device_path:
         assert isinstance(lr, Tensor) and isinstance(step, Tensor)
@@ -120,6 +123,7 @@ def fused_adam(
             step_tensor=step_tensor,
             seeds=seeds,
             sharded=sharded,
+            plan_lists=plan_lists,
         )
 
 
@@ -137,11 +141,35 @@ def _plain_adam(
     step_tensor: Tensor | None,
     seeds: Sequence[int],
     sharded: bool,
+    plan_lists: StepPlanLists | None,
 ) -> None:
-    """:func:`fused_adam` on the plain path: ``multi_tensor_adam`` per bucket."""
-    adam = multi_tensor_op("multi_tensor_adam", sharded=sharded)
+    """:func:`fused_adam` on the plain path: ``multi_tensor_adam`` per bucket, or
+    ``multi_tensor_adam_plan`` per bucket of ``plan_lists``."""
     beta1, beta2 = betas
     lr, lr_tensor = lr_arguments(lr)
+    if plan_lists is not None:
+        planned = torch.ops.amp_fused_ops.multi_tensor_adam_plan.default
+        for index in range(plan_lists.buckets):
+            planned(
+                multi_tensor_applier.chunk_size,
+                noop_flag(plan_lists.device),
+                plan_lists.handle,
+                index,
+                lr,
+                beta1,
+                beta2,
+                eps,
+                step,
+                adam_w_mode,
+                bias_correction,
+                weight_decay,
+                step_tensor,
+                seeds[index] if seeds else None,
+                None,
+                lr_tensor,
+            )
+        return
+    adam = multi_tensor_op("multi_tensor_adam", sharded=sharded)
     for index, (grads, params, exp_avgs, exp_avg_sqs) in enumerate(tensor_lists):
         adam(
             multi_tensor_applier.chunk_size,  # read at each step, as Apex's optimizers did

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from amp_fused_ops import plans_available
+
 from ._step_helpers import first_param_device, holds_dtensors, params_with_grads
 from ._step_plan import (
     TRACE_WRITTEN_GROUP_KEYS,
@@ -26,6 +28,7 @@ from ._step_plan import (
     StepPlan,
     param_signature,
     plan_buckets,
+    store_plan_lists,
 )
 
 __all__ = ["FusedOptimizerBase"]
@@ -48,6 +51,11 @@ class FusedOptimizerBase(torch.optim.Optimizer):
     """
 
     set_grad_none: bool = True
+
+    # Whether the step can run on lists the compiled kernels hold (StepPlan.lists): a subclass
+    # whose step has such an op sets it, and then steps a group whose grads step_plans returns
+    # as None on the plan's lists.
+    _stores_step_plans: bool = False
 
     def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
         super().__init__(params, defaults)
@@ -188,6 +196,62 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             params_with_grads(name, plan.params)  # raises on a sparse gradient
         return plan, grads
 
+    def stored_step_plans(
+        self, name: str, state_columns: Callable[[Tensor], Sequence[Tensor]]
+    ) -> list[tuple[dict[str, Any], StepPlan | None, list[Tensor] | None]]:
+        """:meth:`step_plans` for an optimizer that steps on stored lists
+        (``_stores_step_plans``): when every group's cached plan holds them and the compiled
+        kernels gathered the gradients (:meth:`_gathered_plans`), the groups come back with
+        ``grads`` None, and each steps on ``plan.lists``; else as :meth:`step_plans`.
+        """
+        if plans_available():
+            snapshot = self._state_snapshot
+            if snapshot is not None and snapshot.matches(self.state):
+                gathered = self._gathered_plans()
+                if gathered is not None:
+                    return gathered
+        return list(self.step_plans(name, state_columns))
+
+    def _gathered_plans(
+        self,
+    ) -> list[tuple[dict[str, Any], StepPlan | None, list[Tensor] | None]] | None:
+        """Every group's cached plan, its gradients read by the compiled kernels; None (nothing
+        kept) unless all of them could be: then :meth:`step_plan` decides, as without lists.
+
+        A group qualifies when its plan holds stored lists (:attr:`StepPlan.lists`), is current
+        (same group, generation and state size; the caller checked the state) and the group
+        holds the same params, and the kernels' gather confirms that the params with a
+        gradient, and only they, still have one, all dense, none of another dtype or device
+        than planned. A group none of whose params has a gradient qualifies as such (no plan).
+        Only then does any group step, so a change anywhere is seen before anything is written.
+        """
+        out: list[tuple[dict[str, Any], StepPlan | None, list[Tensor] | None]] = []
+        gathered = []
+        for group in self.param_groups:
+            params = group["params"]
+            plan = self._plans.get(id(group))
+            if plan is None or plan.lists is None:
+                if all(map(operator.is_, map(_GRAD, params), repeat(None))):
+                    out.append((group, None, []))
+                    continue
+                break
+            if not (
+                plan.group is group
+                and plan.generation == self._plan_generation
+                and plan.state_len == len(self.state)
+                and len(params) == len(plan.group_params)
+                and all(map(operator.is_, params, plan.group_params))
+                and plan.lists.gather()
+            ):
+                break
+            gathered.append(plan.lists)
+            out.append((group, plan, None))
+        else:
+            return out
+        for lists in gathered:
+            lists.release()
+        return None
+
     def _traced_plan(
         self,
         name: str,
@@ -220,6 +284,11 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         state_columns: Callable[[Tensor], Sequence[Tensor]],
     ) -> StepPlan:
         buckets = plan_buckets(name, params, signature, state_columns)
+        sharded = holds_dtensors(params)
+        group_params = tuple(group["params"])
+        lists = None
+        if self._stores_step_plans and not sharded and plans_available():
+            lists = store_plan_lists(group_params, buckets)
         plan = StepPlan(
             group,
             signature,
@@ -228,7 +297,9 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             self._plan_generation,
             params,
             buckets,
-            holds_dtensors(params),
+            sharded,
+            group_params,
+            lists,
         )
         live = {id(g) for g in self.param_groups}
         self._plans = {k: v for k, v in self._plans.items() if k in live}

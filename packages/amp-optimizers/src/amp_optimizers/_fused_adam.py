@@ -125,6 +125,9 @@ class FusedAdam(AdamMasterWeights):
     # A default stochastic_round_seed drawn on this rank, not yet agreed with the other ranks.
     _sr_unagreed_seed: int | None = None
 
+    # The plain path steps on the lists the compiled kernels hold (multi_tensor_adam_plan).
+    _stores_step_plans = True
+
     # Apex's op handles (read by code built on Apex's optimizers): the amp_C ops by name.
     multi_tensor_adam = AmpCOp("multi_tensor_adam")
     multi_tensor_adam_capturable = AmpCOp("multi_tensor_adam_capturable")
@@ -297,7 +300,7 @@ class FusedAdam(AdamMasterWeights):
             if self._sr_unagreed_seed is not None and distributed_world_size() > 1:
                 self._settle_stochastic_round_seeds()
             # Every group's layout (and its checks) before any group steps.
-            plans = self.step_plans("FusedAdam", self._moments)
+            plans = self.stored_step_plans("FusedAdam", self._moments)
             for index, (group, plan, grads) in enumerate(plans):
                 if plan is not None:
                     self._plain_group(group, plan, grads, index)
@@ -330,9 +333,14 @@ class FusedAdam(AdamMasterWeights):
         return state["exp_avg"], state["exp_avg_sq"]
 
     def _plain_group(
-        self, group: dict[str, Any], plan: StepPlan, grads: list[Tensor], group_index: int
+        self,
+        group: dict[str, Any],
+        plan: StepPlan,
+        grads: list[Tensor] | None,
+        group_index: int,
     ) -> None:
-        """Step one group on the plain path: its cached plan's lists, the count on the host."""
+        """Step one group on the plain path: its cached plan's lists, the count on the host;
+        ``grads`` None: the compiled kernels gathered them into ``plan.lists``."""
         step, step_tensor = step_arguments(advance_step(group))
         seeds: list[int] = []
         if group.get(_SR_FLAG, False):
@@ -340,9 +348,11 @@ class FusedAdam(AdamMasterWeights):
                 self._settle_stochastic_round_seeds()
             first = group_index << 16  # a seed per launch: (group, bucket)
             seeds = [launch_seed(group[_SR_SEED], first + i) for i in range(len(plan.buckets))]
+        lists = [] if grads is None else [[b.grads(grads), *b.columns] for b in plan.buckets]
         fused_adam(
-            [[bucket.grads(grads), *bucket.columns] for bucket in plan.buckets],
+            lists,
             self.noop_flag,
+            plan_lists=plan.lists if grads is None else None,
             device_path=False,
             # A tensor lr stays a tensor: data of a compiled step, not a constant.
             lr=group["lr"],

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from amp_fused_ops import StepPlanLists
+
 from ._step_helpers import group_by_device_dtype, params_with_grads
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "StepPlan",
     "param_signature",
     "plan_buckets",
+    "store_plan_lists",
 ]
 
 # Param-group keys that torch.compile writes into a traced step's groups (see
@@ -72,6 +75,11 @@ class StepPlan:
         buckets: One per ``(device, dtype)``, in the order of first appearance.
         sharded: Some param is a DTensor (FSDP2): the step calls the ops' sharded form
             (``amp_fused_ops.multi_tensor_op(name, sharded=True)``).
+        group_params: All the group's params when the plan was built, those without a
+            gradient included (for the check of a step that reads no gradient in Python).
+        lists: The same lists stored with the compiled kernels of the params' device
+            (``amp_fused_ops.StepPlanLists``), for an optimizer that steps on them; None where
+            they are not stored.
     """
 
     group: dict[str, Any]
@@ -82,6 +90,8 @@ class StepPlan:
     params: list[Tensor]
     buckets: list[PlanBucket]
     sharded: bool = False
+    group_params: tuple[Tensor, ...] = ()
+    lists: StepPlanLists | None = None
 
 
 _END = object()  # closes the sequence of a snapshot's objects, so that a length change shows
@@ -154,3 +164,29 @@ def plan_buckets(
         )
         buckets.append(PlanBucket(key[0], index, columns))
     return buckets
+
+
+def store_plan_lists(
+    group_params: Sequence[Tensor], buckets: Sequence[PlanBucket]
+) -> StepPlanLists | None:
+    """The lists of ``buckets`` stored with the compiled kernels (:class:`StepPlanLists`), or
+    None where they cannot be (see :meth:`StepPlanLists.create`).
+
+    Args:
+        group_params: The group's params in order, those without a gradient included.
+        buckets: The plan's buckets (their params are those with a gradient).
+    """
+    bucket_of: dict[int, int] = {}
+    state_of: dict[int, list[Tensor]] = {}
+    for index, bucket in enumerate(buckets):
+        params, *state = bucket.columns
+        for row, p in enumerate(params):
+            bucket_of[id(p)] = index
+            state_of[id(p)] = [column[row] for column in state]
+    columns = len(buckets[0].columns) - 1 if buckets else 0
+    planned = [p for p in group_params if id(p) in bucket_of]
+    return StepPlanLists.create(
+        list(group_params),
+        [bucket_of.get(id(p), -1) for p in group_params],
+        [[state_of[id(p)][c] for p in planned] for c in range(columns)],
+    )

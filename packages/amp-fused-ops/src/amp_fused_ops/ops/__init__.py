@@ -13,6 +13,8 @@
 - ``_preconditions``: the checks of ``chunk_size`` and the scalar arguments;
 - ``_multi_tensor_apply``: ``multi_tensor_applier`` (Apex's ``apex.multi_tensor_apply``);
 - ``_flatten``: ``flatten`` / ``unflatten`` for bucketing (Apex's ``apex_C``);
+- ``_step_plans``: a param group's tensor lists held by the compiled kernels across steps
+  (``StepPlanLists``), so that a step passes no lists;
 
 The public names are re-exported by :mod:`amp_fused_ops` and :mod:`amp_fused_ops.amp_C`.
 """

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from amp_fused_ops.ops import _preconditions
+from amp_fused_ops.ops._plan_schemas import PLAN_SCHEMAS, plan_fake
 from amp_fused_ops.ops._preconditions import OpPreconditions
 from amp_fused_ops.reference import _ops as _reference
 from amp_fused_ops.reference._common import find_wrong_device
@@ -432,6 +433,10 @@ def define_schemas(namespace: str = OPS_NAMESPACE, *, fallbacks: bool | None = N
     for spec in REGISTRY.values():
         library.define(spec.schema)
         torch.library.register_fake(f"{namespace}::{spec.name}", _fake_kernel(spec), lib=library)
+    for schema in PLAN_SCHEMAS:
+        library.define(schema)
+        name = schema[: schema.index("(")]
+        torch.library.register_fake(f"{namespace}::{name}", plan_fake(name), lib=library)
     if fallbacks if fallbacks is not None else namespace == OPS_NAMESPACE:
         for spec in REGISTRY.values():
             library.impl(spec.name, _last_resort_kernel(spec), "CompositeExplicitAutograd")

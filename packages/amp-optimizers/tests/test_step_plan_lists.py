@@ -1,0 +1,242 @@
+"""FusedAdam's plain step on the lists the compiled kernels hold (``multi_tensor_adam_plan``).
+
+Once a group's layout is planned, the step passes no tensor lists: the compiled kernels keep
+the params and the moments, read the gradients off the params, and step. Each test runs the
+same steps twice, on the stored lists and on lists passed per step (the same kernels: the
+optimizer's ``_stores_step_plans`` switched off), and requires the same bits, across the
+changes a stored plan must notice; and checks that the kernels hold no tensor longer than the
+plan, nor a gradient longer than the step.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from _amp_optimizers_helpers import (
+    GROUP_SHAPES,
+    assert_bitwise_equal,
+    loss_of,
+    make_params,
+    run_steps,
+    snapshot,
+    two_groups,
+)
+from amp_fused_ops import StepPlanLists, plans_available
+from amp_optimizers import FusedAdam
+
+pytestmark = pytest.mark.skipif(
+    StepPlanLists.create([torch.ones(1)], [0], [[torch.ones(1)]]) is None,
+    reason="the step plans need the compiled CPU kernels",
+)
+
+OPS = torch.ops.amp_fused_ops
+BF16 = torch.bfloat16
+MIXED = [torch.float32, BF16, torch.float32, torch.float32, BF16, torch.float32, BF16, BF16]
+
+
+def _adam(params: list[Tensor], *, stored: bool, **options: object) -> FusedAdam:
+    optimizer = FusedAdam(two_groups(params, {"weight_decay": 0.0}), lr=1e-2,
+                          weight_decay=0.1, **options)  # fmt: skip
+    optimizer._stores_step_plans = stored
+    return optimizer
+
+
+def _twins(
+    dtype: torch.dtype | list[torch.dtype] = torch.float32, **options: object
+) -> Iterator[tuple[FusedAdam, list[Tensor]]]:
+    """The same params and optimizer twice: stepping on stored lists, then on passed lists."""
+    for stored in (True, False):
+        params = make_params(dtype=dtype)
+        yield _adam(params, stored=stored, **options), params
+
+
+def _calls(step: Callable[[], None]) -> list[str]:
+    """The names of this package's ops a call runs (the profiler: no dispatch mode)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    return [e.name for e in prof.events() if e.name.startswith("amp_fused_ops::")]
+
+
+def _values(optimizer: FusedAdam, params: list[Tensor]) -> list[object]:
+    """The params and their state (a param taken out of its group has state torch's
+    ``state_dict`` cannot name, so the state is read per param)."""
+    steps = [group.get("step") for group in optimizer.param_groups]
+    return [steps, *((p.detach(), dict(optimizer.state.get(p, {}))) for p in params)]
+
+
+def _same(twins: list[tuple[FusedAdam, list[Tensor]]]) -> None:
+    (stored, stored_params), (passed, passed_params) = twins
+    assert_bitwise_equal(_values(stored, stored_params), _values(passed, passed_params))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, "mixed"], ids=str)
+def test_cached_steps_run_on_the_stored_lists(dtype: object) -> None:
+    twins = list(_twins(MIXED if dtype == "mixed" else torch.float32))
+    for optimizer, params in twins:
+        run_steps(optimizer, params, range(2))
+    (stored, stored_params), (passed, passed_params) = twins
+    stored.zero_grad()
+    passed.zero_grad()
+    loss_of(stored_params, 2).backward()
+    loss_of(passed_params, 2).backward()
+    buckets = 2 if dtype == "mixed" else 1
+    plan_ops = _calls(stored.step)
+    # One gather per group, then one step per bucket of each group; no list is passed.
+    assert plan_ops.count("amp_fused_ops::multi_tensor_plan_gather") == 2
+    assert plan_ops.count("amp_fused_ops::multi_tensor_adam_plan") == 2 * buckets
+    assert "amp_fused_ops::multi_tensor_adam" not in plan_ops
+    assert "amp_fused_ops::multi_tensor_adam" in _calls(passed.step)
+    _same(twins)
+
+
+def test_a_dispatch_mode_gets_the_lists() -> None:
+    class Seen(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    (optimizer, params), _ = _twins()
+    run_steps(optimizer, params, range(2))
+    assert plans_available()
+    with Seen() as seen:
+        assert not plans_available()
+        run_steps(optimizer, params, range(2, 3))
+    # A mode sees every tensor the step writes: the step passed its lists.
+    assert "amp_fused_ops.multi_tensor_adam.default" in seen.names
+    assert not any("plan" in name for name in seen.names)
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["grad_lost", "grad_gained", "dtype", "param_replaced", "state_replaced", "load_state_dict"],
+)
+def test_a_change_is_seen_as_by_the_passed_lists(change: str) -> None:
+    twins = list(_twins())
+    for optimizer, params in twins:
+        run_steps(optimizer, params, range(2))
+        active: tuple[int, ...] = (0, 1, 2, 4, 5, 6)
+        if change == "grad_lost":
+            active = (0, 1, 2, 4, 6)  # the second group's second param: no gradient now
+        elif change == "grad_gained":
+            active = (0, 1, 2, 3, 4, 5, 6)  # the first group's last param gets one
+        elif change == "dtype":
+            params[5].data = params[5].data.to(BF16)
+        elif change == "param_replaced":
+            fresh = torch.nn.Parameter(torch.full_like(params[1], 0.5))
+            params[1] = optimizer.param_groups[0]["params"][1] = fresh
+        elif change == "state_replaced":
+            optimizer.state[params[0]]["exp_avg"] = torch.full_like(params[0], 0.25)
+        elif change == "load_state_dict":
+            saved = optimizer.state_dict()
+            saved["state"][0]["exp_avg_sq"] = saved["state"][0]["exp_avg_sq"] * 4
+            optimizer.load_state_dict(saved)
+        run_steps(optimizer, params, range(2, 4), active)
+    _same(twins)
+
+
+def test_a_group_that_does_not_gather_releases_the_other_groups_gradients() -> None:
+    (optimizer, params), _ = _twins()
+    run_steps(optimizer, params, range(2))
+    optimizer.zero_grad()
+    loss_of(params, 2).backward()
+    first_group_grad = weakref.ref(params[0].grad)
+    params[5].grad = None  # the second group no longer matches its plan
+    optimizer.step()  # the first group gathered, then the step passed lists
+    optimizer.zero_grad()
+    gc.collect()
+    assert first_group_grad() is None, "the kernels still hold a gradient of the first group"
+
+
+def test_the_kernels_release_the_gradients_after_the_step() -> None:
+    (optimizer, params), _ = _twins()
+    run_steps(optimizer, params, range(3))
+    grads = [weakref.ref(p.grad) for p in params if p.grad is not None]
+    optimizer.zero_grad()
+    gc.collect()
+    assert all(g() is None for g in grads)
+
+
+def test_the_kernels_release_params_and_state_with_the_optimizer() -> None:
+    (optimizer, params), _ = _twins()
+    run_steps(optimizer, params, range(2))
+    assert all(plan.lists is not None for plan in optimizer._plans.values())
+    held = [weakref.ref(params[0]), weakref.ref(optimizer.state[params[0]]["exp_avg"])]
+    del optimizer, params
+    gc.collect()
+    assert [ref() for ref in held] == [None, None]
+
+
+def test_a_sparse_gradient_in_a_later_group_leaves_every_group_unstepped() -> None:
+    (optimizer, params), _ = _twins()
+    run_steps(optimizer, params, range(2))
+    optimizer.zero_grad()
+    loss_of(params, 2).backward()
+    first = len(GROUP_SHAPES[0])
+    params[first].grad = params[first].grad.to_sparse()
+    before = snapshot(optimizer, params)
+    with pytest.raises(RuntimeError, match="does not support sparse gradients"):
+        optimizer.step()
+    assert_bitwise_equal(snapshot(optimizer, params), before)
+
+
+# --- the ops themselves -------------------------------------------------------------------
+
+
+def _plan(params: list[Tensor]) -> StepPlanLists:
+    state = [[torch.zeros_like(p) for p in params] for _ in range(2)]
+    lists = StepPlanLists.create(params, [0] * len(params), state)
+    assert lists is not None
+    return lists
+
+
+def test_gather_reports_a_plan_the_kernels_do_not_hold() -> None:
+    device_tensor = torch.empty(0, dtype=torch.int32)
+    assert OPS.multi_tensor_plan_gather(device_tensor, -5) is False
+
+
+def test_a_step_without_a_gather_is_refused() -> None:
+    params = [torch.nn.Parameter(torch.ones(3))]
+    lists = _plan(params)
+    flag = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="holds no gradients; call multi_tensor_plan_gather"):
+        OPS.multi_tensor_adam_plan(2048, flag, lists.handle, 0, 1e-3, 0.9, 0.999, 1e-8, 1,
+                                   1, 1, 0.0)  # fmt: skip
+    params[0].grad = torch.ones(3)
+    assert lists.gather()
+    with pytest.raises(ValueError, match="has 1 buckets, got bucket 1"):
+        OPS.multi_tensor_adam_plan(2048, flag, lists.handle, 1, 1e-3, 0.9, 0.999, 1e-8, 1,
+                                   1, 1, 0.0)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("buckets", "state", "message"),
+    [
+        ([0], 2, "2 params but 1 bucket indexes"),
+        ([1, 0], 4, "bucket indexes must count up from 0"),
+        ([0, 0], 3, "need 4 state tensors, got 3"),
+    ],
+)
+def test_plan_set_refuses_inconsistent_lists(buckets: list[int], state: int, message: str) -> None:
+    params = [torch.ones(2), torch.ones(2)]
+    device_tensor = torch.empty(0, dtype=torch.int32)
+    with pytest.raises(ValueError, match=message):
+        OPS.multi_tensor_plan_set(device_tensor, 10**9, params, buckets,
+                                  [torch.zeros(2)] * state, 2)  # fmt: skip
+
+
+def test_the_plan_ops_refuse_to_be_traced() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode, pytest.raises(RuntimeError, match="runs eagerly only"):
+        OPS.multi_tensor_plan_gather(mode.from_tensor(torch.empty(0, dtype=torch.int32)), 1)

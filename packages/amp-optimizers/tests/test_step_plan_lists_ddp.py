@@ -1,0 +1,91 @@
+"""FusedAdam's step on stored lists under DDP, two Gloo ranks, against torch.optim.AdamW.
+
+Each rank trains the same model on its own batches under torch's DistributedDataParallel with
+two param groups (decay and no decay) and a frozen layer, three times: with FusedAdam on the
+lists the compiled kernels hold (after the first step), with FusedAdam passing its lists per
+step, and with ``torch.optim.AdamW``; one step drops a gradient on every rank (the plan no
+longer matches, and that step passes its lists). The ranks must end bitwise equal to each
+other, the two FusedAdam runs bitwise equal, and FusedAdam within float32 rounding of AdamW
+(except the param whose gradient was dropped: AdamW counts its steps per param, FusedAdam per
+group, as Apex's).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from amp_test_support import gloo_world_results
+
+from amp_fused_ops import StepPlanLists
+from amp_optimizers import FusedAdam
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
+]
+
+WORLD = 2
+STEPS = 5
+DROPPED_AT = 3  # the step whose gradient of the last bias is dropped on every rank
+
+
+def _groups(model: torch.nn.Module) -> list[dict[str, object]]:
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _worker(rank: int) -> dict[str, object]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(11, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+        torch.nn.Linear(16, 3),
+    )  # fmt: skip
+    model[2].requires_grad_(False)  # frozen: in the groups, never a gradient
+    passing, twin = copy.deepcopy(model), copy.deepcopy(model)
+    fused = FusedAdam(_groups(model), lr=1e-2, weight_decay=0.05)
+    fused_passing = FusedAdam(_groups(passing), lr=1e-2, weight_decay=0.05)
+    fused_passing._stores_step_plans = False
+    reference = torch.optim.AdamW(_groups(twin), lr=1e-2, weight_decay=0.05)
+    runs = [
+        (DistributedDataParallel(net), optimizer, net)
+        for net, optimizer in ((model, fused), (passing, fused_passing), (twin, reference))
+    ]
+    torch.manual_seed(100 + rank)  # each rank its own batches
+    stored = []
+    for step in range(STEPS):
+        x = torch.randn(8, 11)
+        for ddp, optimizer, net in runs:
+            optimizer.zero_grad()
+            ddp(x).square().mean().backward()
+            if step == DROPPED_AT:
+                net[4].bias.grad = None
+            optimizer.step()
+        stored.append([plan.lists is not None for plan in fused._plans.values()])
+    return {
+        name: torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+        for name, net in (("stored", model), ("passed", passing), ("torch", twin))
+    } | {"plans": stored}
+
+
+@pytest.mark.skipif(
+    StepPlanLists.create([torch.ones(1)], [0], [[torch.ones(1)]]) is None,
+    reason="the step plans need the compiled CPU kernels",
+)
+def test_ranks_agree_and_match_adamw() -> None:
+    results = gloo_world_results(_worker, WORLD)
+    for result in results:
+        # Both groups stepped on stored lists after the first step.
+        assert all(result["plans"][-1]) and len(result["plans"][-1]) == 2
+        assert torch.equal(result["stored"], result["passed"])
+        dropped = 3  # the last bias, at the end
+        torch.testing.assert_close(
+            result["stored"][:-dropped], result["torch"][:-dropped], rtol=1e-5, atol=1e-6
+        )
+    differ = int((results[0]["stored"] != results[1]["stored"]).sum())
+    assert differ == 0, f"{differ} weights differ between the ranks"
