@@ -147,52 +147,25 @@ def _plain_adam(
     ``multi_tensor_adam_plan`` per bucket of ``plan_lists``."""
     beta1, beta2 = betas
     lr, lr_tensor = lr_arguments(lr)
+    hyper = (lr, beta1, beta2, eps, step, adam_w_mode, bias_correction, weight_decay, step_tensor)
+
+    def rest(index: int) -> tuple[Any, ...]:
+        # Stochastic rounding: a seed per launch; the op keys the bits by its own step count
+        # (step or step_tensor, so a compiled step does not recompile).
+        return (*hyper, seeds[index] if seeds else None, None, lr_tensor)
+
+    # The chunk size is read at each step, as Apex's optimizers did.
     if plan_lists is not None:
         planned = torch.ops.amp_fused_ops.multi_tensor_adam_plan.default
+        device, handle = plan_lists.device, plan_lists.handle
         for index in range(plan_lists.buckets):
-            planned(
-                multi_tensor_applier.chunk_size,
-                noop_flag(plan_lists.device),
-                plan_lists.handle,
-                index,
-                lr,
-                beta1,
-                beta2,
-                eps,
-                step,
-                adam_w_mode,
-                bias_correction,
-                weight_decay,
-                step_tensor,
-                seeds[index] if seeds else None,
-                None,
-                lr_tensor,
-            )
+            chunk_size = multi_tensor_applier.chunk_size
+            planned(chunk_size, noop_flag(device), handle, index, *rest(index))
         return
     adam = multi_tensor_op("multi_tensor_adam", sharded=sharded)
-    for index, (grads, params, exp_avgs, exp_avg_sqs) in enumerate(tensor_lists):
-        adam(
-            multi_tensor_applier.chunk_size,  # read at each step, as Apex's optimizers did
-            noop_flag(params[0].device),
-            grads,
-            params,
-            exp_avgs,
-            exp_avg_sqs,
-            lr,
-            beta1,
-            beta2,
-            eps,
-            step,
-            adam_w_mode,
-            bias_correction,
-            weight_decay,
-            step_tensor,
-            # Stochastic rounding: a seed per launch; the op keys the bits by its own step
-            # count (step or step_tensor, so a compiled step does not recompile).
-            seeds[index] if seeds else None,
-            None,
-            lr_tensor,
-        )
+    for index, lists in enumerate(tensor_lists):
+        flag = noop_flag(lists[1][0].device)
+        adam(multi_tensor_applier.chunk_size, flag, *lists, *rest(index))
 
 
 def _device_adam(
