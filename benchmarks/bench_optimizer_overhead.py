@@ -4,6 +4,8 @@ Variants, each over ``--tensors`` fp32 params of ``--numel`` elements (10, 100 a
 by default), every param with a gradient:
 
 - ``FusedAdam``: ``amp_optimizers.FusedAdam`` (AdamW mode), the ``optimizer.step()`` a user calls;
+- ``FusedAdam (lists)``: the same, passing its tensor lists at every step instead of stepping
+  on the lists the compiled kernels keep (for the A/B of the two);
 - ``torch fused``: ``torch.optim.AdamW(fused=True)``;
 - ``torch foreach``: ``torch.optim.AdamW(foreach=True)``;
 - ``FusedSGD``: ``amp_optimizers.FusedSGD`` with momentum, and ``torch SGD foreach`` beside it;
@@ -65,8 +67,18 @@ HOST_GOAL_TENSORS, HOST_GOAL_US = 100, 50.0  # FusedAdam's host time per step on
 
 OptimizerFactory = Callable[[list[Tensor]], torch.optim.Optimizer]
 
+
+def _fused_adam_passing_lists(params: list[Tensor]) -> torch.optim.Optimizer:
+    """FusedAdam that passes its lists to ``multi_tensor_adam`` at every step, as before the
+    compiled kernels kept them (the A/B of docs/design.rst, decision 13)."""
+    optimizer = FusedAdam(params, lr=1e-3, weight_decay=0.01)
+    optimizer._stores_step_plans = False
+    return optimizer
+
+
 VARIANTS: dict[str, OptimizerFactory] = {
     "FusedAdam": lambda ps: FusedAdam(ps, lr=1e-3, weight_decay=0.01),
+    "FusedAdam (lists)": _fused_adam_passing_lists,
     "torch fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, fused=True),
     "torch foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, foreach=True),
     "FusedSGD": lambda ps: FusedSGD(ps, lr=1e-3, momentum=0.9),
