@@ -1,7 +1,8 @@
-"""FusedAdam's plain step on the lists the compiled kernels hold (``multi_tensor_adam_plan``).
+"""FusedAdam's plain step and FusedSGD's step on the lists the compiled kernels hold
+(``multi_tensor_adam_plan``, ``multi_tensor_sgd_plan``).
 
 Once a group's layout is planned, the step passes no tensor lists: the compiled kernels keep
-the params and the moments, read the gradients off the params, and step. Each test runs the
+the params and the state, read the gradients off the params, and step. Each test runs the
 same steps twice, on the stored lists and on lists passed per step (the same kernels: the
 optimizer's ``_stores_step_plans`` switched off), and requires the same bits, across the
 changes a stored plan must notice; and checks that the kernels hold no tensor longer than the
@@ -13,6 +14,7 @@ from __future__ import annotations
 import gc
 import weakref
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -29,7 +31,7 @@ from _amp_optimizers_helpers import (
     two_groups,
 )
 from amp_fused_ops import StepPlanLists, plans_available
-from amp_optimizers import FusedAdam
+from amp_optimizers import FusedAdam, FusedSGD
 
 pytestmark = pytest.mark.skipif(
     StepPlanLists.create([torch.ones(1)], [0], [[torch.ones(1)]]) is None,
@@ -41,20 +43,26 @@ BF16 = torch.bfloat16
 MIXED = [torch.float32, BF16, torch.float32, torch.float32, BF16, torch.float32, BF16, BF16]
 
 
-def _adam(params: list[Tensor], *, stored: bool, **options: object) -> FusedAdam:
-    optimizer = FusedAdam(two_groups(params, {"weight_decay": 0.0}), lr=1e-2,
-                          weight_decay=0.1, **options)  # fmt: skip
-    optimizer._stores_step_plans = stored
-    return optimizer
+# name -> (the optimizer of two groups, the list op its step calls)
+OPTIMIZERS: dict[str, tuple[Callable[[list[dict[str, Any]]], Any], str]] = {
+    "adam": (lambda groups: FusedAdam(groups, lr=1e-2, weight_decay=0.1), "multi_tensor_adam"),
+    "sgd": (
+        lambda groups: FusedSGD(groups, lr=1e-2, momentum=0.9, weight_decay=0.1),
+        "multi_tensor_sgd",
+    ),
+}
 
 
 def _twins(
-    dtype: torch.dtype | list[torch.dtype] = torch.float32, **options: object
-) -> Iterator[tuple[FusedAdam, list[Tensor]]]:
+    name: str = "adam", dtype: torch.dtype | list[torch.dtype] = torch.float32
+) -> Iterator[tuple[Any, list[Tensor]]]:
     """The same params and optimizer twice: stepping on stored lists, then on passed lists."""
+    make = OPTIMIZERS[name][0]
     for stored in (True, False):
         params = make_params(dtype=dtype)
-        yield _adam(params, stored=stored, **options), params
+        optimizer = make(two_groups(params, {"weight_decay": 0.0}))
+        optimizer._stores_step_plans = stored
+        yield optimizer, params
 
 
 def _calls(step: Callable[[], None]) -> list[str]:
@@ -64,35 +72,37 @@ def _calls(step: Callable[[], None]) -> list[str]:
     return [e.name for e in prof.events() if e.name.startswith("amp_fused_ops::")]
 
 
-def _values(optimizer: FusedAdam, params: list[Tensor]) -> list[object]:
+def _values(optimizer: Any, params: list[Tensor]) -> list[object]:
     """The params and their state (a param taken out of its group has state torch's
     ``state_dict`` cannot name, so the state is read per param)."""
     steps = [group.get("step") for group in optimizer.param_groups]
     return [steps, *((p.detach(), dict(optimizer.state.get(p, {}))) for p in params)]
 
 
-def _same(twins: list[tuple[FusedAdam, list[Tensor]]]) -> None:
+def _same(twins: list[tuple[Any, list[Tensor]]]) -> None:
     (stored, stored_params), (passed, passed_params) = twins
     assert_bitwise_equal(_values(stored, stored_params), _values(passed, passed_params))
 
 
+@pytest.mark.parametrize("name", OPTIMIZERS)
 @pytest.mark.parametrize("dtype", [torch.float32, "mixed"], ids=str)
-def test_cached_steps_run_on_the_stored_lists(dtype: object) -> None:
-    twins = list(_twins(MIXED if dtype == "mixed" else torch.float32))
+def test_cached_steps_run_on_the_stored_lists(name: str, dtype: object) -> None:
+    twins = list(_twins(name, MIXED if dtype == "mixed" else torch.float32))
     for optimizer, params in twins:
-        run_steps(optimizer, params, range(2))
+        run_steps(optimizer, params, range(3))
     (stored, stored_params), (passed, passed_params) = twins
     stored.zero_grad()
     passed.zero_grad()
-    loss_of(stored_params, 2).backward()
-    loss_of(passed_params, 2).backward()
+    loss_of(stored_params, 3).backward()
+    loss_of(passed_params, 3).backward()
     buckets = 2 if dtype == "mixed" else 1
+    op = f"amp_fused_ops::{OPTIMIZERS[name][1]}"
     plan_ops = _calls(stored.step)
     # One gather per group, then one step per bucket of each group; no list is passed.
     assert plan_ops.count("amp_fused_ops::multi_tensor_plan_gather") == 2
-    assert plan_ops.count("amp_fused_ops::multi_tensor_adam_plan") == 2 * buckets
-    assert "amp_fused_ops::multi_tensor_adam" not in plan_ops
-    assert "amp_fused_ops::multi_tensor_adam" in _calls(passed.step)
+    assert plan_ops.count(f"{op}_plan") == 2 * buckets
+    assert op not in plan_ops
+    assert op in _calls(passed.step)
     _same(twins)
 
 
@@ -117,14 +127,15 @@ def test_a_dispatch_mode_gets_the_lists() -> None:
     assert not any("plan" in name for name in seen.names)
 
 
+@pytest.mark.parametrize("name", OPTIMIZERS)
 @pytest.mark.parametrize(
     "change",
     ["grad_lost", "grad_gained", "dtype", "param_replaced", "state_replaced", "load_state_dict"],
 )
-def test_a_change_is_seen_as_by_the_passed_lists(change: str) -> None:
-    twins = list(_twins())
+def test_a_change_is_seen_as_by_the_passed_lists(name: str, change: str) -> None:
+    twins = list(_twins(name))
     for optimizer, params in twins:
-        run_steps(optimizer, params, range(2))
+        run_steps(optimizer, params, range(3))
         active: tuple[int, ...] = (0, 1, 2, 4, 5, 6)
         if change == "grad_lost":
             active = (0, 1, 2, 4, 6)  # the second group's second param: no gradient now
@@ -136,52 +147,65 @@ def test_a_change_is_seen_as_by_the_passed_lists(change: str) -> None:
             fresh = torch.nn.Parameter(torch.full_like(params[1], 0.5))
             params[1] = optimizer.param_groups[0]["params"][1] = fresh
         elif change == "state_replaced":
-            optimizer.state[params[0]]["exp_avg"] = torch.full_like(params[0], 0.25)
+            state = optimizer.state[params[0]]
+            key = next(k for k, v in state.items() if isinstance(v, Tensor) and v.dim() > 0)
+            state[key] = torch.full_like(state[key], 0.25)
         elif change == "load_state_dict":
             saved = optimizer.state_dict()
-            saved["state"][0]["exp_avg_sq"] = saved["state"][0]["exp_avg_sq"] * 4
+            state = saved["state"][0]
+            key = next(k for k, v in state.items() if isinstance(v, Tensor) and v.dim() > 0)
+            state[key] = state[key] * 4
             optimizer.load_state_dict(saved)
-        run_steps(optimizer, params, range(2, 4), active)
+        run_steps(optimizer, params, range(3, 5), active)
     _same(twins)
 
 
-def test_a_group_that_does_not_gather_releases_the_other_groups_gradients() -> None:
-    (optimizer, params), _ = _twins()
-    run_steps(optimizer, params, range(2))
+def _planned_with_gradients(name: str) -> tuple[Any, list[Tensor]]:
+    """An optimizer whose groups step on stored lists, its params with the next gradients."""
+    (optimizer, params), _ = _twins(name)
+    run_steps(optimizer, params, range(3))
     optimizer.zero_grad()
-    loss_of(params, 2).backward()
+    loss_of(params, 3).backward()
+    return optimizer, params
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_group_that_does_not_gather_releases_the_other_groups_gradients(name: str) -> None:
+    optimizer, params = _planned_with_gradients(name)
     first_group_grad = weakref.ref(params[0].grad)
     params[5].grad = None  # the second group no longer matches its plan
     optimizer.step()  # the first group gathered, then the step passed lists
-    optimizer.zero_grad()
+    optimizer.zero_grad(set_to_none=True)
     gc.collect()
     assert first_group_grad() is None, "the kernels still hold a gradient of the first group"
 
 
-def test_the_kernels_release_the_gradients_after_the_step() -> None:
-    (optimizer, params), _ = _twins()
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_the_kernels_release_the_gradients_after_the_step(name: str) -> None:
+    (optimizer, params), _ = _twins(name)
     run_steps(optimizer, params, range(3))
     grads = [weakref.ref(p.grad) for p in params if p.grad is not None]
-    optimizer.zero_grad()
+    optimizer.zero_grad(set_to_none=True)
     gc.collect()
     assert all(g() is None for g in grads)
 
 
-def test_the_kernels_release_params_and_state_with_the_optimizer() -> None:
-    (optimizer, params), _ = _twins()
-    run_steps(optimizer, params, range(2))
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_the_kernels_release_params_and_state_with_the_optimizer(name: str) -> None:
+    (optimizer, params), _ = _twins(name)
+    run_steps(optimizer, params, range(3))
     assert all(plan.lists is not None for plan in optimizer._plans.values())
-    held = [weakref.ref(params[0]), weakref.ref(optimizer.state[params[0]]["exp_avg"])]
+    state = next(iter(optimizer.state[params[0]].values()))
+    held = [weakref.ref(params[0]), weakref.ref(state)]
+    del state
     del optimizer, params
     gc.collect()
     assert [ref() for ref in held] == [None, None]
 
 
-def test_a_sparse_gradient_in_a_later_group_leaves_every_group_unstepped() -> None:
-    (optimizer, params), _ = _twins()
-    run_steps(optimizer, params, range(2))
-    optimizer.zero_grad()
-    loss_of(params, 2).backward()
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_sparse_gradient_in_a_later_group_leaves_every_group_unstepped(name: str) -> None:
+    optimizer, params = _planned_with_gradients(name)
     first = len(GROUP_SHAPES[0])
     params[first].grad = params[first].grad.to_sparse()
     before = snapshot(optimizer, params)

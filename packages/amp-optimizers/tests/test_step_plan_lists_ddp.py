@@ -1,18 +1,20 @@
-"""FusedAdam's step on stored lists under DDP, two Gloo ranks, against torch.optim.AdamW.
+"""FusedAdam's and FusedSGD's steps on stored lists under DDP, two Gloo ranks, against torch.
 
 Each rank trains the same model on its own batches under torch's DistributedDataParallel with
-two param groups (decay and no decay) and a frozen layer, three times: with FusedAdam on the
-lists the compiled kernels hold (after the first step), with FusedAdam passing its lists per
-step, and with ``torch.optim.AdamW``; one step drops a gradient on every rank (the plan no
-longer matches, and that step passes its lists). The ranks must end bitwise equal to each
-other, the two FusedAdam runs bitwise equal, and FusedAdam within float32 rounding of AdamW
-(except the param whose gradient was dropped: AdamW counts its steps per param, FusedAdam per
-group, as Apex's).
+two param groups (decay and no decay) and a frozen layer, three times per optimizer: the fused
+one on the lists the compiled kernels hold, the fused one passing its lists per step, and
+torch's (``AdamW``, ``SGD`` with momentum); one step drops a gradient on every rank (the plan
+no longer matches, and that step passes its lists). The ranks must end bitwise equal to each
+other, the two fused runs bitwise equal, and the fused optimizer within float32 rounding of
+torch's (for Adam except the param whose gradient was dropped: AdamW counts its steps per
+param, FusedAdam per group, as Apex's).
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -20,7 +22,7 @@ import torch.distributed as dist
 from amp_test_support import gloo_world_results
 
 from amp_fused_ops import StepPlanLists
-from amp_optimizers import FusedAdam
+from amp_optimizers import FusedAdam, FusedSGD
 
 pytestmark = [
     pytest.mark.distributed,
@@ -38,9 +40,27 @@ def _groups(model: torch.nn.Module) -> list[dict[str, object]]:
     return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def _worker(rank: int) -> dict[str, object]:
+# name -> (fused optimizer, torch optimizer, whether torch counts the dropped param alike)
+OPTIMIZERS: dict[str, tuple[Callable[..., Any], Callable[..., Any], bool]] = {
+    # AdamW counts its steps per param, FusedAdam per group (as Apex's): the dropped param's
+    # bias correction differs afterwards.
+    "adam": (
+        lambda groups: FusedAdam(groups, lr=1e-2, weight_decay=0.05),
+        lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.05),
+        False,
+    ),
+    "sgd": (
+        lambda groups: FusedSGD(groups, lr=1e-2, momentum=0.9, weight_decay=0.05),
+        lambda groups: torch.optim.SGD(groups, lr=1e-2, momentum=0.9, weight_decay=0.05),
+        True,
+    ),
+}
+
+
+def _run(rank: int, name: str) -> dict[str, object]:
     from torch.nn.parallel import DistributedDataParallel
 
+    make_fused, make_torch, _ = OPTIMIZERS[name]
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(11, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
@@ -48,13 +68,16 @@ def _worker(rank: int) -> dict[str, object]:
     )  # fmt: skip
     model[2].requires_grad_(False)  # frozen: in the groups, never a gradient
     passing, twin = copy.deepcopy(model), copy.deepcopy(model)
-    fused = FusedAdam(_groups(model), lr=1e-2, weight_decay=0.05)
-    fused_passing = FusedAdam(_groups(passing), lr=1e-2, weight_decay=0.05)
+    fused = make_fused(_groups(model))
+    fused_passing = make_fused(_groups(passing))
     fused_passing._stores_step_plans = False
-    reference = torch.optim.AdamW(_groups(twin), lr=1e-2, weight_decay=0.05)
     runs = [
         (DistributedDataParallel(net), optimizer, net)
-        for net, optimizer in ((model, fused), (passing, fused_passing), (twin, reference))
+        for net, optimizer in (
+            (model, fused),
+            (passing, fused_passing),
+            (twin, make_torch(_groups(twin))),
+        )
     ]
     torch.manual_seed(100 + rank)  # each rank its own batches
     stored = []
@@ -68,24 +91,30 @@ def _worker(rank: int) -> dict[str, object]:
             optimizer.step()
         stored.append([plan.lists is not None for plan in fused._plans.values()])
     return {
-        name: torch.cat([p.detach().reshape(-1) for p in net.parameters()])
-        for name, net in (("stored", model), ("passed", passing), ("torch", twin))
+        key: torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+        for key, net in (("stored", model), ("passed", passing), ("torch", twin))
     } | {"plans": stored}
+
+
+def _worker(rank: int) -> dict[str, dict[str, object]]:
+    return {name: _run(rank, name) for name in OPTIMIZERS}
 
 
 @pytest.mark.skipif(
     StepPlanLists.create([torch.ones(1)], [0], [[torch.ones(1)]]) is None,
     reason="the step plans need the compiled CPU kernels",
 )
-def test_ranks_agree_and_match_adamw() -> None:
-    results = gloo_world_results(_worker, WORLD)
-    for result in results:
-        # Both groups stepped on stored lists after the first step.
-        assert all(result["plans"][-1]) and len(result["plans"][-1]) == 2
-        assert torch.equal(result["stored"], result["passed"])
-        dropped = 3  # the last bias, at the end
-        torch.testing.assert_close(
-            result["stored"][:-dropped], result["torch"][:-dropped], rtol=1e-5, atol=1e-6
-        )
-    differ = int((results[0]["stored"] != results[1]["stored"]).sum())
-    assert differ == 0, f"{differ} weights differ between the ranks"
+def test_ranks_agree_and_match_torch() -> None:
+    ranks = gloo_world_results(_worker, WORLD)
+    for name, (_, _, counts_alike) in OPTIMIZERS.items():
+        results = [rank[name] for rank in ranks]
+        for result in results:
+            # Both groups stepped on stored lists at the last step.
+            assert all(result["plans"][-1]) and len(result["plans"][-1]) == 2, name
+            assert torch.equal(result["stored"], result["passed"]), name
+            end = None if counts_alike else -3  # the last bias, at the end
+            torch.testing.assert_close(
+                result["stored"][:end], result["torch"][:end], rtol=1e-5, atol=1e-6
+            )
+        differ = int((results[0]["stored"] != results[1]["stored"]).sum())
+        assert differ == 0, f"{name}: {differ} weights differ between the ranks"

@@ -228,6 +228,26 @@ void sgd(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList grads,
   if (model_copies.has_value()) bump(*model_copies);
 }
 
+// multi_tensor_sgd on the lists of a gathered step plan ([grads, params, momentum_bufs]; no
+// model copies): the same arguments but the lists, which the plan holds.
+void sgd_plan(int64_t chunk_size, const at::Tensor& noop_flag, int64_t plan, int64_t bucket,
+              double weight_decay, double momentum, double dampening, double lr, bool nesterov,
+              bool first_run, bool wd_after_momentum, double scale, std::optional<int64_t> sr_seed,
+              std::optional<int64_t> sr_step, const std::optional<at::Tensor>& step_tensor,
+              const std::optional<at::Tensor>& lr_tensor) {
+  GatheredBucket gathered;
+  gathered_bucket("multi_tensor_sgd_plan", plan, bucket, gathered);
+  const TensorLists& tensor_lists = *gathered.lists;
+  TORCH_CHECK_VALUE(tensor_lists.size() == 3, "multi_tensor_sgd_plan: step plan ", plan,
+                    " holds ", tensor_lists.size() - 2, " state lists, SGD needs 1");
+  backend::multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, weight_decay, momentum,
+                            dampening, learning_rate("multi_tensor_sgd_plan", lr, lr_tensor),
+                            nesterov, first_run, wd_after_momentum, scale, sr_seed,
+                            step_count("multi_tensor_sgd_plan", sr_step.value_or(0), step_tensor));
+  bump(tensor_lists[1]);
+  if (momentum != 0.0) bump(tensor_lists[2]);
+}
+
 void adagrad(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList grads,
              at::TensorList params, at::TensorList state_sums, double lr, double epsilon,
              int64_t mode, double weight_decay, const std::optional<at::Tensor>& lr_tensor) {
@@ -317,6 +337,7 @@ void register_multi_tensor_impls(torch::Library& m) {
   m.impl("multi_tensor_plan_release", TORCH_FN(plan_release));
   m.impl("multi_tensor_plan_drop", TORCH_FN(plan_drop));
   m.impl("multi_tensor_adam_plan", TORCH_FN(adam_plan));
+  m.impl("multi_tensor_sgd_plan", TORCH_FN(sgd_plan));
 }
 
 }  // namespace

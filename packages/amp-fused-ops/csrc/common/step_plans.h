@@ -7,7 +7,7 @@
 // from one step to the next, so the optimizers of amp-optimizers store them here once, under
 // an integer handle (multi_tensor_plan_set), and per step ask for the gradients to be read
 // from the params (multi_tensor_plan_gather) and the step to run on the stored lists
-// (multi_tensor_adam_plan). Python decides when a plan is stale and replaces it; the gather
+// (multi_tensor_adam_plan, multi_tensor_sgd_plan). Python decides when a plan is stale and replaces it; the gather
 // only confirms that what it reads still matches the plan (docs/design.rst, decision 13).
 //
 // Each backend module (CPU, CUDA, the emulated CUDA build) keeps its own table: the ops

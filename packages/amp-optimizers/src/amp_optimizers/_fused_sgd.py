@@ -107,6 +107,9 @@ class FusedSGD(FusedOptimizerBase):
     # Apex's op handles (read by code built on Apex's optimizers): the amp_C ops by name.
     multi_tensor_sgd = AmpCOp("multi_tensor_sgd")
 
+    # The steady step runs on the lists the compiled kernels keep (multi_tensor_sgd_plan).
+    _stores_step_plans = True
+
     def __init__(
         self,
         params: Iterable[Any],
@@ -216,7 +219,7 @@ class FusedSGD(FusedOptimizerBase):
             self._settle_stochastic_round_seeds()
         self._fresh_buffers = set()
         # Every group's layout (and its checks) before any group steps.
-        plans = self.step_plans("FusedSGD", self._momentum_buffer)
+        plans = self.stored_step_plans("FusedSGD", self._momentum_buffer)
         for group_index, (group, plan, grads) in enumerate(plans):
             if plan is None:
                 continue
@@ -230,26 +233,23 @@ class FusedSGD(FusedOptimizerBase):
             # The op's first_run flag holds for a whole launch: params whose momentum buffer is
             # new (the first step, or a param whose first gradient comes later) are launched
             # apart from those that continue their buffer.
-            if not self._fresh_buffers or self._fresh_buffers.isdisjoint(map(id, plan.params)):
+            launches: list[tuple[bool, torch.device, list[list[Tensor]]]]
+            if grads is None:  # the kernels gathered the gradients into plan.lists
+                launches = [(False, b.device, []) for b in plan.buckets]
+            elif not self._fresh_buffers or self._fresh_buffers.isdisjoint(map(id, plan.params)):
                 launches = [(False, b.device, [b.grads(grads), *b.columns]) for b in plan.buckets]
             else:
                 launches = self._split_first_run(plan.params, grads)
                 self.invalidate_step_plans()  # the next step continues every buffer
             sgd = multi_tensor_op("multi_tensor_sgd", sharded=plan.sharded)
             lr, lr_tensor = lr_arguments(group["lr"])
-            for launch_index, (first_run, device, (gs, ps, bufs)) in enumerate(launches):
+            for launch_index, (first_run, device, lists) in enumerate(launches):
                 seed = None
                 if rounding:
                     if group.get(_SR_SEED) is None:  # the option was switched on by hand
                         self._settle_stochastic_round_seeds()
                     seed = launch_seed(group[_SR_SEED], (group_index << 16) + launch_index)
-                sgd(
-                    multi_tensor_applier.chunk_size,
-                    self.noop_flag(device),
-                    gs,
-                    ps,
-                    bufs,
-                    None,  # no model copies
+                hyper = (
                     group["weight_decay"],
                     group["momentum"],
                     group["dampening"],
@@ -263,4 +263,12 @@ class FusedSGD(FusedOptimizerBase):
                     sr_step_tensor,
                     lr_tensor,
                 )
+                flag = self.noop_flag(device)
+                if not lists:  # bucket launch_index of the lists the kernels keep
+                    assert plan.lists is not None
+                    sgd_plan = torch.ops.amp_fused_ops.multi_tensor_sgd_plan.default
+                    handle = plan.lists.handle
+                    sgd_plan(multi_tensor_applier.chunk_size, flag, handle, launch_index, *hyper)
+                else:  # grads, params, momentum buffers; no model copies
+                    sgd(multi_tensor_applier.chunk_size, flag, *lists, None, *hyper)
         return loss

@@ -18,6 +18,10 @@ PLAN_SCHEMAS: tuple[str, ...] = (
     "float beta1, float beta2, float eps, int step, int decay_mode, int bias_correction, "
     "float weight_decay, Tensor? step_tensor=None, int? sr_seed=None, int? sr_step=None, "
     "Tensor? lr_tensor=None) -> ()",
+    "multi_tensor_sgd_plan(int chunk_size, Tensor noop_flag, int plan, int bucket, "
+    "float weight_decay, float momentum, float dampening, float lr, bool nesterov, "
+    "bool first_run, bool wd_after_momentum, float scale, int? sr_seed=None, int? sr_step=None, "
+    "Tensor? step_tensor=None, Tensor? lr_tensor=None) -> ()",
 )
 """The step-plan ops (:mod:`amp_fused_ops.ops._step_plans`; kernels in
 csrc/common/step_plans.h): a param group's lists stored by a device's compiled kernels across

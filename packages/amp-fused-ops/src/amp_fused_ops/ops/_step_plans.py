@@ -7,11 +7,13 @@ group's params and optimizer state stay the same tensors from one step to the ne
 optimizer can store them once with the compiled kernels of their device
 (:meth:`StepPlanLists.create`), then per step have the kernels read the gradients off the
 params (:meth:`~StepPlanLists.gather`) and run its op on the stored lists
-(``multi_tensor_adam_plan``, with the plan's handle in place of the lists): a step passes no
+(``multi_tensor_adam_plan``, ``multi_tensor_sgd_plan``: the list op's arguments with the
+plan's handle and a bucket in place of the lists): a step passes no
 list at all. The gathered
 gradients are released by the op that steps them, or by :meth:`~StepPlanLists.release`.
 
-The ops (``torch.ops.amp_fused_ops.multi_tensor_plan_*``, ``multi_tensor_adam_plan``) exist
+The ops (``torch.ops.amp_fused_ops.multi_tensor_plan_*``, ``multi_tensor_adam_plan``,
+``multi_tensor_sgd_plan``) exist
 in compiled kernels only and run eagerly only: where a device has no compiled kernels, under a
 ``TorchDispatchMode`` (``use_reference``, the emulated-kernel counters, a user's mode: the ops
 would hide the tensors they touch), and while ``torch.compile`` traces, the optimizer passes
