@@ -264,3 +264,20 @@ def test_the_plan_ops_refuse_to_be_traced() -> None:
 
     with FakeTensorMode() as mode, pytest.raises(RuntimeError, match="runs eagerly only"):
         OPS.multi_tensor_plan_gather(mode.from_tensor(torch.empty(0, dtype=torch.int32)), 1)
+
+
+@pytest.mark.parametrize("stored", [True, False])
+def test_a_step_checks_the_state_once(stored: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from amp_optimizers._step_plan import StateSnapshot
+
+    (optimizer, params), _ = _twins()
+    optimizer._stores_step_plans = stored
+    run_steps(optimizer, params, range(2))
+    checks = []
+    matches = StateSnapshot.matches
+    monkeypatch.setattr(
+        StateSnapshot, "matches", lambda self, state: checks.append(1) or matches(self, state)
+    )
+    run_steps(optimizer, params, range(2, 3))  # on stored lists (or passed ones)
+    run_steps(optimizer, params, range(3, 4), (0, 1, 2, 4, 6))  # a gradient lost: lists passed
+    assert len(checks) == 2

@@ -204,12 +204,14 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         kernels gathered the gradients (:meth:`_gathered_plans`), the groups come back with
         ``grads`` None, and each steps on ``plan.lists``; else as :meth:`step_plans`.
         """
-        if plans_available():
+        if self._stores_step_plans and plans_available():
             snapshot = self._state_snapshot
             if snapshot is not None and snapshot.matches(self.state):
                 gathered = self._gathered_plans()
                 if gathered is not None:
                     return gathered
+                # The state was checked: the plans as step_plans gives them, without the check.
+                return [(g, *self.step_plan(name, g, state_columns)) for g in self.param_groups]
         return list(self.step_plans(name, state_columns))
 
     def _gathered_plans(
