@@ -53,8 +53,8 @@ class FusedOptimizerBase(torch.optim.Optimizer):
     set_grad_none: bool = True
 
     # Whether the step can run on lists the compiled kernels hold (StepPlan.lists): a subclass
-    # whose step has such an op sets it, and then steps a group whose grads step_plans returns
-    # as None on the plan's lists.
+    # whose step has such an op sets it, calls stored_step_plans, and steps a group whose grads
+    # come back None on the plan's lists (docs/design.rst, decision 13).
     _stores_step_plans: bool = False
 
     def __init__(self, params: Any, defaults: dict[str, Any]) -> None:

@@ -8,18 +8,17 @@ optimizer can store them once with the compiled kernels of their device
 (:meth:`StepPlanLists.create`), then per step have the kernels read the gradients off the
 params (:meth:`~StepPlanLists.gather`) and run its op on the stored lists
 (``multi_tensor_adam_plan``, ``multi_tensor_sgd_plan``: the list op's arguments with the
-plan's handle and a bucket in place of the lists): a step passes no
-list at all. The gathered
+plan's handle and a bucket in place of the lists): a step passes no list at all. The gathered
 gradients are released by the op that steps them, or by :meth:`~StepPlanLists.release`.
 
 The ops (``torch.ops.amp_fused_ops.multi_tensor_plan_*``, ``multi_tensor_adam_plan``,
-``multi_tensor_sgd_plan``) exist
-in compiled kernels only and run eagerly only: where a device has no compiled kernels, under a
-``TorchDispatchMode`` (``use_reference``, the emulated-kernel counters, a user's mode: the ops
-would hide the tensors they touch), and while ``torch.compile`` traces, the optimizer passes
-its lists as before (:func:`plans_available`). Deciding when a plan is stale is the
-optimizer's (amp-optimizers' ``StepPlan``); the gather only confirms that what it reads still
-matches: the same params have gradients, dense ones, and no param changed dtype or device.
+``multi_tensor_sgd_plan``) exist in compiled kernels only and run eagerly only: where a device
+has no compiled kernels, under a ``TorchDispatchMode`` (``use_reference``, the emulated-kernel
+counters, a user's mode: the ops would hide the tensors they touch), and while
+``torch.compile`` traces, the optimizer passes its lists as before (:func:`plans_available`).
+Deciding when a plan is stale is the optimizer's (amp-optimizers' ``StepPlan``); the gather
+only confirms that what it reads still matches: the same params have gradients, dense ones,
+and no param changed dtype or device (docs/design.rst, decision 13).
 """
 
 from __future__ import annotations
