@@ -104,8 +104,8 @@ class StepPlanLists:
             device_tensor, handle, list(params), list(buckets), state, len(state_columns)
         )
         lists = cls(device_tensor, handle, max(buckets) + 1)
-        finalizer = weakref.finalize(lists, _drop, device_tensor, handle)
-        finalizer.atexit = False  # the kernels' table goes with the process
+        # Also at exit, before the interpreter and the device go: the table holds tensors.
+        weakref.finalize(lists, _drop, device_tensor, handle)
         return lists
 
     def release(self) -> None:
