@@ -29,6 +29,7 @@ from _amp_optimizers_helpers import (
 CACHED = [s for s in SPECS if s.name in ("adamw_no_bias_correction", "sgd_momentum", "lamb")]
 ALL = tuple(range(8))
 BF16_RTOL = 1.6e-2
+BF16 = torch.bfloat16
 
 
 def _pair(
@@ -177,3 +178,20 @@ def test_sparse_gradient_refused_after_cached_steps(spec: OptimizerSpec) -> None
     params[0].grad = torch.ones_like(params[0]).to_sparse()
     with pytest.raises(RuntimeError, match="does not support sparse gradients"):
         fused.step()
+
+
+@pytest.mark.parametrize("kinds", [(torch.float32,), (torch.float32, BF16, torch.float32)], ids=str)
+def test_rows_grouped_by_device_and_dtype_keep_their_order(kinds: tuple[torch.dtype, ...]) -> None:
+    from amp_optimizers._step_helpers import group_by_device_dtype
+
+    params = [torch.zeros(i + 1, dtype=kinds[i % len(kinds)]) for i in range(7)]
+    rows = [(p, torch.ones(1), torch.full((2,), float(i))) for i, p in enumerate(params)]
+    expected: dict[tuple[torch.device, torch.dtype], list[list[Tensor]]] = {}
+    for row in rows:  # the first appearance of a kind opens its bucket
+        columns = expected.setdefault((row[0].device, row[0].dtype), [[], [], []])
+        for column, tensor in zip(columns, row, strict=True):
+            column.append(tensor)
+    buckets = group_by_device_dtype(iter(rows))
+    assert list(buckets) == list(expected)
+    for key, columns in expected.items():
+        assert [[id(t) for t in c] for c in buckets[key]] == [[id(t) for t in c] for c in columns]

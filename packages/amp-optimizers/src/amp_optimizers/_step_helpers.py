@@ -223,9 +223,13 @@ def group_by_device_dtype(
         ``{(device, dtype): [column_0, column_1, ...]}`` with the key taken from the param, the
         columns in row order: exactly the ``tensor_lists`` of one multi-tensor launch.
     """
+    rows = rows if isinstance(rows, list) else list(rows)
+    keys = [(row[0].device, row[0].dtype) for row in rows]
+    if keys and keys.count(keys[0]) == len(keys):
+        # One device and dtype (the usual case): a transposition, without a lookup per row.
+        return {keys[0]: [list(column) for column in zip(*rows, strict=True)]}
     buckets: dict[tuple[torch.device, torch.dtype], Bucket] = {}
-    for row in rows:
-        key = (row[0].device, row[0].dtype)
+    for key, row in zip(keys, rows, strict=True):
         columns = buckets.get(key)
         if columns is None:
             columns = buckets[key] = [[] for _ in row]
