@@ -79,9 +79,22 @@ def run_world(
     Returns:
         ``{scenario: {rank: outcome}}``; ranks that died or hung report ``ok=False``.
     """
+    with tempfile.TemporaryDirectory(prefix="amp_parallel_") as folder:
+        return _run_ranks(world, scenarios, module, timeout_s, pg_timeout_s, folder)
+
+
+def _run_ranks(
+    world: int,
+    scenarios: list[str],
+    module: str,
+    timeout_s: float,
+    pg_timeout_s: float,
+    folder: str,
+) -> dict[str, dict[int, Outcome]]:
+    """:func:`run_world` with the rendezvous file in ``folder`` (removed by the caller)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    init_file = os.path.join(tempfile.mkdtemp(prefix="amp_parallel_"), "store")
+    init_file = os.path.join(folder, "store")
     procs = [
         ctx.Process(
             target=_worker,

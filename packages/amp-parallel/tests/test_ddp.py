@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
 
 import pytest
 import torch
@@ -14,8 +13,8 @@ from amp_parallel import DistributedDataParallel, Reducer
 
 
 @pytest.fixture
-def world_of_one():
-    path = os.path.join(tempfile.mkdtemp(prefix="amp_parallel_"), "store")
+def world_of_one(tmp_path):
+    path = os.path.join(tmp_path, "store")
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
