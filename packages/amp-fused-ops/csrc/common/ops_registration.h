@@ -137,43 +137,46 @@ std::tuple<at::Tensor, at::Tensor> unscale_l2norm(int64_t chunk_size, const at::
   return result;
 }
 
+// Adam on [grads, params, exp_avgs, exp_avg_sqs], however the op was given them: passed
+// (multi_tensor_adam) or held by a step plan (multi_tensor_adam_plan).
+void adam_lists(const char* op, int64_t chunk_size, const at::Tensor& noop_flag,
+                const TensorLists& tensor_lists, double lr, double beta1, double beta2,
+                double eps, int64_t step, int64_t mode, int64_t bias_correction,
+                double weight_decay, const std::optional<at::Tensor>& step_tensor,
+                std::optional<int64_t> sr_seed, std::optional<int64_t> sr_step,
+                const std::optional<at::Tensor>& lr_tensor) {
+  // The stochastic rounding's step defaults to the op's own step count.
+  const int64_t count = step_count(op, step, step_tensor);
+  backend::multi_tensor_adam(chunk_size, noop_flag, tensor_lists,
+                             learning_rate(op, lr, lr_tensor), beta1, beta2, eps, count, mode,
+                             bias_correction, weight_decay, sr_seed, sr_step.value_or(count));
+  bump(tensor_lists[1]);
+  bump(tensor_lists[2]);
+  bump(tensor_lists[3]);
+}
+
 void adam(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList grads,
           at::TensorList params, at::TensorList exp_avgs, at::TensorList exp_avg_sqs, double lr,
           double beta1, double beta2, double eps, int64_t step, int64_t mode,
           int64_t bias_correction, double weight_decay,
           const std::optional<at::Tensor>& step_tensor, std::optional<int64_t> sr_seed,
           std::optional<int64_t> sr_step, const std::optional<at::Tensor>& lr_tensor) {
-  // The stochastic rounding's step defaults to the op's own step count.
-  const int64_t count = step_count("multi_tensor_adam", step, step_tensor);
-  backend::multi_tensor_adam(chunk_size, noop_flag, lists({grads, params, exp_avgs, exp_avg_sqs}),
-                             learning_rate("multi_tensor_adam", lr, lr_tensor), beta1, beta2, eps,
-                             count, mode, bias_correction, weight_decay, sr_seed,
-                             sr_step.value_or(count));
-  bump(params);
-  bump(exp_avgs);
-  bump(exp_avg_sqs);
+  adam_lists("multi_tensor_adam", chunk_size, noop_flag,
+             lists({grads, params, exp_avgs, exp_avg_sqs}), lr, beta1, beta2, eps, step, mode,
+             bias_correction, weight_decay, step_tensor, sr_seed, sr_step, lr_tensor);
 }
 
-// multi_tensor_adam on the lists of a gathered step plan (step_plans.h): the same arguments
-// but the lists, which the plan holds.
+// multi_tensor_adam's arguments, with a gathered step plan's bucket (step_plans.h) in place of
+// the lists.
 void adam_plan(int64_t chunk_size, const at::Tensor& noop_flag, int64_t plan, int64_t bucket,
                double lr, double beta1, double beta2, double eps, int64_t step, int64_t mode,
                int64_t bias_correction, double weight_decay,
                const std::optional<at::Tensor>& step_tensor, std::optional<int64_t> sr_seed,
                std::optional<int64_t> sr_step, const std::optional<at::Tensor>& lr_tensor) {
-  GatheredBucket gathered;
-  gathered_bucket("multi_tensor_adam_plan", plan, bucket, gathered);
-  const TensorLists& tensor_lists = *gathered.lists;
-  TORCH_CHECK_VALUE(tensor_lists.size() == 4, "multi_tensor_adam_plan: step plan ", plan,
-                    " holds ", tensor_lists.size() - 2, " state lists, Adam needs 2");
-  const int64_t count = step_count("multi_tensor_adam_plan", step, step_tensor);
-  backend::multi_tensor_adam(chunk_size, noop_flag, tensor_lists,
-                             learning_rate("multi_tensor_adam_plan", lr, lr_tensor), beta1, beta2,
-                             eps, count, mode, bias_correction, weight_decay, sr_seed,
-                             sr_step.value_or(count));
-  bump(tensor_lists[1]);
-  bump(tensor_lists[2]);
-  bump(tensor_lists[3]);
+  constexpr const char* op = "multi_tensor_adam_plan";
+  const GatheredBucket gathered(op, plan, bucket, /*state_lists=*/2);
+  adam_lists(op, chunk_size, noop_flag, gathered.lists(), lr, beta1, beta2, eps, step, mode,
+             bias_correction, weight_decay, step_tensor, sr_seed, sr_step, lr_tensor);
 }
 
 void adam_capturable(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList grads,
@@ -208,44 +211,50 @@ void adam_capturable_master(int64_t chunk_size, const at::Tensor& noop_flag,
   bump(noop_flag);
 }
 
+// SGD on [grads, params, momentum_bufs] or [..., model_copies], however the op was given them:
+// passed (multi_tensor_sgd) or held by a step plan (multi_tensor_sgd_plan).
+void sgd_lists(const char* op, int64_t chunk_size, const at::Tensor& noop_flag,
+               const TensorLists& tensor_lists, double weight_decay, double momentum,
+               double dampening, double lr, bool nesterov, bool first_run,
+               bool wd_after_momentum, double scale, std::optional<int64_t> sr_seed,
+               std::optional<int64_t> sr_step, const std::optional<at::Tensor>& step_tensor,
+               const std::optional<at::Tensor>& lr_tensor) {
+  backend::multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, weight_decay, momentum,
+                            dampening, learning_rate(op, lr, lr_tensor), nesterov, first_run,
+                            wd_after_momentum, scale, sr_seed,
+                            step_count(op, sr_step.value_or(0), step_tensor));
+  bump(tensor_lists[1]);
+  // The momentum buffers are written only with momentum (as the reference).
+  if (momentum != 0.0) bump(tensor_lists[2]);
+  if (tensor_lists.size() == 4) bump(tensor_lists[3]);
+}
+
 void sgd(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList grads,
          at::TensorList params, at::TensorList momentum_bufs,
          const OptionalTensorList& model_copies, double weight_decay, double momentum,
          double dampening, double lr, bool nesterov, bool first_run, bool wd_after_momentum,
          double scale, std::optional<int64_t> sr_seed, std::optional<int64_t> sr_step,
          const std::optional<at::Tensor>& step_tensor, const std::optional<at::Tensor>& lr_tensor) {
-  TensorLists tensor_lists = model_copies.has_value()
-                                 ? lists({grads, params, momentum_bufs, *model_copies})
-                                 : lists({grads, params, momentum_bufs});
-  backend::multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, weight_decay, momentum,
-                            dampening, learning_rate("multi_tensor_sgd", lr, lr_tensor),
-                            nesterov, first_run, wd_after_momentum, scale,
-                            sr_seed,
-                            step_count("multi_tensor_sgd", sr_step.value_or(0), step_tensor));
-  bump(params);
-  // The momentum buffers are written only with momentum (as the reference).
-  if (momentum != 0.0) bump(momentum_bufs);
-  if (model_copies.has_value()) bump(*model_copies);
+  const TensorLists tensor_lists = model_copies.has_value()
+                                       ? lists({grads, params, momentum_bufs, *model_copies})
+                                       : lists({grads, params, momentum_bufs});
+  sgd_lists("multi_tensor_sgd", chunk_size, noop_flag, tensor_lists, weight_decay, momentum,
+            dampening, lr, nesterov, first_run, wd_after_momentum, scale, sr_seed, sr_step,
+            step_tensor, lr_tensor);
 }
 
-// multi_tensor_sgd on the lists of a gathered step plan ([grads, params, momentum_bufs]; no
-// model copies): the same arguments but the lists, which the plan holds.
+// multi_tensor_sgd's arguments (no model copies), with a gathered step plan's bucket
+// (step_plans.h) in place of the lists.
 void sgd_plan(int64_t chunk_size, const at::Tensor& noop_flag, int64_t plan, int64_t bucket,
               double weight_decay, double momentum, double dampening, double lr, bool nesterov,
               bool first_run, bool wd_after_momentum, double scale, std::optional<int64_t> sr_seed,
               std::optional<int64_t> sr_step, const std::optional<at::Tensor>& step_tensor,
               const std::optional<at::Tensor>& lr_tensor) {
-  GatheredBucket gathered;
-  gathered_bucket("multi_tensor_sgd_plan", plan, bucket, gathered);
-  const TensorLists& tensor_lists = *gathered.lists;
-  TORCH_CHECK_VALUE(tensor_lists.size() == 3, "multi_tensor_sgd_plan: step plan ", plan,
-                    " holds ", tensor_lists.size() - 2, " state lists, SGD needs 1");
-  backend::multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, weight_decay, momentum,
-                            dampening, learning_rate("multi_tensor_sgd_plan", lr, lr_tensor),
-                            nesterov, first_run, wd_after_momentum, scale, sr_seed,
-                            step_count("multi_tensor_sgd_plan", sr_step.value_or(0), step_tensor));
-  bump(tensor_lists[1]);
-  if (momentum != 0.0) bump(tensor_lists[2]);
+  constexpr const char* op = "multi_tensor_sgd_plan";
+  const GatheredBucket gathered(op, plan, bucket, /*state_lists=*/1);
+  sgd_lists(op, chunk_size, noop_flag, gathered.lists(), weight_decay, momentum, dampening, lr,
+            nesterov, first_run, wd_after_momentum, scale, sr_seed, sr_step, step_tensor,
+            lr_tensor);
 }
 
 void adagrad(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList grads,

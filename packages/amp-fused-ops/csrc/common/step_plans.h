@@ -7,8 +7,9 @@
 // from one step to the next, so the optimizers of amp-optimizers store them here once, under
 // an integer handle (multi_tensor_plan_set), and per step ask for the gradients to be read
 // from the params (multi_tensor_plan_gather) and the step to run on the stored lists
-// (multi_tensor_adam_plan, multi_tensor_sgd_plan). Python decides when a plan is stale and replaces it; the gather
-// only confirms that what it reads still matches the plan (docs/design.rst, decision 13).
+// (multi_tensor_adam_plan, multi_tensor_sgd_plan). Python decides when a plan is stale and
+// replaces it; the gather only confirms that what it reads still matches the plan
+// (docs/design.rst, decision 13).
 //
 // Each backend module (CPU, CUDA, the emulated CUDA build) keeps its own table: the ops
 // dispatch on their first tensor argument, on the plan's device, so a plan is always served by
@@ -105,8 +106,8 @@ void plan_set(const at::Tensor& device_tensor, int64_t plan, at::TensorList para
     bucket[1].push_back(p);
     for (int64_t c = 0; c < state_lists; ++c) {
       const at::Tensor& s = state[c * planned + row];
-      TORCH_CHECK(s.defined() && s.device() == lists->device, op, ": state tensor ", c, " of params[",
-                  i, "] must be defined and on ", lists->device);
+      TORCH_CHECK(s.defined() && s.device() == lists->device, op, ": state tensor ", c,
+                  " of params[", i, "] must be defined and on ", lists->device);
       bucket[2 + c].push_back(s);
     }
     ++row;
@@ -160,32 +161,36 @@ void plan_drop(const at::Tensor& /*device_tensor*/, int64_t plan) {
   step_plan_table().erase(found);
 }
 
-// The lists of one bucket of a gathered plan, for an op of the plan's optimizer; the bucket's
-// gradients are released when the returned guard goes (after the op, also when it throws).
-struct GatheredBucket {
-  std::shared_ptr<StepPlanLists> plan;
-  BucketLists* lists = nullptr;
-  GatheredBucket() = default;
+// The lists of one bucket of a gathered plan, for an op of the plan's optimizer
+// ([grads, params, state...] with `state_lists` state lists); the bucket's gradients are
+// released when the guard goes (after the op, also when it throws).
+class GatheredBucket {
+ public:
+  GatheredBucket(const char* op, int64_t plan, int64_t bucket, size_t state_lists)
+      : plan_(find_step_plan(plan)) {
+    TORCH_CHECK_VALUE(plan_ != nullptr, op, ": no step plan ", plan,
+                      " on this device (multi_tensor_plan_set stores one)");
+    TORCH_CHECK_VALUE(bucket >= 0 && bucket < static_cast<int64_t>(plan_->buckets.size()), op,
+                      ": step plan ", plan, " has ", plan_->buckets.size(),
+                      " buckets, got bucket ", bucket);
+    BucketLists& lists = plan_->buckets[bucket];
+    TORCH_CHECK_VALUE(lists.size() == 2 + state_lists, op, ": step plan ", plan, " holds ",
+                      lists.size() - 2, " state lists, the op needs ", state_lists);
+    TORCH_CHECK_VALUE(lists[0].size() == lists[1].size(), op, ": bucket ", bucket,
+                      " of step plan ", plan,
+                      " holds no gradients; call multi_tensor_plan_gather first");
+    lists_ = &lists;
+  }
   GatheredBucket(const GatheredBucket&) = delete;
   GatheredBucket& operator=(const GatheredBucket&) = delete;
-  ~GatheredBucket() {
-    if (lists != nullptr) (*lists)[0].clear();
-  }
-};
+  ~GatheredBucket() { (*lists_)[0].clear(); }
 
-void gathered_bucket(const char* op, int64_t plan, int64_t bucket, GatheredBucket& out) {
-  out.plan = find_step_plan(plan);
-  TORCH_CHECK_VALUE(out.plan != nullptr, op, ": no step plan ", plan,
-                    " on this device (multi_tensor_plan_set stores one)");
-  TORCH_CHECK_VALUE(bucket >= 0 && bucket < static_cast<int64_t>(out.plan->buckets.size()), op,
-                    ": step plan ", plan, " has ", out.plan->buckets.size(),
-                    " buckets, got bucket ", bucket);
-  auto& lists = out.plan->buckets[bucket];
-  TORCH_CHECK_VALUE(lists[0].size() == lists[1].size(), op, ": bucket ", bucket,
-                    " of step plan ", plan,
-                    " holds no gradients; call multi_tensor_plan_gather first");
-  out.lists = &lists;
-}
+  const BucketLists& lists() const { return *lists_; }
+
+ private:
+  std::shared_ptr<StepPlanLists> plan_;  // keeps the lists alive while the op runs
+  BucketLists* lists_ = nullptr;
+};
 
 }  // namespace
 }  // namespace amp_fused_ops
