@@ -756,23 +756,30 @@ def _torch_virtualenv(
     return python
 
 
+# The platform tag of the wheel with compiled modules on x86-64: that of torch's own wheels.
+MANYLINUX_PLATFORM = "manylinux_2_28"
+
 # The shared libraries of torch and of its CUDA packages that the compiled modules link: the
 # wheel needs torch anyway, so they are never copied into it.
 _TORCH_LIBRARIES = ("libc10*.so", "libtorch*.so", "libcudart.so*", "libcuda.so*")
 
 
 def _manylinux(session: nox.Session, wheel: Path, out_dir: Path) -> Path:
-    """Retag ``wheel`` (``linux_x86_64``) with the oldest manylinux tag its modules allow.
+    """Retag ``wheel`` (``linux_x86_64``) as manylinux_2_28, the platform of torch's wheels.
 
-    ``auditwheel repair`` reads the glibc and libstdc++ symbol versions the modules use (a
-    newer compiler and glibc on the building machine give a newer tag). torch's libraries are
-    excluded, and nothing else may be grafted: a copied library would change the modules'
-    bytes, which their notes pin. The retagged wheel replaces ``wheel``; returns its path.
+    ``auditwheel repair`` reads the glibc and libstdc++ symbol versions the modules use and
+    fails if one is newer than glibc 2.28 and GCC 8's runtime allow (the modules define the
+    few newer ones that recent headers reference: csrc/common/libstdcxx_compat.cpp). On other
+    architectures the tag is the oldest the modules allow. torch's libraries are excluded, and
+    nothing else may be grafted: a copied library would change the modules' bytes, which their
+    notes pin. The retagged wheel replaces ``wheel``; returns its path.
     """
     shutil.rmtree(out_dir, ignore_errors=True)
     excludes = [argument for name in _TORCH_LIBRARIES for argument in ("--exclude", name)]
+    machine = platform.machine()
+    plat = ["--plat", f"{MANYLINUX_PLATFORM}_{machine}"] if machine == "x86_64" else []
     session.run(
-        "python", "-m", "auditwheel", "repair", *excludes, "-w", str(out_dir), str(wheel),
+        "python", "-m", "auditwheel", "repair", *plat, *excludes, "-w", str(out_dir), str(wheel),
         silent=True,
     )  # fmt: skip
     repaired = sorted(out_dir.glob("*.whl"))
@@ -881,8 +888,9 @@ def wheel_prebuilt(session: nox.Session) -> None:
     ``AMP_PREBUILT_OTHER_ISA=best`` (CI) compiles the other releases' CPU module for this CPU's
     best instruction set only, the one their tests load here (both sets are still compiled for
     the session's torch). The wheel does not pin torch: under a release it has no module for,
-    the kernels compile just in time. It is tagged with the oldest manylinux its modules allow
-    (``auditwheel``) and ``py3-none``: none of its modules uses Python's C API (checked).
+    the kernels compile just in time. It is tagged manylinux_2_28 on x86-64, as torch's wheels
+    (``auditwheel``, which fails on a module that needs a newer glibc or C++ runtime), and
+    ``py3-none``: none of its modules uses Python's C API (checked).
     Compiles go through the kernel cache, so running the session again packs the same builds
     without compiling.
 

@@ -254,7 +254,9 @@ def test_cuda_build_compiles_every_source_of_csrc_cuda(
     with caplog.at_level(logging.WARNING, logger="amp_fused_ops"):
         assert _loader.get_extension("cuda") is not None
     (call,) = calls
-    expected = sorted(str(p) for p in CUDA_DIR.iterdir() if p.suffix in (".cu", ".cpp"))
+    common = sorted(str(p) for p in (CUDA_DIR.parent / "common").glob("*.cpp"))
+    assert common  # the C++ runtime definitions, compiled into both extensions
+    expected = sorted(common + [str(p) for p in CUDA_DIR.iterdir() if p.suffix in (".cu", ".cpp")])
     assert sorted(map(str, call["sources"])) == expected  # type: ignore[call-overload]
     assert call["name"] == "amp_fused_ops_cuda" and call["with_cuda"] is True
     assert call["env"] == {"TORCH_CUDA_ARCH_LIST": "9.0", "CUDA_HOME": "/opt/cuda"}
@@ -614,8 +616,10 @@ def test_cache_key_covers_the_shared_headers(
         header.write("// edited\n")
     after = {kind: cache.source_hash(kind) for kind in ("cpu", "cuda")}
     assert after["cpu"] != before["cpu"] and after["cuda"] != before["cuda"]
-    # Headers are hashed, never compiled on their own.
-    assert all(path.parent.name != "common" for path in cache.compiled_sources("cpu"))
+    # Headers are hashed, never compiled on their own; the shared sources compile in both.
+    for kind in ("cpu", "cuda"):
+        common = [path for path in cache.compiled_sources(kind) if path.parent.name == "common"]
+        assert common == [csrc / "common" / "libstdcxx_compat.cpp"]
 
 
 # --- the C++ runtime ------------------------------------------------------------------------

@@ -495,7 +495,9 @@ def test_compile_logs_ninja_steps_and_a_heartbeat(
     monkeypatch.setenv(_loader.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(progress, "POLL_SECONDS", 0.02)
     monkeypatch.setattr(progress, "HEARTBEAT_SECONDS", 0.2)
-    units = sorted(p.stem for p in (_loader.source_dir() / "cpu").glob("*.cpp"))  # type: ignore[operator]
+    csrc = _loader.source_dir()
+    assert csrc is not None
+    units = sorted(p.stem for folder in ("cpu", "common") for p in (csrc / folder).glob("*.cpp"))
 
     def ninja(folder: Path) -> None:
         log = folder / ".ninja_log"

@@ -19,9 +19,10 @@ from ._settings import ARCH_ENV, CACHE_ENV, PACKAGE_DIR, PORTABLE_ENV, check_kin
 # Files of csrc/<kind> that make the extension (hashed) and that are compiled.
 SOURCE_SUFFIXES = {"cpu": (".cpp", ".h"), "cuda": (".cu", ".cpp", ".h", ".cuh")}
 COMPILED_SUFFIXES = {"cpu": (".cpp",), "cuda": (".cu", ".cpp")}
-# The element math both extensions include (csrc/common/*.h): hashed into both cache keys.
+# csrc/common: the element math both extensions include (*.h) and the translation units both
+# compile (*.cpp, the C++ runtime definitions of libstdcxx_compat.cpp); in both cache keys.
 SHARED_DIR = "common"
-SHARED_SUFFIXES = (".h",)
+SHARED_SUFFIXES = (".h", ".cpp")
 
 
 def cache_root() -> Path:
@@ -98,10 +99,11 @@ def source_dir() -> Path | None:
 
 
 def sources(kind: str) -> list[Path]:
-    """Every file that goes into extension ``kind``: ``csrc/<kind>`` and the shared headers.
+    """Every file that goes into extension ``kind``: ``csrc/<kind>`` and ``csrc/common``.
 
-    The headers of ``csrc/common`` (the element math of the CPU loops and the CUDA functors)
-    come first; an edit of one of them changes the cache key of both extensions.
+    The files of ``csrc/common`` (the element math of the CPU loops and the CUDA functors, and
+    the sources both extensions compile) come first; an edit of one of them changes the cache
+    key of both extensions.
     """
     root = source_dir()
     if root is None or not (root / kind).is_dir():
