@@ -195,3 +195,26 @@ def test_rows_grouped_by_device_and_dtype_keep_their_order(kinds: tuple[torch.dt
     assert list(buckets) == list(expected)
     for key, columns in expected.items():
         assert [[id(t) for t in c] for c in buckets[key]] == [[id(t) for t in c] for c in columns]
+
+
+# FusedSGD's first step creates the momentum buffers and rebuilds its layouts once on purpose.
+@pytest.mark.parametrize("spec", [s for s in CACHED if s.name != "sgd_momentum"], ids=str)
+def test_each_group_layout_is_built_once(
+    spec: OptimizerSpec, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second group's first step creates state after the first group's layout was built:
+    that layout stays current (it was built again at the second step)."""
+    fused, params, _, _ = _pair(spec)
+    built: list[int] = []
+    build = fused._build_plan  # type: ignore[attr-defined]
+    groups = [id(group) for group in fused.param_groups]
+
+    def counting_build(
+        name: str, group: dict[str, object], *args: object, **kwargs: object
+    ) -> object:
+        built.append(groups.index(id(group)))
+        return build(name, group, *args, **kwargs)
+
+    monkeypatch.setattr(fused, "_build_plan", counting_build)
+    run_steps(fused, params, range(4))
+    assert built == [0, 1]

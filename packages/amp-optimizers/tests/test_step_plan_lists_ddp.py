@@ -2,7 +2,8 @@
 
 Each rank trains the same model on its own batches under torch's DistributedDataParallel with
 two param groups (decay and no decay) and a frozen layer, three times per optimizer: the fused
-one on the lists the compiled kernels hold, the fused one passing its lists per step, and
+one on the lists the compiled kernels hold (on its cached layout, for FusedAdam's device path:
+``capturable=True``), the fused one passing its lists per step (gathered at every step), and
 torch's (``AdamW``, ``SGD`` with momentum); one step drops a gradient on every rank (the plan
 no longer matches, and that step passes its lists). The ranks must end bitwise equal to each
 other, the two fused runs bitwise equal, and the fused optimizer within float32 rounding of
@@ -54,6 +55,18 @@ OPTIMIZERS: dict[str, tuple[Callable[..., Any], Callable[..., Any], bool]] = {
         lambda groups: torch.optim.SGD(groups, lr=1e-2, momentum=0.9, weight_decay=0.05),
         True,
     ),
+    # The device path: the step count, lr and skip flag on the device, the layout cached.
+    "adam-capturable": (
+        lambda groups: FusedAdam(groups, lr=1e-2, weight_decay=0.05, capturable=True),
+        lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.05),
+        False,
+    ),
+}
+# name -> the optimizer's switch to the lists passed (gathered) at every step
+PER_STEP_LISTS = {
+    "adam": "_stores_step_plans",
+    "sgd": "_stores_step_plans",
+    "adam-capturable": "_plans_device_path",
 }
 
 
@@ -70,7 +83,7 @@ def _run(rank: int, name: str) -> dict[str, object]:
     passing, twin = copy.deepcopy(model), copy.deepcopy(model)
     fused = make_fused(_groups(model))
     fused_passing = make_fused(_groups(passing))
-    fused_passing._stores_step_plans = False
+    setattr(fused_passing, PER_STEP_LISTS[name], False)
     runs = [
         (DistributedDataParallel(net), optimizer, net)
         for net, optimizer in (
@@ -89,7 +102,7 @@ def _run(rank: int, name: str) -> dict[str, object]:
             if step == DROPPED_AT:
                 net[4].bias.grad = None
             optimizer.step()
-        stored.append([plan.lists is not None for plan in fused._plans.values()])
+        stored.append([(plan.kind, plan.lists is not None) for plan in fused._plans.values()])
     return {
         key: torch.cat([p.detach().reshape(-1) for p in net.parameters()])
         for key, net in (("stored", model), ("passed", passing), ("torch", twin))
@@ -109,8 +122,10 @@ def test_ranks_agree_and_match_torch() -> None:
     for name, (_, _, counts_alike) in OPTIMIZERS.items():
         results = [rank[name] for rank in ranks]
         for result in results:
-            # Both groups stepped on stored lists at the last step.
-            assert all(result["plans"][-1]) and len(result["plans"][-1]) == 2, name
+            # Both groups stepped on stored lists (the device path: on its cached layout, whose
+            # lists are passed) at the last step.
+            expected = ("device", False) if name == "adam-capturable" else ("plain", True)
+            assert result["plans"][-1] == [expected, expected], name
             assert torch.equal(result["stored"], result["passed"]), name
             end = None if counts_alike else -3  # the last bias, at the end
             torch.testing.assert_close(

@@ -198,7 +198,9 @@ def _device_adam(
     # Largest bucket first: its own launch checks its gradients before writing anything and
     # raises the flag that the later launches read, so only the others need a pre-check for
     # an inf to skip the whole group.
-    buckets = sorted(tensor_lists, key=lambda lists: sum(t.numel() for t in lists[1]), reverse=True)
+    buckets = tensor_lists
+    if len(buckets) > 1:
+        buckets = sorted(buckets, key=lambda lists: sum(t.numel() for t in lists[1]), reverse=True)
     if check_finite:
         for lists in buckets[1:]:
             raise_on_nonfinite(noop, lists[0])

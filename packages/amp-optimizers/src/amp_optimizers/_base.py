@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from itertools import repeat
 from typing import Any
 
@@ -23,6 +24,7 @@ from amp_fused_ops import plans_available
 
 from ._step_helpers import first_param_device, holds_dtensors, params_with_grads
 from ._step_plan import (
+    PLAIN_PLAN,
     TRACE_WRITTEN_GROUP_KEYS,
     StateSnapshot,
     StepPlan,
@@ -121,7 +123,11 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         self._state_snapshot = None
 
     def step_plans(
-        self, name: str, state_columns: Callable[[Tensor], Sequence[Tensor]]
+        self,
+        name: str,
+        state_columns: Callable[[Tensor], Sequence[Tensor]],
+        *,
+        kind: str = PLAIN_PLAN,
     ) -> list[tuple[dict[str, Any], StepPlan | None, list[Tensor]]]:
         """``(group, plan, grads)`` of :meth:`step_plan` for every param group, in order.
 
@@ -132,12 +138,20 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         ``state_columns``, as on the first step.
         """
         if torch.compiler.is_compiling():
-            return [(g, *self._traced_plan(name, g, state_columns)) for g in self.param_groups]
+            return [
+                (g, *self._traced_plan(name, g, state_columns, kind)) for g in self.param_groups
+            ]
         snapshot = self._state_snapshot
         if snapshot is not None and snapshot.matches(self.state):
-            return [(g, *self.step_plan(name, g, state_columns)) for g in self.param_groups]
+            return [
+                (g, *self.step_plan(name, g, state_columns, kind=kind)) for g in self.param_groups
+            ]
         self.invalidate_step_plans()
-        plans = [(g, *self.step_plan(name, g, state_columns)) for g in self.param_groups]
+        plans = [(g, *self.step_plan(name, g, state_columns, kind=kind)) for g in self.param_groups]
+        # Each group's plan creates its state: those built before the last one saw a shorter
+        # state, which is complete now (else they would all be built again at the next step).
+        size = len(self.state)
+        self._plans = {key: replace(plan, state_len=size) for key, plan in self._plans.items()}
         self._state_snapshot = StateSnapshot.of(self.state)
         return plans
 
@@ -146,6 +160,8 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         name: str,
         group: dict[str, Any],
         state_columns: Callable[[Tensor], Sequence[Tensor]],
+        *,
+        kind: str = PLAIN_PLAN,
     ) -> tuple[StepPlan | None, list[Tensor]]:
         """The group's step layout and the gradients of this step, in the plan's order.
 
@@ -155,14 +171,17 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         the layout changed: a param gained or lost its gradient, a param of the group was
         replaced, added or removed, a param's dtype or device changed (``p.data = ...``,
         ``module.half()``), the optimizer's ``state`` was replaced or gained or lost entries, or
-        :meth:`invalidate_step_plans` was called (``load_state_dict`` does). A step calls it
-        through :meth:`step_plans`, which also rebuilds the plans when anything in the state
-        changed.
+        :meth:`invalidate_step_plans` was called (``load_state_dict`` does), or the group's
+        plan is of another ``kind``. A step calls it through :meth:`step_plans`, which also
+        rebuilds the plans when anything in the state changed.
 
         Args:
             name: The optimizer's name, for the errors of :func:`params_with_grads`.
             group: The param group.
             state_columns: A param's state tensors, created on first use (e.g. its moments).
+            kind: What ``state_columns`` gives, for an optimizer whose steps take different
+                columns (FusedAdam's plain and device paths): a group keeps one plan, of the
+                kind its last step asked for.
 
         Returns:
             ``(plan, grads)``, or ``(None, [])`` when no param of the group has a gradient.
@@ -171,7 +190,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             RuntimeError: as :func:`params_with_grads`, when the plan is (re)built.
         """
         if torch.compiler.is_compiling():
-            return self._traced_plan(name, group, state_columns)
+            return self._traced_plan(name, group, state_columns, kind)
         params = group["params"]
         grads = list(map(_GRAD, params))
         if not all(map(operator.is_not, grads, repeat(None))):
@@ -188,8 +207,9 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             or plan.state is not self.state
             or plan.state_len != len(self.state)
             or plan.generation != self._plan_generation
+            or plan.kind != kind
         ):
-            plan = self._build_plan(name, group, list(params), signature, state_columns)
+            plan = self._build_plan(name, group, list(params), signature, state_columns, kind)
         # A sparse gradient is a property of this step's tensors: checked every step (a layout
         # other than strided sends every gradient through the full check, which raises).
         if not all(map(operator.is_, map(_LAYOUT, grads), repeat(torch.strided))):
@@ -259,6 +279,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         name: str,
         group: dict[str, Any],
         state_columns: Callable[[Tensor], Sequence[Tensor]],
+        kind: str = PLAIN_PLAN,
     ) -> tuple[StepPlan | None, list[Tensor]]:
         """:meth:`step_plan` while ``torch.compile`` traces: built every time, never cached.
 
@@ -273,7 +294,15 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         signature = ((), tuple(p.dtype for p in params), tuple(p.device for p in params))
         buckets = plan_buckets(name, params, signature, state_columns)
         plan = StepPlan(
-            group, signature, self.state, 0, -1, params, buckets, holds_dtensors(params)
+            group,
+            signature,
+            self.state,
+            0,
+            -1,
+            params,
+            buckets,
+            holds_dtensors(params),
+            kind=kind,
         )
         return plan, grads
 
@@ -284,12 +313,15 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         params: list[Tensor],
         signature: tuple[tuple[int, ...], tuple[torch.dtype, ...], tuple[torch.device, ...]],
         state_columns: Callable[[Tensor], Sequence[Tensor]],
+        kind: str = PLAIN_PLAN,
     ) -> StepPlan:
         buckets = plan_buckets(name, params, signature, state_columns)
         sharded = holds_dtensors(params)
         group_params = tuple(group["params"])
         lists = None
-        if self._stores_step_plans and not sharded and plans_available():
+        # Only the plain kind's lists are stored: its ops are the ones that step on them.
+        stores = self._stores_step_plans and kind == PLAIN_PLAN
+        if stores and not sharded and plans_available():
             lists = store_plan_lists(group_params, buckets)
         plan = StepPlan(
             group,
@@ -302,6 +334,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             sharded,
             group_params,
             lists,
+            kind,
         )
         live = {id(g) for g in self.param_groups}
         self._plans = {k: v for k, v in self._plans.items() if k in live}

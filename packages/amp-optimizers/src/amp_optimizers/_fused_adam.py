@@ -18,6 +18,7 @@ The master weights, and amp O2's protocol that steps them, are in
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -56,6 +57,8 @@ from ._stochastic_round import (
 )
 
 __all__ = ["FusedAdam"]
+
+_DEVICE_PLAN = "device"  # the StepPlan kind of the device path: [params, m, v, masters]
 
 
 class FusedAdam(AdamMasterWeights):
@@ -127,6 +130,9 @@ class FusedAdam(AdamMasterWeights):
 
     # The plain path steps on the lists the compiled kernels hold (multi_tensor_adam_plan).
     _stores_step_plans = True
+    # The device path (capturable, master weights, GradScaler) caches its layout too; the
+    # amp O2 step, whose gradients may be the masters' own, gathers its lists at every step.
+    _plans_device_path = True
 
     # Apex's op handles (read by code built on Apex's optimizers): the amp_C ops by name.
     multi_tensor_adam = AmpCOp("multi_tensor_adam")
@@ -305,23 +311,64 @@ class FusedAdam(AdamMasterWeights):
                 if plan is not None:
                     self._plain_group(group, plan, grads, index)
             return loss
-        work = [(g, params_with_grads("FusedAdam", g["params"])) for g in self.param_groups]
-        work = [(group, params) for group, params in work if params]
         inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
+        # Per group with a gradient: (group, the op's lists, sharded, its gradients).
+        work: list[tuple[dict[str, Any], list[list[list[Tensor]]], bool, list[Tensor]]]
+        if self._plans_device_path:
+            # The layout of each group cached as on the plain path, its columns those of
+            # multi_tensor_adam_capturable_master: params, moments, masters.
+            device_plans = self.step_plans("FusedAdam", self._device_columns, kind=_DEVICE_PLAN)
+            work = [
+                (group, self._device_lists(plan, grads), plan.sharded, grads)
+                for group, plan, grads in device_plans
+                if plan is not None
+            ]
+        else:
+            work = []
+            for group in self.param_groups:
+                params = params_with_grads("FusedAdam", group["params"])
+                if params:
+                    lists = self._device_rows(params, use_master_grads=False)
+                    grads = [p.grad for p in params if p.grad is not None]
+                    work.append((group, lists, holds_dtensors(params), grads))
         if found_inf is not None:
             # GradScaler's found_inf already covers every gradient: no pre-check needed.
-            for group, params in work:
-                self._device_group(group, params, inv_scale, found_inf, check_finite=False)
+            for group, lists, sharded, _ in work:
+                self._device_group(group, lists, sharded, inv_scale, found_inf, check_finite=False)
         elif work:
-            # An inf or a nan anywhere skips every group, as one step.
-            own_flag = torch.zeros((), dtype=torch.float32, device=work[0][1][0].device)
-            self._device_steps(work, inv_scale, own_flag, use_master_grads=False)
+            # An inf or a nan anywhere skips every group, as one step: every group but the
+            # first is checked before any is written; the first group's launches check their
+            # own gradients, and each group's skip flag is folded into own_flag.
+            own_flag = torch.zeros((), dtype=torch.float32, device=work[0][1][0][1][0].device)
+            for _, _, _, grads in work[1:]:
+                raise_on_nonfinite_flag(own_flag, grads)
+            for group, lists, sharded, _ in work:
+                self._device_group(group, lists, sharded, inv_scale, own_flag, check_finite=True)
         if grad_scale is not None:
             # As the scaler leaves .grad for a plain optimizer (and Apex's capturable kernel
             # left it): unscaled, whether or not the step was skipped.
-            grads = [p.grad for _, params in work for p in params if p.grad is not None]
-            unscale_grads_in_place(grads, grad_scale)
+            unscale_grads_in_place([g for *_, grads in work for g in grads], grad_scale)
         return loss
+
+    def _device_columns(self, p: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The state columns of ``p`` on the device path: its moments and its master (``p``
+        itself where it has none: a float32 param, or a half param without master weights)."""
+        state = self._state(p)
+        return state["exp_avg"], state["exp_avg_sq"], state.get("master_param", p)
+
+    @staticmethod
+    def _device_lists(plan: StepPlan, grads: list[Tensor]) -> list[list[list[Tensor]]]:
+        """The op's lists ``[grads, params, exp_avgs, exp_avg_sqs, masters]`` of each bucket of
+        a device-path plan. A half param without a master gets a float32 copy, made at each
+        step, that the op steps and writes back."""
+        out = []
+        for bucket in plan.buckets:
+            params, exp_avgs, exp_avg_sqs, masters = bucket.columns
+            if params[0].dtype != torch.float32 and any(map(operator.is_, masters, params)):
+                pairs = zip(params, masters, strict=True)
+                masters = [p.float() if m is p else m for p, m in pairs]
+            out.append([bucket.grads(grads), params, exp_avgs, exp_avg_sqs, masters])
+        return out
 
     def _settle_stochastic_round_seeds(self) -> None:
         self._sr_unagreed_seed = settle_default_seed(
@@ -367,26 +414,12 @@ class FusedAdam(AdamMasterWeights):
             sharded=plan.sharded,
         )
 
-    def _device_group(
-        self,
-        group: dict[str, Any],
-        params: list[Tensor],
-        inv_scale: Tensor | None,
-        found_inf: Tensor | None,
-        *,
-        check_finite: bool,
-        use_master_grads: bool = False,
-    ) -> None:
-        """Step one group on the device path: ``params`` are those with a gradient;
-        ``inv_scale``, ``found_inf`` and ``check_finite`` as :func:`fused_adam` takes them;
-        ``use_master_grads``: read a half param's gradient from its master's ``.grad`` when
-        that is set (amp put the unscaled gradient there)."""
-        device = params[0].device
-        step_t = group.get("step", 0)
-        if not is_device_scalar(step_t, device):
-            # The group's own count from here on, advanced in place by the step.
-            step_t = group["step"] = device_scalar(step_t, device).clone()
-        lr_t = device_scalar(group["lr"], device)
+    def _device_rows(
+        self, params: list[Tensor], *, use_master_grads: bool
+    ) -> list[list[list[Tensor]]]:
+        """The op's lists of each ``(device, dtype)`` of ``params`` (those with a gradient), read
+        at this step: ``use_master_grads`` reads a half param's gradient from its master's
+        ``.grad`` when that is set (amp put the unscaled gradient there)."""
         rows = []
         for p in params:
             state = self._state(p)
@@ -399,11 +432,33 @@ class FusedAdam(AdamMasterWeights):
                 # get a temporary float32 copy that the op steps and writes back.
                 master = p if p.dtype == torch.float32 else p.float()
             rows.append((p, grad, state["exp_avg"], state["exp_avg_sq"], master))
+        return [
+            [gs, ps, ms, vs, masters]
+            for ps, gs, ms, vs, masters in group_by_device_dtype(rows).values()
+        ]
+
+    def _device_group(
+        self,
+        group: dict[str, Any],
+        lists: list[list[list[Tensor]]],
+        sharded: bool,
+        inv_scale: Tensor | None,
+        found_inf: Tensor | None,
+        *,
+        check_finite: bool,
+    ) -> None:
+        """Step one group on the device path: ``lists`` as :func:`fused_adam` takes them (one
+        entry per ``(device, dtype)``, its params those with a gradient); ``sharded``: they are
+        DTensors; ``inv_scale``, ``found_inf`` and ``check_finite`` as :func:`fused_adam` takes
+        them."""
+        device = lists[0][1][0].device
+        step_t = group.get("step", 0)
+        if not is_device_scalar(step_t, device):
+            # The group's own count from here on, advanced in place by the step.
+            step_t = group["step"] = device_scalar(step_t, device).clone()
+        lr_t = device_scalar(group["lr"], device)
         fused_adam(
-            [
-                [gs, ps, ms, vs, masters]
-                for ps, gs, ms, vs, masters in group_by_device_dtype(rows).values()
-            ],
+            lists,
             self.noop_flag,
             device_path=True,
             lr=lr_t,
@@ -416,7 +471,7 @@ class FusedAdam(AdamMasterWeights):
             inv_scale=inv_scale,
             found_inf=found_inf,
             check_finite=check_finite,
-            sharded=holds_dtensors(params),
+            sharded=sharded,
         )
 
     def _device_steps(
@@ -439,9 +494,9 @@ class FusedAdam(AdamMasterWeights):
         for group, params in work:
             self._device_group(
                 group,
-                params,
+                self._device_rows(params, use_master_grads=use_master_grads),
+                holds_dtensors(params),
                 inv_scale,
                 found_inf,
                 check_finite=True,
-                use_master_grads=use_master_grads,
             )

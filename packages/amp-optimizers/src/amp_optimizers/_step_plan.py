@@ -37,6 +37,9 @@ __all__ = [
 TRACE_WRITTEN_GROUP_KEYS = ("capturable",)
 
 _DTYPE = operator.attrgetter("dtype")
+PLAIN_PLAN = "plain"
+"""The :attr:`StepPlan.kind` of a plan whose columns are the params and their optimizer state."""
+
 _DEVICE = operator.attrgetter("device")
 _GRAD = operator.attrgetter("grad")
 _IS_SPARSE = operator.attrgetter("is_sparse")
@@ -80,6 +83,8 @@ class StepPlan:
         lists: The same lists stored with the compiled kernels of the params' device
             (``amp_fused_ops.StepPlanLists``), for an optimizer that steps on them; None where
             they are not stored.
+        kind: Which state columns the buckets hold (:data:`PLAIN_PLAN` unless the optimizer
+            steps different columns on different paths).
     """
 
     group: dict[str, Any]
@@ -92,6 +97,7 @@ class StepPlan:
     sharded: bool = False
     group_params: tuple[Tensor, ...] = ()
     lists: StepPlanLists | None = None
+    kind: str = PLAIN_PLAN
 
 
 _END = object()  # closes the sequence of a snapshot's objects, so that a length change shows
