@@ -11,6 +11,7 @@ parameter, which is lossy).
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -39,6 +40,18 @@ _GRAD = operator.attrgetter("grad")
 # A gradient's layout: torch.strided for a dense one. Reading it costs about a third of reading
 # Tensor.is_sparse, and a step reads it for every gradient.
 _LAYOUT = operator.attrgetter("layout")
+
+
+# Attributes a copy builds afresh: the step plans and what they were built from.
+_NOT_COPIED = frozenset({"_plans", "_state_snapshot"})
+
+
+@functools.cache
+def _torch_optimizer_attributes() -> frozenset[str]:
+    """The attributes ``torch.optim.Optimizer`` sets on every optimizer (its hooks and
+    bookkeeping), which its own ``__getstate__`` leaves out and ``__setstate__`` restores."""
+    probe = torch.optim.Optimizer([torch.zeros(1, requires_grad=True)], {})
+    return frozenset(vars(probe))
 
 
 class FusedOptimizerBase(torch.optim.Optimizer):
@@ -80,6 +93,20 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                     p.grad = None
         else:
             super().zero_grad(set_to_none=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``copy.deepcopy`` and pickling (``torch.save(optimizer)``) keep.
+
+        ``torch.optim.Optimizer`` keeps ``defaults``, ``state`` and ``param_groups``: a torch
+        optimizer holds all its options there. A fused optimizer also holds options and amp's
+        bookkeeping as attributes (Apex's: ``adam_w_mode``, ``capturable``, ...), kept here
+        too, so a copy steps as the original would. The step plans are not kept: they hold
+        the compiled kernels' handles of this optimizer's lists; a copy builds its own.
+        """
+        state = super().__getstate__()
+        kept = _torch_optimizer_attributes() | _NOT_COPIED
+        extra = {k: v for k, v in self.__dict__.items() if k not in state and k not in kept}
+        return {**state, **extra}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
