@@ -194,7 +194,7 @@ def _device_adam(
         inv_scale = torch.ones((), dtype=torch.float32, device=device)
     noop = noop_flag(device)
     if found_inf is not None:
-        noop.copy_((found_inf.to(device).reshape(1) != 0).to(torch.int32))
+        torch.ne(found_inf.to(device).reshape(1), 0, out=noop)  # 1 where found_inf is nonzero
     # Largest bucket first: its own launch checks its gradients before writing anything and
     # raises the flag that the later launches read, so only the others need a pre-check for
     # an inf to skip the whole group.
@@ -224,10 +224,10 @@ def _device_adam(
     # The step count advances only when the step was taken, decided on the device (a device
     # tensor from here on: reading it back would sync the host). In place: a CUDA graph that
     # captured this step advances the same tensor on every replay.
-    step.add_((noop.reshape(()) == 0).to(torch.float32))
+    step.add_(noop.reshape(()) == 0)
     if check_finite:
         assert found_inf is not None
-        found_inf.copy_(torch.maximum(found_inf, noop.reshape(()).to(found_inf)))
+        torch.maximum(found_inf, noop.reshape(()), out=found_inf)
 
 
 def device_scalar(value: float | Tensor, device: torch.device) -> Tensor:
@@ -251,19 +251,25 @@ def is_device_scalar(value: Any, device: torch.device) -> bool:
     )
 
 
+def _any_nonfinite(grads: list[Tensor]) -> Tensor:
+    """A 0-dim bool tensor: whether any of ``grads`` holds an inf or a nan (on the device).
+
+    The max-norm of a tensor is an inf or a nan exactly when one of its elements is; the norms
+    are checked in their own dtypes, stacked (promoted to a common one) in one op.
+    """
+    norms = torch._foreach_norm(grads, float("inf"))
+    return torch.isfinite(torch.stack(norms)).all().logical_not_()
+
+
 def raise_on_nonfinite(noop: Tensor, grads: list[Tensor]) -> None:
     """Set the int32 ``noop`` flag when any of ``grads`` holds an inf or a nan (on the device)."""
     if not grads:
         return
-    norms = torch._foreach_norm(grads, float("inf"))
-    bad = ~torch.isfinite(torch.stack([n.float() for n in norms])).all()
-    noop.masked_fill_(bad.to(noop.device), 1)
+    noop.masked_fill_(_any_nonfinite(grads).to(noop.device), 1)
 
 
 def raise_on_nonfinite_flag(found_inf: Tensor, grads: list[Tensor]) -> None:
     """Set the float ``found_inf`` to 1 when any of ``grads`` holds an inf or a nan."""
     if not grads:
         return
-    norms = torch._foreach_norm(grads, float("inf"))
-    bad = ~torch.isfinite(torch.stack([n.float() for n in norms])).all()
-    found_inf.masked_fill_(bad.to(found_inf.device), 1.0)
+    found_inf.masked_fill_(_any_nonfinite(grads).to(found_inf.device), 1.0)
