@@ -89,6 +89,9 @@ VARIANTS: dict[str, OptimizerFactory] = {
     "FusedAdam (lists)": _fused_adam_passing_lists,
     "FusedAdam capturable": lambda ps: FusedAdam(ps, lr=1e-3, weight_decay=0.01, capturable=True),
     "FusedAdam capt. (per step)": _fused_adam_capturable_per_step,
+    "FusedAdam master weights": lambda ps: FusedAdam(
+        ps, lr=1e-3, weight_decay=0.01, master_weights=True
+    ),
     "torch fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, fused=True),
     "torch foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, foreach=True),
     "FusedSGD": lambda ps: FusedSGD(ps, lr=1e-3, momentum=0.9),
@@ -97,19 +100,31 @@ VARIANTS: dict[str, OptimizerFactory] = {
 }
 
 
-def make_params(tensors: int, numel: int, device: str, seed: int) -> list[Tensor]:
-    """``tensors`` fp32 params of ``numel`` elements, each with a gradient."""
+def make_params(
+    tensors: int, numel: int, device: str, seed: int, dtype: torch.dtype = torch.float32
+) -> list[Tensor]:
+    """``tensors`` params of ``numel`` elements and ``dtype``, each with a gradient."""
     gen = torch.Generator().manual_seed(seed)
     params = []
     for _ in range(tensors):
-        p = torch.nn.Parameter(torch.randn(numel, generator=gen).to(device))
-        p.grad = (1e-3 * torch.randn(numel, generator=gen)).to(device)
+        p = torch.nn.Parameter(torch.randn(numel, generator=gen).to(device, dtype))
+        p.grad = (1e-3 * torch.randn(numel, generator=gen)).to(device, dtype)
         params.append(p)
     return params
 
 
-def optimizer_step(factory: OptimizerFactory, params: list[Tensor]) -> Step:
-    optimizer = factory(params)
+def param_groups(params: list[Tensor], groups: int) -> list[Tensor] | list[dict[str, Any]]:
+    """``params`` as they are (one group), or split into ``groups`` consecutive param groups,
+    the later ones without weight decay (as decay / no-decay groups are)."""
+    if groups == 1:
+        return params
+    size = -(-len(params) // groups)
+    chunks = [params[i : i + size] for i in range(0, len(params), size)]
+    return [{"params": chunks[0]}] + [{"params": c, "weight_decay": 0.0} for c in chunks[1:]]
+
+
+def optimizer_step(factory: OptimizerFactory, params: list[Tensor], groups: int = 1) -> Step:
+    optimizer = factory(param_groups(params, groups))  # type: ignore[arg-type]
 
     def step() -> None:
         optimizer.step()
@@ -126,8 +141,9 @@ def run_count(tensors: int, args: argparse.Namespace) -> dict[str, Any]:
         order = names if round_index % 2 == 0 else names[::-1]
         LOG.info("%d tensors, round %d/%d", tensors, round_index + 1, args.rounds)
         for name in order:
-            params = make_params(tensors, args.numel, args.device, args.seed)
-            step = optimizer_step(VARIANTS[name], params)
+            dtype = getattr(torch, args.dtype)
+            params = make_params(tensors, args.numel, args.device, args.seed, dtype)
+            step = optimizer_step(VARIANTS[name], params, args.groups)
             times[name] += time_step(step, args.device, args.warmup, args.iters)
             if args.device == "cuda":  # the host's part alone (on the CPU it is the step)
                 host[name] += host_time_step(step, args.device, 0, args.iters)
@@ -135,6 +151,8 @@ def run_count(tensors: int, args: argparse.Namespace) -> dict[str, Any]:
     result = {
         "tensors": tensors,
         "numel": args.numel,
+        "groups": args.groups,
+        "dtype": args.dtype,
         "median_ms": medians,
         "min_ms": {name: min(t) for name, t in times.items()},
         "vs_torch_fused": {name: m / medians[YARDSTICK] for name, m in medians.items()},
@@ -151,7 +169,9 @@ def format_table(result: dict[str, Any]) -> str:
     if host is not None:
         columns += f"{'host us':>10}"
     lines = [
-        f"{result['tensors']} tensors x {result['numel']} elements",
+        f"{result['tensors']} tensors x {result['numel']} elements"
+        + (f", {result['groups']} param groups" if result.get("groups", 1) > 1 else "")
+        + (f", {result['dtype']}" if result.get("dtype", "float32") != "float32" else ""),
         columns,
         "-" * len(columns),
     ]
@@ -180,6 +200,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--tensors", type=int, nargs="+", default=[10, 100, 1000])
     parser.add_argument("--numel", type=int, default=64, help="elements per tensor")
+    parser.add_argument("--groups", type=int, default=1, help="param groups the tensors form")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--rounds", type=int, default=4, help="repeats of the variant sequence")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per round")
     parser.add_argument("--iters", type=int, default=20, help="timed steps per round")
@@ -207,6 +229,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "threads": torch.get_num_threads(),
         "cpu_flags": flags,
         "load_average": load_average(),
+        "groups": args.groups,
+        "dtype": args.dtype,
         "rounds": args.rounds,
         "warmup": args.warmup,
         "iters": args.iters,
