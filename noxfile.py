@@ -769,7 +769,8 @@ def _manylinux(session: nox.Session, wheel: Path, out_dir: Path) -> Path:
 
     ``auditwheel repair`` reads the glibc and libstdc++ symbol versions the modules use and
     fails if one is newer than glibc 2.28 and GCC 8's runtime allow (the modules define the
-    few newer ones that recent headers reference: csrc/common/libstdcxx_compat.cpp). On other
+    few newer ones that recent headers reference:
+    packages/amp-fused-ops/csrc/common/libstdcxx_compat.cpp). On other
     architectures the tag is the oldest the modules allow. torch's libraries are excluded, and
     nothing else may be grafted: a copied library would change the modules' bytes, which their
     notes pin. The retagged wheel replaces ``wheel``; returns its path.

@@ -13,36 +13,33 @@ functional step, :func:`~amp_optimizers._adam_step.fused_adam`, on one of two pa
   nothing syncs the host and the step can be captured in a CUDA graph.
 
 The master weights, and amp O2's protocol that steps them, are in
-:mod:`amp_optimizers._adam_masters`.
+:mod:`amp_optimizers._adam_masters`; the device path's lists and steps in
+:mod:`amp_optimizers._adam_device_path`.
 """
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ._adam_masters import HALF_DTYPES, AdamMasterWeights
+from ._adam_device_path import AdamDevicePath
+from ._adam_masters import HALF_DTYPES
 from ._adam_state_format import (
     add_per_param_steps,
     drop_per_param_steps,
     from_torch_adam,
     is_torch_adam_format,
 )
-from ._adam_step import device_scalar, fused_adam, is_device_scalar, raise_on_nonfinite_flag
+from ._adam_step import device_scalar, fused_adam
 from ._step_helpers import (
     AmpCOp,
     advance_step,
     check_betas,
     check_nonnegative,
-    group_by_device_dtype,
-    holds_dtensors,
-    params_with_grads,
     step_arguments,
-    unscale_grads_in_place,
 )
 from ._step_plan import StepPlan
 from ._stochastic_round import FLAG as _SR_FLAG
@@ -58,10 +55,8 @@ from ._stochastic_round import (
 
 __all__ = ["FusedAdam"]
 
-_DEVICE_PLAN = "device"  # the StepPlan kind of the device path: [params, m, v, masters]
 
-
-class FusedAdam(AdamMasterWeights):
+class FusedAdam(AdamDevicePath):
     """Adam and AdamW with one multi-tensor launch per ``(device, dtype)`` (Apex's ``FusedAdam``).
 
     Drop-in for ``apex.optimizers.FusedAdam``: same positional signature and defaults. Params
@@ -130,10 +125,6 @@ class FusedAdam(AdamMasterWeights):
 
     # The plain path steps on the lists the compiled kernels hold (multi_tensor_adam_plan).
     _stores_step_plans = True
-    # The device path (capturable, master weights, GradScaler) caches its layout too; the
-    # amp O2 step, whose gradients may be the masters' own, gathers its lists at every step.
-    _plans_device_path = True
-
     # Apex's op handles (read by code built on Apex's optimizers): the amp_C ops by name.
     multi_tensor_adam = AmpCOp("multi_tensor_adam")
     multi_tensor_adam_capturable = AmpCOp("multi_tensor_adam_capturable")
@@ -311,64 +302,8 @@ class FusedAdam(AdamMasterWeights):
                 if plan is not None:
                     self._plain_group(group, plan, grads, index)
             return loss
-        inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
-        # Per group with a gradient: (group, the op's lists, sharded, its gradients).
-        work: list[tuple[dict[str, Any], list[list[list[Tensor]]], bool, list[Tensor]]]
-        if self._plans_device_path:
-            # The layout of each group cached as on the plain path, its columns those of
-            # multi_tensor_adam_capturable_master: params, moments, masters.
-            device_plans = self.step_plans("FusedAdam", self._device_columns, kind=_DEVICE_PLAN)
-            work = [
-                (group, self._device_lists(plan, grads), plan.sharded, grads)
-                for group, plan, grads in device_plans
-                if plan is not None
-            ]
-        else:
-            work = []
-            for group in self.param_groups:
-                params = params_with_grads("FusedAdam", group["params"])
-                if params:
-                    lists = self._device_rows(params, use_master_grads=False)
-                    grads = [p.grad for p in params if p.grad is not None]
-                    work.append((group, lists, holds_dtensors(params), grads))
-        if found_inf is not None:
-            # GradScaler's found_inf already covers every gradient: no pre-check needed.
-            for group, lists, sharded, _ in work:
-                self._device_group(group, lists, sharded, inv_scale, found_inf, check_finite=False)
-        elif work:
-            # An inf or a nan anywhere skips every group, as one step: every group but the
-            # first is checked before any is written; the first group's launches check their
-            # own gradients, and each group's skip flag is folded into own_flag.
-            own_flag = torch.zeros((), dtype=torch.float32, device=work[0][1][0][1][0].device)
-            for _, _, _, grads in work[1:]:
-                raise_on_nonfinite_flag(own_flag, grads)
-            for group, lists, sharded, _ in work:
-                self._device_group(group, lists, sharded, inv_scale, own_flag, check_finite=True)
-        if grad_scale is not None:
-            # As the scaler leaves .grad for a plain optimizer (and Apex's capturable kernel
-            # left it): unscaled, whether or not the step was skipped.
-            unscale_grads_in_place([g for *_, grads in work for g in grads], grad_scale)
+        self._device_step(grad_scale, found_inf)
         return loss
-
-    def _device_columns(self, p: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """The state columns of ``p`` on the device path: its moments and its master (``p``
-        itself where it has none: a float32 param, or a half param without master weights)."""
-        state = self._state(p)
-        return state["exp_avg"], state["exp_avg_sq"], state.get("master_param", p)
-
-    @staticmethod
-    def _device_lists(plan: StepPlan, grads: list[Tensor]) -> list[list[list[Tensor]]]:
-        """The op's lists ``[grads, params, exp_avgs, exp_avg_sqs, masters]`` of each bucket of
-        a device-path plan. A half param without a master gets a float32 copy, made at each
-        step, that the op steps and writes back."""
-        out = []
-        for bucket in plan.buckets:
-            params, exp_avgs, exp_avg_sqs, masters = bucket.columns
-            if params[0].dtype != torch.float32 and any(map(operator.is_, masters, params)):
-                pairs = zip(params, masters, strict=True)
-                masters = [p.float() if m is p else m for p, m in pairs]
-            out.append([bucket.grads(grads), params, exp_avgs, exp_avg_sqs, masters])
-        return out
 
     def _settle_stochastic_round_seeds(self) -> None:
         self._sr_unagreed_seed = settle_default_seed(
@@ -413,90 +348,3 @@ class FusedAdam(AdamMasterWeights):
             seeds=seeds,
             sharded=plan.sharded,
         )
-
-    def _device_rows(
-        self, params: list[Tensor], *, use_master_grads: bool
-    ) -> list[list[list[Tensor]]]:
-        """The op's lists of each ``(device, dtype)`` of ``params`` (those with a gradient), read
-        at this step: ``use_master_grads`` reads a half param's gradient from its master's
-        ``.grad`` when that is set (amp put the unscaled gradient there)."""
-        rows = []
-        for p in params:
-            state = self._state(p)
-            master = state.get("master_param")
-            grad = p.grad
-            if use_master_grads and master is not None and master.grad is not None:
-                grad = master.grad
-            if master is None:
-                # float32 params are their own masters; half params without master weights
-                # get a temporary float32 copy that the op steps and writes back.
-                master = p if p.dtype == torch.float32 else p.float()
-            rows.append((p, grad, state["exp_avg"], state["exp_avg_sq"], master))
-        return [
-            [gs, ps, ms, vs, masters]
-            for ps, gs, ms, vs, masters in group_by_device_dtype(rows).values()
-        ]
-
-    def _device_group(
-        self,
-        group: dict[str, Any],
-        lists: list[list[list[Tensor]]],
-        sharded: bool,
-        inv_scale: Tensor | None,
-        found_inf: Tensor | None,
-        *,
-        check_finite: bool,
-    ) -> None:
-        """Step one group on the device path: ``lists`` as :func:`fused_adam` takes them (one
-        entry per ``(device, dtype)``, its params those with a gradient); ``sharded``: they are
-        DTensors; ``inv_scale``, ``found_inf`` and ``check_finite`` as :func:`fused_adam` takes
-        them."""
-        device = lists[0][1][0].device
-        step_t = group.get("step", 0)
-        if not is_device_scalar(step_t, device):
-            # The group's own count from here on, advanced in place by the step.
-            step_t = group["step"] = device_scalar(step_t, device).clone()
-        lr_t = device_scalar(group["lr"], device)
-        fused_adam(
-            lists,
-            self.noop_flag,
-            device_path=True,
-            lr=lr_t,
-            betas=group["betas"],
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            adam_w_mode=self.adam_w_mode,
-            bias_correction=1 if group["bias_correction"] else 0,
-            step=step_t,
-            inv_scale=inv_scale,
-            found_inf=found_inf,
-            check_finite=check_finite,
-            sharded=sharded,
-        )
-
-    def _device_steps(
-        self,
-        work: list[tuple[dict[str, Any], list[Tensor]]],
-        inv_scale: Tensor | None,
-        found_inf: Tensor,
-        *,
-        use_master_grads: bool,
-    ) -> None:
-        """Step several groups on the device path as one step: all of them, or none.
-
-        Every group but the first is checked for inf/nan before any is written; the first
-        group's launches check their own gradients, and each group's skip flag is folded into
-        ``found_inf`` (0-dim float32, raised on the device), which the later groups read.
-        """
-        for _group, params in work[1:]:
-            grads = [self._amp_grad(p) if use_master_grads else p.grad for p in params]
-            raise_on_nonfinite_flag(found_inf, [g for g in grads if g is not None])
-        for group, params in work:
-            self._device_group(
-                group,
-                self._device_rows(params, use_master_grads=use_master_grads),
-                holds_dtensors(params),
-                inv_scale,
-                found_inf,
-                check_finite=True,
-            )

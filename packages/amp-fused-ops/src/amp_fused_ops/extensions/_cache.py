@@ -19,8 +19,9 @@ from ._settings import ARCH_ENV, CACHE_ENV, PACKAGE_DIR, PORTABLE_ENV, check_kin
 # Files of csrc/<kind> that make the extension (hashed) and that are compiled.
 SOURCE_SUFFIXES = {"cpu": (".cpp", ".h"), "cuda": (".cu", ".cpp", ".h", ".cuh")}
 COMPILED_SUFFIXES = {"cpu": (".cpp",), "cuda": (".cu", ".cpp")}
-# csrc/common: the element math both extensions include (*.h) and the translation units both
-# compile (*.cpp, the C++ runtime definitions of libstdcxx_compat.cpp); in both cache keys.
+# csrc/common: the element math both extensions include (its headers) and the translation units
+# both compile (the C++ runtime definitions of csrc/common/libstdcxx_compat.cpp); in both
+# cache keys.
 SHARED_DIR = "common"
 SHARED_SUFFIXES = (".h", ".cpp")
 
