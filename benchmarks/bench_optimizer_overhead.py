@@ -1,11 +1,16 @@
 """Time one optimizer step over many small tensors, where the Python layer is most of the step.
 
-Variants, each over ``--tensors`` fp32 params of ``--numel`` elements (10, 100 and 1000 tensors
-by default), every param with a gradient:
+Variants, each over ``--tensors`` params of ``--numel`` elements (10, 100 and 1000 tensors by
+default; float32, or ``--dtype bfloat16``; one param group, or ``--groups`` of them, the later
+ones without weight decay), every param with a gradient:
 
 - ``FusedAdam``: ``amp_optimizers.FusedAdam`` (AdamW mode), the ``optimizer.step()`` a user calls;
 - ``FusedAdam (lists)``: the same, passing its tensor lists at every step instead of stepping
   on the lists the compiled kernels keep (for the A/B of the two);
+- ``FusedAdam capturable``: ``capturable=True``, the device path (step count, lr and skip flag on
+  the device) on each group's cached layout, and ``FusedAdam capt. (per step)`` beside it,
+  gathering its lists at every step; ``FusedAdam master weights``: ``master_weights=True``
+  (float32 masters of half params; float32 params are their own);
 - ``torch fused``: ``torch.optim.AdamW(fused=True)``;
 - ``torch foreach``: ``torch.optim.AdamW(foreach=True)``;
 - ``FusedSGD``: ``amp_optimizers.FusedSGD`` with momentum, and ``torch SGD foreach`` beside it;

@@ -18,7 +18,8 @@
 #              side by side: wall time per step and device time (CUDA graph replay)
 #   gpu_tests  every test marked gpu
 #   benches    bench_norm_host, bench_multi_tensor_adam (wall and device time),
-#              bench_optimizer_overhead (wall and host time), bench_amp_step and
+#              bench_optimizer_overhead (wall and host time), bench_o2_step_host (amp
+#              O2's FusedAdam step, host time), bench_amp_step and
 #              bench_o1_ops (O1's host cost per op) on cuda, profile_o1_step (where an O1
 #              step's host time goes against autocast's)
 #   profile    nsys / ncu of one norm step per set of kernels, where the tools exist
@@ -64,6 +65,7 @@ step bench_norm_host 120 python benchmarks/bench_norm_host.py --device cuda --ou
 step bench_adam 180 python benchmarks/bench_multi_tensor_adam.py --device cuda --out-dir "$OUT_DIR"
 step bench_overhead 120 python benchmarks/bench_optimizer_overhead.py --device cuda \
     --out-dir "$OUT_DIR"
+step bench_o2_host 90 python benchmarks/bench_o2_step_host.py --device cuda --out-dir "$OUT_DIR"
 step bench_amp_step 240 python benchmarks/bench_amp_step.py --device cuda --out-dir "$OUT_DIR"
 step bench_o1_ops 90 python benchmarks/bench_o1_ops.py --device cuda --out-dir "$OUT_DIR"
 step profile_o1_step 120 python benchmarks/profile_o1_step.py --device cuda --half-dtype float16

@@ -181,3 +181,53 @@ def test_a_sparse_gradient_is_refused_on_the_cached_layout() -> None:
     run.params[0].grad = run.params[0].grad.to_sparse()  # type: ignore[union-attr]
     with pytest.raises(RuntimeError, match="sparse"):
         run.optimizer.step()
+
+
+def _amp_o2_run(cached: bool) -> dict[str, object]:
+    """Six amp O2 steps of a small model with FusedAdam (bfloat16 model, float32 masters): one
+    skipped for an inf gradient, one after clipping the masters' gradients (amp then unscales
+    them into the masters' ``.grad``, which the cached layout does not read)."""
+    from amp_core import amp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4)
+    )
+    optimizer = FusedAdam(model.parameters(), lr=1e-2, weight_decay=0.01)
+    optimizer._plans_device_path = cached
+    model, optimizer = amp.initialize(
+        model, optimizer, opt_level="O2", half_dtype=BF16, verbosity=0
+    )
+    kinds = []
+    for number in range(6):
+        gen = torch.Generator().manual_seed(100 + number)
+        x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen)
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        with amp.scale_loss(loss, optimizer) as scaled:
+            scaled.backward()
+        if number == 2:
+            model[0].weight.grad.view(-1)[0] = float("inf")
+        if number == 4:
+            torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 1.0)
+        optimizer.step()
+        kinds.append(sorted({plan.kind for plan in optimizer._plans.values()}))
+    return {
+        "model": [p.detach().clone() for p in model.parameters()],
+        "masters": [p.detach().clone() for p in amp.master_params(optimizer)],
+        "state": [dict(s) for s in optimizer.state.values()],
+        "steps": [group["step"] for group in optimizer.param_groups],
+        "skipped": amp.skipped_steps(optimizer),
+        "kinds": kinds,
+    }
+
+
+def test_amp_o2_steps_on_the_cached_layout() -> None:
+    cached, gathered = _amp_o2_run(True), _amp_o2_run(False)
+    assert cached["skipped"] == gathered["skipped"] == 1
+    # amp's fused master step took the cached layout; the step after clipping gathered its
+    # lists (the masters held the gradients) and left the layout as it was.
+    assert cached["kinds"] == [["device"]] * 6
+    assert gathered["kinds"] == [[]] * 6
+    for key in ("model", "masters", "state", "steps"):
+        assert_bitwise_equal(cached[key], gathered[key], key)

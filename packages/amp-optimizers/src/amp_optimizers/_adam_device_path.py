@@ -43,42 +43,75 @@ class AdamDevicePath(AdamMasterWeights):
         """One step of every group on the device path: ``grad_scale`` and ``found_inf`` as a
         ``GradScaler`` hands them to the step (None without one)."""
         inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
-        # Per group with a gradient: (group, the op's lists, sharded, its gradients).
-        work: list[tuple[dict[str, Any], list[list[list[Tensor]]], bool, list[Tensor]]]
-        if self._plans_device_path:
-            # The layout of each group cached as on the plain path, its columns those of
-            # multi_tensor_adam_capturable_master: params, moments, masters.
-            device_plans = self.step_plans("FusedAdam", self._device_columns, kind=_DEVICE_PLAN)
-            work = [
-                (group, self._device_lists(plan, grads), plan.sharded, grads)
-                for group, plan, grads in device_plans
-                if plan is not None
-            ]
-        else:
-            work = []
-            for group in self.param_groups:
-                params = params_with_grads("FusedAdam", group["params"])
-                if params:
-                    lists = self._device_rows(params, use_master_grads=False)
-                    grads = [p.grad for p in params if p.grad is not None]
-                    work.append((group, lists, holds_dtensors(params), grads))
-        if found_inf is not None:
-            # GradScaler's found_inf already covers every gradient: no pre-check needed.
-            for group, lists, sharded, _ in work:
-                self._device_group(group, lists, sharded, inv_scale, found_inf, check_finite=False)
-        elif work:
-            # An inf or a nan anywhere skips every group, as one step: every group but the
-            # first is checked before any is written; the first group's launches check their
-            # own gradients, and each group's skip flag is folded into own_flag.
-            own_flag = torch.zeros((), dtype=torch.float32, device=work[0][1][0][1][0].device)
-            for _, _, _, grads in work[1:]:
-                raise_on_nonfinite_flag(own_flag, grads)
-            for group, lists, sharded, _ in work:
-                self._device_group(group, lists, sharded, inv_scale, own_flag, check_finite=True)
+        work = self._device_work()
+        # GradScaler's found_inf already covers every gradient: no pre-check needed.
+        self._device_run(work, inv_scale, found_inf, covered=found_inf is not None)
         if grad_scale is not None:
             # As the scaler leaves .grad for a plain optimizer (and Apex's capturable kernel
             # left it): unscaled, whether or not the step was skipped.
             unscale_grads_in_place([g for *_, grads in work for g in grads], grad_scale)
+
+    @torch.no_grad()
+    def amp_fused_master_step(self, inv_scale: Tensor, found_inf: Tensor) -> None:
+        """amp O2's step (:meth:`AdamMasterWeights.amp_fused_master_step`), on the groups' cached
+        layouts when every gradient is the param's own ``.grad`` (no master holds one: the
+        usual step after a backward); else with the lists gathered at this step."""
+        if self._plans_device_path and all(m.grad is None for m in self._amp_masters.values()):
+            self._device_run(self._device_work(), inv_scale, found_inf, covered=False)
+            return
+        super().amp_fused_master_step(inv_scale, found_inf)
+
+    def _device_work(
+        self,
+    ) -> list[tuple[dict[str, Any], list[list[list[Tensor]]], bool, list[Tensor]]]:
+        """Per group with a gradient: ``(group, the op's lists, sharded, its gradients)``."""
+        if self._plans_device_path:
+            # The layout of each group cached as on the plain path, its columns those of
+            # multi_tensor_adam_capturable_master: params, moments, masters.
+            device_plans = self.step_plans("FusedAdam", self._device_columns, kind=_DEVICE_PLAN)
+            return [
+                (group, self._device_lists(plan, grads), plan.sharded, grads)
+                for group, plan, grads in device_plans
+                if plan is not None
+            ]
+        work = []
+        for group in self.param_groups:
+            params = params_with_grads("FusedAdam", group["params"])
+            if params:
+                lists = self._device_rows(params, use_master_grads=False)
+                grads = [p.grad for p in params if p.grad is not None]
+                work.append((group, lists, holds_dtensors(params), grads))
+        return work
+
+    def _device_run(
+        self,
+        work: list[tuple[dict[str, Any], list[list[list[Tensor]]], bool, list[Tensor]]],
+        inv_scale: Tensor | None,
+        found_inf: Tensor | None,
+        *,
+        covered: bool,
+    ) -> None:
+        """Step the groups of :meth:`_device_work` as one step: all of them, or none.
+
+        ``covered``: ``found_inf`` already says whether any gradient holds an inf or a nan
+        (a ``GradScaler``'s). Else every group but the first is checked before any is written,
+        into ``found_inf`` (a flag of this step's own when None); the first group's launches
+        check their own gradients, and each group's skip flag is folded into the flag, which
+        the later groups read.
+        """
+        if covered:
+            assert found_inf is not None
+            for group, lists, sharded, _ in work:
+                self._device_group(group, lists, sharded, inv_scale, found_inf, check_finite=False)
+            return
+        if not work:
+            return
+        if found_inf is None:
+            found_inf = torch.zeros((), dtype=torch.float32, device=work[0][1][0][1][0].device)
+        for _, _, _, grads in work[1:]:
+            raise_on_nonfinite_flag(found_inf, grads)
+        for group, lists, sharded, _ in work:
+            self._device_group(group, lists, sharded, inv_scale, found_inf, check_finite=True)
 
     def _device_columns(self, p: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The state columns of ``p`` on the device path: its moments and its master (``p``
