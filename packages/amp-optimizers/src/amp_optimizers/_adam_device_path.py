@@ -2,9 +2,10 @@
 
 The lists of ``multi_tensor_adam_capturable_master`` (gradients, params, moments, masters) of
 each param group, by ``(device, dtype)``: from the group's cached layout (a step plan of kind
-``"device"``, checked as the plain path's is), or gathered at each step for amp O2's fused
-master step, whose gradients may be the masters' own. Then one functional step per group
-(:func:`~amp_optimizers._adam_step.fused_adam`), an inf or a nan anywhere skipping all of them.
+``"device"``, checked as the plain path's is), or gathered at each step for an amp O2 step in
+which masters hold the gradients (amp put unscaled ones there). Then one functional step per
+group (:func:`~amp_optimizers._adam_step.fused_adam`), an inf or a nan anywhere skipping all
+of them.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ _DEVICE_PLAN = "device"  # the StepPlan kind of the device path: [params, m, v, 
 class AdamDevicePath(AdamMasterWeights):
     """The device path of :class:`~amp_optimizers.FusedAdam` (a mixin of it)."""
 
-    # The device path (capturable, master weights, GradScaler) caches its layout, as the plain
-    # path does; the amp O2 step, whose gradients may be the masters' own, gathers its lists
-    # at every step.
+    # The device path (capturable, master weights, GradScaler, amp O2's step when no master
+    # holds a gradient) caches its layout, as the plain path does. Off: every step gathers its
+    # lists in Python, as before the cache.
     _plans_device_path = True
     adam_w_mode: int  # set by FusedAdam
 
