@@ -20,8 +20,8 @@ scalars and inf/nan checks.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -31,6 +31,7 @@ from amp_fused_ops import StepPlanLists, multi_tensor_applier, multi_tensor_op
 from ._step_helpers import lr_arguments
 
 __all__ = [
+    "NoopFlag",
     "device_scalar",
     "fused_adam",
     "is_device_scalar",
@@ -39,9 +40,16 @@ __all__ = [
 ]
 
 
+class NoopFlag(Protocol):
+    """An optimizer's int32 noop flag of a device (``FusedOptimizerBase.noop_flag``): reset to
+    0, unless ``reset=False`` (the caller writes it whole)."""
+
+    def __call__(self, device: torch.device, *, reset: bool = True) -> Tensor: ...
+
+
 def fused_adam(
     tensor_lists: Sequence[list[list[Tensor]]],
-    noop_flag: Callable[[torch.device], Tensor],
+    noop_flag: NoopFlag,
     *,
     device_path: bool,
     lr: float | Tensor,
@@ -129,7 +137,7 @@ def fused_adam(
 
 def _plain_adam(
     tensor_lists: Sequence[list[list[Tensor]]],
-    noop_flag: Callable[[torch.device], Tensor],
+    noop_flag: NoopFlag,
     *,
     lr: float | Tensor,
     betas: tuple[float, float],
@@ -170,7 +178,7 @@ def _plain_adam(
 
 def _device_adam(
     tensor_lists: Sequence[list[list[Tensor]]],
-    noop_flag: Callable[[torch.device], Tensor],
+    noop_flag: NoopFlag,
     *,
     lr: Tensor,
     betas: tuple[float, float],
@@ -192,9 +200,11 @@ def _device_adam(
     beta1, beta2 = betas
     if inv_scale is None:
         inv_scale = torch.ones((), dtype=torch.float32, device=device)
-    noop = noop_flag(device)
-    if found_inf is not None:
-        torch.ne(found_inf.to(device).reshape(1), 0, out=noop)  # 1 where found_inf is nonzero
+    if found_inf is None:
+        noop = noop_flag(device)
+    else:  # 1 where found_inf is nonzero, written whole
+        noop = noop_flag(device, reset=False)
+        torch.ne(found_inf.to(device).reshape(1), 0, out=noop)
     # Largest bucket first: its own launch checks its gradients before writing anything and
     # raises the flag that the later launches read, so only the others need a pre-check for
     # an inf to skip the whole group.

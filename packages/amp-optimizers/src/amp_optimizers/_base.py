@@ -389,12 +389,13 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             tensors = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]
         return {**self.defaults, **param_group, "params": tensors}
 
-    def noop_flag(self, device: torch.device) -> Tensor:
-        """This optimizer's one-element int32 flag on ``device``, reset to 0."""
+    def noop_flag(self, device: torch.device, *, reset: bool = True) -> Tensor:
+        """This optimizer's one-element int32 flag on ``device``, reset to 0 unless the caller
+        overwrites it anyway (``reset=False``)."""
         flag = self._noop_flags.get(device)
         if flag is None:
             flag = self._noop_flags[device] = torch.zeros(1, dtype=torch.int32, device=device)
-        else:
+        elif reset:
             flag.zero_()
         return flag
 

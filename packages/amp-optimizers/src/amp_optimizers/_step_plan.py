@@ -36,10 +36,10 @@ __all__ = [
 # FusedOptimizerBase.state_dict); none of them is an option of a fused optimizer.
 TRACE_WRITTEN_GROUP_KEYS = ("capturable",)
 
-_DTYPE = operator.attrgetter("dtype")
 PLAIN_PLAN = "plain"
 """The :attr:`StepPlan.kind` of a plan whose columns are the params and their optimizer state."""
 
+_DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
 _GRAD = operator.attrgetter("grad")
 _IS_SPARSE = operator.attrgetter("is_sparse")
