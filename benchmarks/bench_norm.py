@@ -10,6 +10,9 @@ Variants, on the same (rows, hidden) input, upstream gradient and parameters:
 - ``ours (per_row kernels)``: on CUDA, the same module on the earlier per-row kernels
   (``AMP_FUSED_OPS_NORM_KERNELS=per_row``; ``ours`` sets ``resident``, the default, the same
   way around each step), for an A/B of the two sets of kernels in one process;
+- ``ours (resident_column kernels)``: on CUDA at hidden sizes over 8192, the resident kernels
+  with the parameter gradients summed by the column kernel instead of in shared memory
+  (``AMP_FUSED_OPS_NORM_KERNELS=resident_column``);
 - ``torch``: ``torch.nn.functional.layer_norm`` / ``rms_norm`` with the same parameters.
 
 Two times per variant on CUDA: the wall time of a step (CUDA events around each call: the
@@ -207,6 +210,9 @@ def run_case(
         steps["ours"] = with_norm_kernels("resident", ours)
         steps["ours (per_row kernels)"] = with_norm_kernels("per_row", ours)
         modules["ours (per_row kernels)"] = modules["ours"]
+        if hidden > 8192:  # rows whose parameter gradients the backward sums in shared memory
+            steps["ours (resident_column kernels)"] = with_norm_kernels("resident_column", ours)
+            modules["ours (resident_column kernels)"] = modules["ours"]
     theirs = torch_norm(norm, reference)
     steps["torch"] = fwd_bwd_step(theirs, x, dy, list(reference.parameters()))
 
@@ -235,7 +241,9 @@ def run_case(
         diffs = {}
         for name, m in modules.items():
             out: list[Tensor] = []
-            kernels = "per_row" if "per_row" in name else "resident"
+            kernels = name.partition("(")[2].removesuffix(" kernels)") or "resident"
+            if kernels not in ("per_row", "resident_column"):
+                kernels = "resident"
             with_norm_kernels(kernels, lambda m=m, out=out: out.append(m(x)))()
             diffs[name] = (out[0] - expected).abs().max().item()
     diffs["torch"] = 0.0

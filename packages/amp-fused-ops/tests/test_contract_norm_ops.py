@@ -445,7 +445,10 @@ def test_an_unknown_set_of_cuda_norm_kernels_is_refused(
     x = torch.ones(2, 64, device=path.device)
     _, mean, invvar = forward(x, None, None, EPS, False, False, False)
     monkeypatch.setenv("AMP_FUSED_OPS_NORM_KERNELS", "fastest")
-    message = "^AMP_FUSED_OPS_NORM_KERNELS=fastest is not one of 'resident', 'per_row'$"
+    message = (
+        "^AMP_FUSED_OPS_NORM_KERNELS=fastest is not one of 'resident', 'per_row', "
+        "'resident_column'$"
+    )
     with pytest.raises(RuntimeError, match=message):
         forward(x, None, None, EPS, False, False, False)
     with pytest.raises(RuntimeError, match=message):

@@ -90,6 +90,55 @@ def test_shared_memory_left_by_an_earlier_block_is_not_read(selftest):
         selftest.shared_from_previous_block()
 
 
+# --- dynamic shared memory -------------------------------------------------------------------
+
+
+def test_dynamic_shared_memory_the_block_wrote_reads_back(selftest):
+    out = selftest.dynamic_shared(64, 64, 0, 64 * 4, -1)
+    assert out.tolist() == [float(t) for t in range(64)] + [float(t + 1000) for t in range(64)]
+
+
+def test_over_48_kib_of_dynamic_shared_memory_needs_the_kernels_attribute(selftest):
+    big = 100 * 1024
+    message = r"102400 bytes of dynamic shared memory, over the kernel's limit of 49152 \(over"
+    with pytest.raises(RuntimeError, match=message):
+        selftest.dynamic_shared(64, 64, 0, big, -1)
+    out = selftest.dynamic_shared(64, 64, 0, big, big)
+    assert out[64:].tolist() == [float(t + 1000) for t in range(64)]
+    message = r"cudaFuncSetAttribute\(.*, 233472\): over the device's 232448 bytes of opt-in"
+    with pytest.raises(RuntimeError, match=message):
+        selftest.dynamic_shared(64, 64, 0, big, 228 * 1024)
+    with (
+        _emulation.shared_memory_per_block(99 * 1024),
+        pytest.raises(RuntimeError, match="over the device's 101376 bytes"),
+    ):
+        selftest.dynamic_shared(64, 64, 0, big, big)
+    selftest.dynamic_shared(64, 64, 0, big, big)  # the H100's limit back
+
+
+def test_a_read_of_dynamic_shared_memory_no_thread_wrote_is_caught(selftest):
+    # Each block's dynamic shared memory is poison until the block writes it, as the static.
+    if not _counting_build():
+        out = selftest.dynamic_shared(64, 48, 0, 64 * 4, -1)
+        assert torch.isnan(out.view(2, 64)[:, 48:]).all()
+        return
+    message = (
+        r"thread \((4[89]|5\d|6[0-3]), 0, 0\) reads 4 byte\(s\) of __shared__ memory \(offset "
+        r"(19[2-9]|2[0-5]\d) of the dynamic shared memory\) that no thread of this block has "
+        r"written"
+    )
+    with pytest.raises(RuntimeError, match=message):
+        selftest.dynamic_shared(64, 48, 0, 64 * 4, -1)
+
+
+def test_an_access_past_the_launchs_dynamic_shared_memory_is_caught(selftest):
+    if not _counting_build():
+        pytest.skip("the counting build checks the bounds (AddressSanitizer aborts the process)")
+    message = r"thread \(63, 0, 0\) reads 4 byte\(s\) at offset 256 of dynamic shared memory, past"
+    with pytest.raises(RuntimeError, match=message):
+        selftest.dynamic_shared(64, 64, 1, 64 * 4, -1)
+
+
 # --- lane order ------------------------------------------------------------------------------
 
 
@@ -313,12 +362,13 @@ def _norm_minimum_bytes(rows: int, hidden: int, element: int, rms: bool) -> int:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
-@pytest.mark.parametrize("hidden", [1024, 4096])
+@pytest.mark.parametrize("hidden", [1024, 4096, 16384])
 def test_a_norm_step_moves_at_most_1_1_times_the_minimum_bytes(monkeypatch, dtype, rms, hidden):
     """The resident kernels (the default) read each row of x and dy once and sum the parameter
-    gradients in the input-gradient pass: a forward + backward moves at most 1.1x the minimum
-    (``benchmarks/bench_norm_bytes.py``), on a device scaled down to 2 SMs with the rows per SM
-    of 16384 rows on an H100. The earlier per-row kernels move 3-4x."""
+    gradients in the input-gradient pass (in registers, or at 16384 in shared memory): a
+    forward + backward moves at most 1.1x the minimum (``benchmarks/bench_norm_bytes.py``), on
+    a device scaled down to 2 SMs with the rows per SM of 16384 rows on an H100. The earlier
+    per-row kernels move 3-4x."""
     monkeypatch.delenv("AMP_FUSED_OPS_NORM_KERNELS", raising=False)
     extension()
     if not torch.ops.amp_emu.counting():
@@ -341,6 +391,47 @@ def test_a_norm_step_moves_at_most_1_1_times_the_minimum_bytes(monkeypatch, dtyp
     minimum = _norm_minimum_bytes(rows, hidden, x.element_size(), rms)
     assert moved <= 1.1 * minimum, f"{moved / minimum:.3f}x the minimum"
     assert counts.launches == 3  # forward, backward, the parameter gradients' last sum
+
+
+@pytest.mark.parametrize(
+    ("rms", "launches_99k"), [(False, 4), (True, 3)], ids=["layer_norm", "rms_norm"]
+)
+def test_wide_rows_sum_their_parameter_gradients_in_shared_memory_where_it_fits(
+    monkeypatch, rms, launches_99k
+):
+    """At 16384 float32 the backward keeps a float32 sum per column and parameter in shared
+    memory: 128 KiB for a LayerNorm, 64 KiB for an RMSNorm. An H100 offers 227 KiB per block;
+    a GPU offering 99 KiB (RTX-class) takes the RMSNorm's and leaves the LayerNorm's to the
+    column kernel (one launch more). Same gradients either way, up to the order of the sums."""
+    monkeypatch.delenv("AMP_FUSED_OPS_NORM_KERNELS", raising=False)
+    extension()
+    ops = torch.ops.amp_fused_ops_emu
+    rows, hidden = 12, 16384
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(rows, hidden, generator=gen)
+    dy = torch.randn(rows, hidden, generator=gen)
+    weight = torch.rand(hidden, generator=gen) + 0.5
+    bias = None if rms else torch.randn(hidden, generator=gen)
+
+    def backward() -> tuple[tuple[torch.Tensor, ...], int]:
+        _, mean, invvar = ops.norm_forward(x, weight, bias, 1e-5, rms, False, False)
+        _emulation.reset_counters()
+        grads = ops.norm_backward(dy, x, mean, invvar, weight, bias, rms, False, torch.float32)
+        return grads, _emulation.counters().launches
+
+    with _emulation.multiprocessors(2):
+        h100, h100_launches = backward()
+        with _emulation.shared_memory_per_block(99 * 1024):
+            small, small_launches = backward()
+        # AMP_FUSED_OPS_NORM_KERNELS=resident_column: the column kernel wherever it fits too.
+        monkeypatch.setenv("AMP_FUSED_OPS_NORM_KERNELS", "resident_column")
+        column, column_launches = backward()
+    assert (h100_launches, small_launches, column_launches) == (2, launches_99k - 1, 3)
+    for other in (small, column):
+        torch.testing.assert_close(other[0], h100[0], rtol=0, atol=0)  # dx: the same kernel
+        for a, b in zip(other[1:], h100[1:], strict=True):
+            if b.numel():
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_the_norm_grid_follows_the_emulated_sm_count(monkeypatch):

@@ -33,3 +33,31 @@ def test_the_rewrite_keeps_the_line_of_every_launch():
     assert '.named("k", "f.cu", 2)' in out
     assert '.named("other", "f.cu", 5)' in out
     assert out.splitlines()[4].startswith("other % ::amp_emu::LaunchConfig(1, 1)")
+
+
+@pytest.mark.parametrize(
+    ("source", "pointer"),
+    [
+        (
+            "extern __shared__ float sums[];",
+            "float* const sums = ::amp_emu::dynamic_shared<float>();",
+        ),
+        (
+            "  extern __shared__ alignas(16) unsigned char raw [ ];",
+            "  unsigned char* const raw",
+        ),
+        (
+            "extern __shared__ ns::Pack buf[];",
+            "ns::Pack* const buf = ::amp_emu::dynamic_shared<ns::Pack>();",
+        ),
+    ],
+)
+def test_dynamic_shared_memory_becomes_the_emulators_buffer(source, pointer):
+    out = _emulation._rewrite(source, "f.cu")
+    assert "extern" not in out
+    assert pointer in out
+
+
+def test_static_shared_memory_is_left_alone():
+    source = "__shared__ float staged[32];\nextern float global_thing[];\n"
+    assert _emulation._rewrite(source, "f.cu") == source

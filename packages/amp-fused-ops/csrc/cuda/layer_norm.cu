@@ -19,12 +19,14 @@
 //   512 threads (hidden up to 16384 in float32, bfloat16 and float16). A grid of a few blocks
 //   per SM, each block walking the rows, a thread holding its columns of the row in registers:
 //   the forward reads x once and the weight and bias once per block; the backward reads dy and
-//   the saved tensor once and, up to kBackwardElements elements per thread (hidden 8192), sums
-//   the parameter gradients in the same pass (a partial per block, added by a last kernel).
-//   Wider rows leave the parameter gradients to the column kernel below (it reads dy and the
-//   saved tensor again); the memory-efficient backward, which also holds the bias, takes
-//   rows up to kBackwardElements per thread only. The statistics are two-pass over the
-//   registers (the mean, then the squared deviations).
+//   the saved tensor once and sums the parameter gradients in the same pass (a partial per
+//   block, added by a last kernel): in registers up to kBackwardElements elements per thread
+//   (hidden 8192), above in the block's dynamic shared memory (a float32 sum per column and
+//   parameter: 128 KiB for a LayerNorm of 16384). A device with less shared memory per block
+//   than that (99 KiB on RTX-class GPUs) leaves such rows' parameter gradients to the column
+//   kernel below, which reads dy and the saved tensor again. The memory-efficient backward,
+//   which also holds the bias, takes rows up to kBackwardElements per thread only. The
+//   statistics are two-pass over the registers (the mean, then the squared deviations).
 // - per_row (the earlier kernels; everything the resident ones do not take): one block per
 //   row, each thread walking the row in chunks of VEC elements (VEC = 1 when unaligned or
 //   hidden % VEC != 0), Welford statistics; the backward reads each row twice for dx, then a
@@ -37,6 +39,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -60,8 +63,13 @@ constexpr int kRowLanes = 16;  // threads along rows in that kernel
 // Threads per block of the resident kernels at least: rows of fewer threads share a block.
 constexpr int kResidentBlock = 256;
 // Row elements per thread up to which the resident backward sums the parameter gradients
-// itself (two float32 sums per element in registers); above, a column kernel does.
+// in registers (two float32 sums per element); above, in dynamic shared memory where the
+// device has enough (a float32 sum per column and parameter: 128 KiB for LayerNorm at 16384),
+// else a column kernel does.
 constexpr int kBackwardElements = 16;
+// Static shared memory of the resident backward at most (the row sums and the staged
+// parameters: 2.1-4.2 KiB by ptxas), for sizing its dynamic shared memory and blocks per SM.
+constexpr size_t kStaticSharedBound = 8 * 1024;
 
 template <typename T>
 struct Tag {
@@ -342,10 +350,11 @@ __global__ void norm_backward_params_final(const float* __restrict__ part_g,
                                            TP* __restrict__ dbeta, int64_t slices, int64_t hidden) {
   const int64_t col = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (col >= hidden) return;
+  // Only the partials of the gradients asked for are read (the others need not be written).
   float g = 0.f, b = 0.f;
   for (int64_t s = 0; s < slices; ++s) {
-    g += part_g[s * hidden + col];
-    b += part_b[s * hidden + col];
+    if (dgamma != nullptr) g += part_g[s * hidden + col];
+    if (dbeta != nullptr) b += part_b[s * hidden + col];
   }
   if (dgamma != nullptr) dgamma[col] = static_cast<TP>(g);
   if (dbeta != nullptr) dbeta[col] = static_cast<TP>(b);
@@ -489,100 +498,13 @@ __device__ __forceinline__ void resident_terms(float dy, const Pack<TS, VEC>& sa
   gk = has_gamma ? __fmul_rn(dy, element(g, i)) : dy;
 }
 
-// The input gradient of a row group and the block's partial sums of dy * xhat (-> dgamma) and
-// dy (-> dbeta) per column, written to part_g / part_b[blockIdx.x * hidden + column] (when
-// the norm has a weight or a bias). ME: memory_efficient, `saved` is the output and xhat is
-// recomputed as (y - beta) / gamma.
-template <typename TIn, typename TP, typename TOut, typename TS, int VEC, int CHUNKS, bool ME>
-__global__ void __launch_bounds__(kMaxThreads, 1)
-    norm_backward_resident(const TOut* __restrict__ dy, const TS* __restrict__ saved,
-                           const float* __restrict__ mean, const float* __restrict__ invvar,
-                           const TP* __restrict__ gamma, const TP* __restrict__ beta,
-                           TIn* __restrict__ dx, float* __restrict__ part_g,
-                           float* __restrict__ part_b, int64_t rows, int64_t hidden, bool rms) {
-  const int chunks = static_cast<int>(hidden / VEC);  // hidden <= kMaxHidden
+// The block's partials of the register sums: the rows of the block (threadIdx.y) added through
+// shared memory, one chunk index k at a time, then written by the threads of row 0.
+template <int VEC, int kAcc>
+__device__ __forceinline__ void block_partials(float (&acc_g)[kAcc][VEC], float (&acc_b)[kAcc][VEC],
+                                               int chunks, float* __restrict__ part_g,
+                                               float* __restrict__ part_b, int64_t hidden) {
   const int tpr = static_cast<int>(blockDim.x);
-  // The parameter-gradient sums stay in registers up to kBackwardElements elements per thread;
-  // above, part_g is null and a column kernel sums them.
-  constexpr bool kPartials = CHUNKS * VEC <= kBackwardElements;
-  constexpr int kAcc = kPartials ? CHUNKS : 1;
-  Pack<TP, VEC> g[CHUNKS], b[CHUNKS];
-  if (gamma != nullptr) load_block_params<TP, VEC, CHUNKS>(gamma, chunks, g);
-  if (ME && beta != nullptr) load_block_params<TP, VEC, CHUNKS>(beta, chunks, b);
-  float acc_g[kAcc][VEC], acc_b[kAcc][VEC];
-#pragma unroll
-  for (int k = 0; k < kAcc; ++k) {
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) {
-      acc_g[k][i] = 0.f;
-      acc_b[k][i] = 0.f;
-    }
-  }
-  const float inv_n = 1.f / static_cast<float>(hidden);
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.y;
-  for (int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.y; first < rows;
-       first += step) {
-    const int64_t row = first + threadIdx.y;
-    const bool valid = row < rows;
-    // The row's statistics, loaded by one lane per warp (a warp never spans two rows).
-    float mu = 0.f, iv = 0.f;
-    if (valid && threadIdx.x % 32 == 0) {
-      iv = invvar[row];
-      if (!rms && !ME) mu = mean[row];
-    }
-    mu = __shfl_sync(0xffffffffu, mu, 0);
-    iv = __shfl_sync(0xffffffffu, iv, 0);
-    const TOut* dyr = dy + row * hidden;
-    const TS* sr = saved + row * hidden;
-    Pack<TOut, VEC> d[CHUNKS];
-    Pack<TS, VEC> s[CHUNKS];
-    float sum_g = 0.f, sum_gx = 0.f;
-#pragma unroll
-    for (int k = 0; k < CHUNKS; ++k) {
-      const int c = k * tpr + static_cast<int>(threadIdx.x);
-      if (valid && c < chunks) {
-        d[k] = reinterpret_cast<const Pack<TOut, VEC>*>(dyr)[c];
-        s[k] = reinterpret_cast<const Pack<TS, VEC>*>(sr)[c];
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          const float dk = element(d[k], i);
-          float xh, gk;
-          resident_terms<ME>(dk, s[k], g[k], b[k], i, mu, iv, gamma != nullptr, beta != nullptr,
-                             xh, gk);
-          sum_g += gk;
-          sum_gx += gk * xh;
-          if constexpr (kPartials) {
-            acc_g[k][i] += dk * xh;
-            acc_b[k][i] += dk;
-          }
-        }
-      }
-    }
-    row_sum(sum_g, sum_gx);
-    if (!valid) continue;  // after the last block-wide sum of this row group
-    const float mean_g = rms ? 0.f : sum_g * inv_n;
-    const float proj = sum_gx * inv_n;
-    TIn* dxr = dx + row * hidden;
-#pragma unroll
-    for (int k = 0; k < CHUNKS; ++k) {
-      const int c = k * tpr + static_cast<int>(threadIdx.x);
-      if (c < chunks) {
-        Pack<TIn, VEC> out;
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          float xh, gk;
-          resident_terms<ME>(element(d[k], i), s[k], g[k], b[k], i, mu, iv, gamma != nullptr,
-                             beta != nullptr, xh, gk);
-          out.v[i] = static_cast<TIn>((gk - mean_g - xh * proj) * iv);
-        }
-        reinterpret_cast<Pack<TIn, VEC>*>(dxr)[c] = out;
-      }
-    }
-  }
-  if constexpr (!kPartials) return;
-  if (part_g == nullptr) return;
-  // The block's partials: the rows of the block (threadIdx.y) added through shared memory,
-  // one chunk index k at a time, then written by the threads of row 0.
   __shared__ float shared_g[kMaxThreads * 4];
   __shared__ float shared_b[kMaxThreads * 4];
   const int slot = static_cast<int>(threadIdx.y * blockDim.x + threadIdx.x);
@@ -626,6 +548,177 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
   }
 }
 
+// The block's running sums of a wide row's parameter gradients in dynamic shared memory: a
+// float32 sum per column of dy * xhat (when the norm has a weight) and of dy (a bias), each
+// thread adding to its own columns only. Chunk c's VEC sums are stored as VEC / 4 groups of
+// 4 floats, group h at float (h * chunks + c) * 4, so that a warp's 16-byte accesses are
+// contiguous (the backward's chunks are 4 or 8 elements).
+template <int VEC>
+__device__ __forceinline__ void write_shared_sums(float* __restrict__ sums, int chunks, int c,
+                                                  const float (&v)[VEC]) {
+  static_assert(VEC % 4 == 0, "groups of 4 sums");
+#pragma unroll
+  for (int h = 0; h < VEC / 4; ++h) {
+    Pack<float, 4> s;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s.v[i] = v[h * 4 + i];
+    reinterpret_cast<Pack<float, 4>*>(sums)[h * chunks + c] = s;
+  }
+}
+
+template <int VEC>
+__device__ __forceinline__ void read_shared_sums(const float* __restrict__ sums, int chunks,
+                                                 int c, float (&v)[VEC]) {
+#pragma unroll
+  for (int h = 0; h < VEC / 4; ++h) {
+    const Pack<float, 4> s = reinterpret_cast<const Pack<float, 4>*>(sums)[h * chunks + c];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[h * 4 + i] = s.v[i];
+  }
+}
+
+// The input gradient of a row group and the block's partial sums of dy * xhat (-> dgamma) and
+// dy (-> dbeta) per column, written to part_g / part_b[blockIdx.x * hidden + column] (when
+// the norm has a weight or a bias; part_g null: no partials, a column kernel sums them). ME:
+// memory_efficient, `saved` is the output and xhat is recomputed as (y - beta) / gamma. Up to
+// kBackwardElements elements per thread the sums are in registers; above (rows of one row
+// per block), in the launch's dynamic shared memory (write_shared_sums), whose size the host
+// checks against the device: hidden floats for the weight, then hidden for the bias.
+template <typename TIn, typename TP, typename TOut, typename TS, int VEC, int CHUNKS, bool ME>
+__global__ void __launch_bounds__(kMaxThreads, 1)
+    norm_backward_resident(const TOut* __restrict__ dy, const TS* __restrict__ saved,
+                           const float* __restrict__ mean, const float* __restrict__ invvar,
+                           const TP* __restrict__ gamma, const TP* __restrict__ beta,
+                           TIn* __restrict__ dx, float* __restrict__ part_g,
+                           float* __restrict__ part_b, int64_t rows, int64_t hidden, bool rms) {
+  const int chunks = static_cast<int>(hidden / VEC);  // hidden <= kMaxHidden
+  const int tpr = static_cast<int>(blockDim.x);
+  // The parameter-gradient sums stay in registers up to kBackwardElements elements per thread;
+  // above, in dynamic shared memory (the memory-efficient backward never takes such rows).
+  constexpr bool kPartials = CHUNKS * VEC <= kBackwardElements;
+  constexpr bool kSharedSums = !kPartials && !ME;
+  constexpr int kAcc = kPartials ? CHUNKS : 1;
+  // The shared sums (kSharedSums): the weight's at float sums_g of the dynamic shared memory,
+  // the bias's at sums_b; -1 where the norm has no such parameter or no partials are asked for.
+  extern __shared__ float norm_sums[];
+  int sums_g = -1, sums_b = -1;
+  if constexpr (kSharedSums) {
+    if (part_g != nullptr) {
+      if (gamma != nullptr) sums_g = 0;
+      if (beta != nullptr) sums_b = gamma != nullptr ? static_cast<int>(hidden) : 0;
+      const float zero[VEC] = {};
+#pragma unroll
+      for (int k = 0; k < CHUNKS; ++k) {
+        const int c = k * tpr + static_cast<int>(threadIdx.x);
+        if (c >= chunks) continue;
+        if (sums_g >= 0) write_shared_sums<VEC>(norm_sums + sums_g, chunks, c, zero);
+        if (sums_b >= 0) write_shared_sums<VEC>(norm_sums + sums_b, chunks, c, zero);
+      }
+    }
+  }
+  Pack<TP, VEC> g[CHUNKS], b[CHUNKS];
+  if (gamma != nullptr) load_block_params<TP, VEC, CHUNKS>(gamma, chunks, g);
+  if (ME && beta != nullptr) load_block_params<TP, VEC, CHUNKS>(beta, chunks, b);
+  float acc_g[kAcc][VEC], acc_b[kAcc][VEC];
+#pragma unroll
+  for (int k = 0; k < kAcc; ++k) {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      acc_g[k][i] = 0.f;
+      acc_b[k][i] = 0.f;
+    }
+  }
+  const float inv_n = 1.f / static_cast<float>(hidden);
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.y;
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.y; first < rows;
+       first += step) {
+    const int64_t row = first + threadIdx.y;
+    const bool valid = row < rows;
+    // The row's statistics, loaded by one lane per warp (a warp never spans two rows).
+    float mu = 0.f, iv = 0.f;
+    if (valid && threadIdx.x % 32 == 0) {
+      iv = invvar[row];
+      if (!rms && !ME) mu = mean[row];
+    }
+    mu = __shfl_sync(0xffffffffu, mu, 0);
+    iv = __shfl_sync(0xffffffffu, iv, 0);
+    const TOut* dyr = dy + row * hidden;
+    const TS* sr = saved + row * hidden;
+    Pack<TOut, VEC> d[CHUNKS];
+    Pack<TS, VEC> s[CHUNKS];
+    float sum_g = 0.f, sum_gx = 0.f;
+#pragma unroll
+    for (int k = 0; k < CHUNKS; ++k) {
+      const int c = k * tpr + static_cast<int>(threadIdx.x);
+      if (valid && c < chunks) {
+        d[k] = reinterpret_cast<const Pack<TOut, VEC>*>(dyr)[c];
+        s[k] = reinterpret_cast<const Pack<TS, VEC>*>(sr)[c];
+        // With shared sums, each element's terms are added to its column's sums in place, one
+        // float at a time (a register or two more than the chunk's; groups of 4 columns).
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          const float dk = element(d[k], i);
+          float xh, gk;
+          resident_terms<ME>(dk, s[k], g[k], b[k], i, mu, iv, gamma != nullptr, beta != nullptr,
+                             xh, gk);
+          sum_g += gk;
+          sum_gx += gk * xh;
+          if constexpr (kPartials) {
+            acc_g[k][i] += dk * xh;
+            acc_b[k][i] += dk;
+          }
+          if constexpr (kSharedSums) {
+            const int at = ((i / 4) * chunks + c) * 4 + i % 4;
+            if (sums_g >= 0) norm_sums[sums_g + at] += dk * xh;
+            if (sums_b >= 0) norm_sums[sums_b + at] += dk;
+          }
+        }
+      }
+    }
+    row_sum(sum_g, sum_gx);
+    if (!valid) continue;  // after the last block-wide sum of this row group
+    const float mean_g = rms ? 0.f : sum_g * inv_n;
+    const float proj = sum_gx * inv_n;
+    TIn* dxr = dx + row * hidden;
+#pragma unroll
+    for (int k = 0; k < CHUNKS; ++k) {
+      const int c = k * tpr + static_cast<int>(threadIdx.x);
+      if (c < chunks) {
+        Pack<TIn, VEC> out;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          float xh, gk;
+          resident_terms<ME>(element(d[k], i), s[k], g[k], b[k], i, mu, iv, gamma != nullptr,
+                             beta != nullptr, xh, gk);
+          out.v[i] = static_cast<TIn>((gk - mean_g - xh * proj) * iv);
+        }
+        reinterpret_cast<Pack<TIn, VEC>*>(dxr)[c] = out;
+      }
+    }
+  }
+  if constexpr (kSharedSums) {
+    // Each thread writes its own columns' sums (no other thread touched them).
+    if (part_g == nullptr) return;
+#pragma unroll
+    for (int k = 0; k < CHUNKS; ++k) {
+      const int c = k * tpr + static_cast<int>(threadIdx.x);
+      if (c >= chunks) continue;
+      float v[VEC];
+      if (sums_g >= 0) {
+        read_shared_sums<VEC>(norm_sums + sums_g, chunks, c, v);
+        store<VEC>(part_g + static_cast<int64_t>(blockIdx.x) * hidden, c, v);
+      }
+      if (sums_b >= 0) {
+        read_shared_sums<VEC>(norm_sums + sums_b, chunks, c, v);
+        store<VEC>(part_b + static_cast<int64_t>(blockIdx.x) * hidden, c, v);
+      }
+    }
+  } else if constexpr (kPartials) {
+    if (part_g == nullptr) return;
+    block_partials<VEC, kAcc>(acc_g, acc_b, chunks, part_g, part_b, hidden);
+  }
+}
+
 // --- host side -----------------------------------------------------------------------------
 
 bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -637,14 +730,21 @@ int threads_for(int64_t chunks) {
   return threads;
 }
 
-// Which kernels run the norms: AMP_FUSED_OPS_NORM_KERNELS=resident (the default) or per_row
-// (the earlier kernels, for comparing the two on a GPU). Read at every call.
-bool resident_kernels() {
+// Which kernels run the norms: AMP_FUSED_OPS_NORM_KERNELS=resident (the default), per_row
+// (the earlier kernels), or resident_column (the resident kernels, with the parameter
+// gradients of rows over kBackwardElements per thread left to the column kernel, as on a
+// device without the shared memory for them): for comparing them on a GPU. Read at every call.
+enum class NormKernels { kResident, kResidentColumn, kPerRow };
+
+NormKernels norm_kernels() {
   const char* value = std::getenv("AMP_FUSED_OPS_NORM_KERNELS");
-  if (value == nullptr || *value == '\0' || std::strcmp(value, "resident") == 0) return true;
+  if (value == nullptr || *value == '\0' || std::strcmp(value, "resident") == 0) {
+    return NormKernels::kResident;
+  }
+  if (std::strcmp(value, "resident_column") == 0) return NormKernels::kResidentColumn;
   TORCH_CHECK(std::strcmp(value, "per_row") == 0, "AMP_FUSED_OPS_NORM_KERNELS=", value,
-              " is not one of 'resident', 'per_row'");
-  return false;
+              " is not one of 'resident', 'per_row', 'resident_column'");
+  return NormKernels::kPerRow;
 }
 
 // The block of the resident kernels: tpr threads per row, rpb rows at a time, each thread
@@ -669,10 +769,18 @@ std::optional<ResidentShape> resident_shape(int64_t n_chunks, int vec, int targe
 }
 
 // Blocks of the resident kernels: one per row group, at most threads_per_sm threads' worth
-// per SM (the blocks walk the remaining rows).
-unsigned resident_grid(int64_t rows, const ResidentShape& shape, int threads_per_sm) {
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t per_sm = std::max(1, threads_per_sm / (shape.tpr * shape.rpb));
+// per SM (the blocks walk the remaining rows), and no more than fit in an SM's shared memory
+// with `shared_bytes` of dynamic shared memory each.
+unsigned resident_grid(int64_t rows, const ResidentShape& shape, int threads_per_sm,
+                       size_t shared_bytes = 0) {
+  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+  const int64_t sms = props->multiProcessorCount;
+  int64_t per_sm = std::max(1, threads_per_sm / (shape.tpr * shape.rpb));
+  if (shared_bytes > 0) {
+    // Each block also takes its static shared memory and the 1 KiB the runtime reserves.
+    const size_t per_block = shared_bytes + kStaticSharedBound + 1024;
+    per_sm = std::min<int64_t>(per_sm, std::max<size_t>(1, props->sharedMemPerMultiprocessor / per_block));
+  }
   const int64_t groups = (rows + shape.rpb - 1) / shape.rpb;
   return static_cast<unsigned>(std::min(groups, per_sm * sms));
 }
@@ -701,6 +809,22 @@ constexpr int kMaxElements = 32;
 // writes a partial per block, so it takes fewer, longer-lived blocks.
 constexpr int kForwardThreadsPerSM = 2048;
 constexpr int kBackwardThreadsPerSM = 1024;
+
+// Lets Kernel launch on `device` with up to `bytes` of dynamic shared memory (over 48 KiB
+// needs the kernel's opt-in attribute). Set once per kernel and device, to the device's most
+// (the attribute is a limit: a launch still takes only what it asks for).
+template <auto Kernel>
+void allow_dynamic_shared(int device, size_t bytes) {
+  if (bytes <= 48 * 1024) return;
+  static std::atomic<uint64_t> done{0};  // one bit per device below 64
+  const uint64_t bit = device >= 0 && device < 64 ? uint64_t{1} << device : 0;
+  if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return;
+  const size_t most = at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin - kStaticSharedBound;
+  TORCH_INTERNAL_ASSERT(bytes <= most, "dynamic shared memory ", bytes, " over ", most);
+  C10_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(most)));
+  done.fetch_or(bit, std::memory_order_release);
+}
 
 template <typename T>
 const T* ptr_or_null(const std::optional<at::Tensor>& t) {
@@ -782,7 +906,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(
                      (g == nullptr || aligned(g)) && (b == nullptr || aligned(b));
     const auto stream = at::cuda::getCurrentCUDAStream();
     const std::optional<ResidentShape> shape =
-        vec && resident_kernels() ? resident_shape(hidden / VEC, VEC, 4, kMaxElements)
+        vec && norm_kernels() != NormKernels::kPerRow ? resident_shape(hidden / VEC, VEC, 4, kMaxElements)
                                   : std::nullopt;
     if (shape.has_value()) {
       const dim3 block(shape->tpr, shape->rpb);
@@ -826,15 +950,27 @@ void launch_backward(const at::Tensor& dy, const at::Tensor& saved, const at::Te
   // The memory-efficient backward also keeps the bias in registers: it takes rows up to
   // kBackwardElements per thread only (the registers of more spill).
   const int max_elements = memory_efficient ? kBackwardElements : kMaxElements;
+  const NormKernels kernels = norm_kernels();
   const std::optional<ResidentShape> shape =
-      vec && resident_kernels()
+      vec && kernels != NormKernels::kPerRow
           ? resident_shape(hidden / VEC, VEC, std::max(1, kBackwardElements / VEC), max_elements)
           : std::nullopt;
   if (shape.has_value()) {
     const dim3 block(shape->tpr, shape->rpb);
-    const unsigned grid = resident_grid(rows, *shape, kBackwardThreadsPerSM);
-    // The kernel sums the parameter gradients itself up to kBackwardElements per thread.
-    const bool partials = params && shape->chunks * VEC <= kBackwardElements;
+    // The kernel sums the parameter gradients itself: in registers up to kBackwardElements
+    // per thread, above in dynamic shared memory where the device has enough (rows this wide
+    // are one row per block: tpr is kMaxThreads).
+    const bool wide = shape->chunks * VEC > kBackwardElements;
+    const size_t sums_bytes =
+        params && wide ? static_cast<size_t>(hidden) * sizeof(float) * ((g != nullptr) + (b != nullptr)) : 0;
+    const size_t shared_most =
+        at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin - kStaticSharedBound;
+    const bool partials =
+        params && (!wide || (sums_bytes <= shared_most && kernels == NormKernels::kResident));
+    const size_t shared_bytes = partials ? sums_bytes : 0;
+    TORCH_INTERNAL_ASSERT(shared_bytes == 0 || shape->rpb == 1, "shared sums with rows per block ",
+                          shape->rpb);
+    const unsigned grid = resident_grid(rows, *shape, kBackwardThreadsPerSM, shared_bytes);
     at::Tensor part = partials ? at::empty({2, grid, hidden}, dy.options().dtype(at::kFloat))
                                : at::Tensor();
     float* part_g = partials ? part[0].data_ptr<float>() : nullptr;
@@ -851,7 +987,9 @@ void launch_backward(const at::Tensor& dy, const at::Tensor& saved, const at::Te
               rms);
         }
       } else {
-        norm_backward_resident<TIn, TP, TOut, TS, VEC, C, false><<<grid, block, 0, stream>>>(
+        constexpr auto kernel = norm_backward_resident<TIn, TP, TOut, TS, VEC, C, false>;
+        allow_dynamic_shared<kernel>(dy.get_device(), shared_bytes);
+        kernel<<<grid, block, shared_bytes, stream>>>(
             dy.data_ptr<TOut>(), saved.data_ptr<TS>(), mean.data_ptr<float>(),
             invvar.data_ptr<float>(), g, b, dx.data_ptr<TIn>(), part_g, part_b, rows, hidden, rms);
       }

@@ -18,8 +18,8 @@
 // Keywords. Blocks run one at a time, so a block's __shared__ variables are statics, all in
 // one section of the module: the scheduler fills it with poison before each block, and the
 // counting build checks every read of it against the bytes the block has written
-// (amp_emu_runtime.cpp). Dynamic shared memory (`extern __shared__`) is not emulated: such a
-// declaration does not compile here.
+// (amp_emu_runtime.cpp). Dynamic shared memory (`extern __shared__ T name[];`) is rewritten by
+// the build into a pointer to the emulator's buffer of it (amp_emu_runtime.h).
 #define __global__
 #define __device__
 #define __host__

@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <exception>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <sstream>
@@ -20,6 +21,8 @@
 
 #if defined(__SANITIZE_ADDRESS__)
 extern "C" {
+void __asan_poison_memory_region(void const volatile* addr, size_t size);
+void __asan_unpoison_memory_region(void const volatile* addr, size_t size);
 void __sanitizer_start_switch_fiber(void** fake_stack_save, const void* bottom, size_t size);
 void __sanitizer_finish_switch_fiber(void* fake_stack_save, const void** bottom_old,
                                      size_t* size_old);
@@ -137,12 +140,33 @@ size_t g_shared_size = 0;
 uint8_t* g_shared_written = nullptr;
 constexpr unsigned char kSharedPoison = 0xff;  // every float and half a NaN, every int -1
 
+// Dynamic shared memory: one buffer of the most a launch may ask for; the running launch owns
+// its first g_dynamic_bytes (the launch's shared_bytes), with a shadow byte each as above.
+alignas(16) unsigned char g_dynamic[kMaxDynamicShared];
+uint8_t g_dynamic_written[kMaxDynamicShared];
+size_t g_dynamic_bytes = 0;
+// The dynamic shared memory a kernel may ask for (cudaFuncSetAttribute), by kernel function.
+std::map<const void*, size_t> g_dynamic_limits;
+
 // Before each block: the block's shared memory is poison, none of it written. (The section
-// is every kernel's shared variables, a few hundred KiB at most: two memsets per block.)
+// is every kernel's shared variables, a few hundred KiB at most, and the dynamic part is the
+// launch's: four memsets per block.)
 AMP_EMU_UNCOUNTED void poison_shared() {
+  std::memset(g_dynamic, kSharedPoison, g_dynamic_bytes);
+  std::memset(g_dynamic_written, 0, g_dynamic_bytes);
   if (g_shared_size == 0) return;
   std::memset(reinterpret_cast<void*>(g_shared_lo), kSharedPoison, g_shared_size);
   std::memset(g_shared_written, 0, g_shared_size);
+}
+
+// The launch's dynamic shared memory: its first `bytes` of the buffer, the rest out of bounds
+// for the AddressSanitizer build.
+void own_dynamic_shared(size_t bytes) {
+  g_dynamic_bytes = bytes;
+#if AMP_EMU_ASAN
+  __asan_unpoison_memory_region(g_dynamic, bytes);
+  __asan_poison_memory_region(g_dynamic + bytes, kMaxDynamicShared - bytes);
+#endif
 }
 
 void find_shared_section() {
@@ -415,10 +439,16 @@ void run(const LaunchConfig& config, const std::function<void()>& body, const ch
   if (threads > kMaxThreadsPerBlock || b.z > kMaxBlockDimZ) {
     fail(launch_name + ": block over the H100's limits (1024 threads, z <= 64)");
   }
-  if (config.shared_bytes > kDefaultDynamicShared) {
+  size_t dynamic_limit = kDefaultDynamicShared;
+  if (const auto it = g_dynamic_limits.find(config.function); it != g_dynamic_limits.end()) {
+    dynamic_limit = std::max(dynamic_limit, it->second);
+  }
+  if (config.shared_bytes > dynamic_limit) {
     fail(launch_name + ": " + std::to_string(config.shared_bytes) +
-         " bytes of dynamic shared memory (over 48 KiB needs cudaFuncSetAttribute; the "
-         "H100's maximum is 227 KiB)");
+         " bytes of dynamic shared memory, over the kernel's limit of " +
+         std::to_string(dynamic_limit) +
+         " (over 48 KiB needs cudaFuncSetAttribute(kernel, "
+         "cudaFuncAttributeMaxDynamicSharedMemorySize, bytes); the H100's maximum is 227 KiB)");
   }
   ++g_counters.launches;
   g_counters.blocks += static_cast<int64_t>(g.x * g.y * g.z);
@@ -428,6 +458,7 @@ void run(const LaunchConfig& config, const std::function<void()>& body, const ch
   }
   find_module_range();
   find_shared_section();
+  own_dynamic_shared(config.shared_bytes);
   schedule_seed();
   ensure_stacks(s, threads);
   pthread_attr_t attr;
@@ -647,10 +678,40 @@ cudaStream_t current_stream() { return nullptr; }
 
 namespace {
 // An H100's (sm_90) properties; the SM count can be changed (set_multiprocessor_count).
-cudaDeviceProp g_device{132, 1024, 32, 48 * 1024, 227 * 1024, 9, 0};
+cudaDeviceProp g_device{132, 1024, 32, 48 * 1024, 227 * 1024, 9, 0, 228 * 1024};
 }  // namespace
 
 const cudaDeviceProp* device_properties() { return &g_device; }
+
+int64_t set_shared_memory_per_block_optin(int64_t bytes) {
+  if (bytes < static_cast<int64_t>(kDefaultDynamicShared) ||
+      bytes > static_cast<int64_t>(kMaxDynamicShared)) {
+    fail("amp_emu: set_shared_memory_per_block_optin(" + std::to_string(bytes) +
+         "): the size is in [49152, 232448] bytes (48 to 227 KiB)");
+  }
+  const int64_t previous = static_cast<int64_t>(g_device.sharedMemPerBlockOptin);
+  g_device.sharedMemPerBlockOptin = static_cast<size_t>(bytes);
+  return previous;
+}
+
+void* dynamic_shared_base() { return g_dynamic; }
+
+cudaError_t set_max_dynamic_shared(const void* function, int attribute, int bytes) {
+  if (attribute != cudaFuncAttributeMaxDynamicSharedMemorySize) {
+    fail("amp_emu: cudaFuncSetAttribute: attribute " + std::to_string(attribute) +
+         " is not emulated (only cudaFuncAttributeMaxDynamicSharedMemorySize)");
+  }
+  if (bytes < 0 || static_cast<size_t>(bytes) > g_device.sharedMemPerBlockOptin) {
+    // The GPU answers cudaErrorInvalidValue, which C10_CUDA_CHECK raises.
+    fail("amp_emu: cudaFuncSetAttribute(cudaFuncAttributeMaxDynamicSharedMemorySize, " +
+         std::to_string(bytes) + "): over the device's " +
+         std::to_string(g_device.sharedMemPerBlockOptin) +
+         " bytes of opt-in shared memory per block (cudaErrorInvalidValue)");
+  }
+  const std::lock_guard<std::mutex> lock(launch_mutex());
+  g_dynamic_limits[function] = static_cast<size_t>(bytes);
+  return cudaSuccess;
+}
 
 int64_t set_multiprocessor_count(int64_t count) {
   if (count < 1 || count > 1024) {
@@ -712,13 +773,15 @@ AMP_EMU_UNCOUNTED inline bool global_access(uintptr_t a) {
 // A read of shared memory that the running block has not written: the thread, the block, the
 // section offset and the reading instruction (as module+offset, for addr2line).
 [[noreturn]] __attribute__((noinline)) void uninitialised_shared_read(size_t offset, size_t n,
-                                                                      const void* pc) {
+                                                                      const void* pc,
+                                                                      bool dynamic) {
   g_counting = false;  // the message's own memory accesses are not the kernel's
   const Scheduler& s = scheduler();
   std::ostringstream out;
   out << "amp_emu: " << s.kernel << ", " << block_name() << ": thread (" << threadIdx.x << ", "
       << threadIdx.y << ", " << threadIdx.z << ") reads " << n
-      << " byte(s) of __shared__ memory (offset " << offset << " of the shared section) that "
+      << " byte(s) of __shared__ memory (offset " << offset
+      << (dynamic ? " of the dynamic shared memory" : " of the shared section") << ") that "
       << "no thread of this block has written (uninitialised shared memory holds whatever an "
       << "earlier block left on the GPU)";
   Dl_info info;
@@ -730,7 +793,33 @@ AMP_EMU_UNCOUNTED inline bool global_access(uintptr_t a) {
   fail(out.str());
 }
 
+// An access of dynamic shared memory past the launch's size: on the GPU, an illegal address.
+[[noreturn]] __attribute__((noinline)) void dynamic_shared_overrun(size_t offset, size_t n,
+                                                                   bool store) {
+  g_counting = false;
+  const Scheduler& s = scheduler();
+  std::ostringstream out;
+  out << "amp_emu: " << s.kernel << ", " << block_name() << ": thread (" << threadIdx.x << ", "
+      << threadIdx.y << ", " << threadIdx.z << ") " << (store ? "writes " : "reads ") << n
+      << " byte(s) at offset " << offset << " of dynamic shared memory, past the launch's "
+      << g_dynamic_bytes << " bytes";
+  fail(out.str());
+}
+
 AMP_EMU_UNCOUNTED void shared_access(uintptr_t a, size_t n, bool store, const void* pc) {
+  if (a - reinterpret_cast<uintptr_t>(g_dynamic) < kMaxDynamicShared) {
+    const size_t offset = a - reinterpret_cast<uintptr_t>(g_dynamic);
+    if (offset + n > g_dynamic_bytes) dynamic_shared_overrun(offset, n, store);
+    uint8_t* written = g_dynamic_written + offset;
+    if (store) {
+      std::memset(written, 1, n);
+      return;
+    }
+    for (size_t i = 0; i < n; ++i) {
+      if (written[i] == 0) uninitialised_shared_read(offset + i, n - i, pc, true);
+    }
+    return;
+  }
   const size_t offset = a - g_shared_lo;
   n = std::min(n, g_shared_size - offset);
   uint8_t* written = g_shared_written + offset;
@@ -739,13 +828,14 @@ AMP_EMU_UNCOUNTED void shared_access(uintptr_t a, size_t n, bool store, const vo
     return;
   }
   for (size_t i = 0; i < n; ++i) {
-    if (written[i] == 0) uninitialised_shared_read(offset + i, n - i, pc);
+    if (written[i] == 0) uninitialised_shared_read(offset + i, n - i, pc, false);
   }
 }
 
 AMP_EMU_UNCOUNTED void count(uintptr_t a, size_t n, bool store, const void* pc) {
   if (!g_counting) return;
-  if (a - g_shared_lo < g_shared_size) {
+  if (a - g_shared_lo < g_shared_size ||
+      a - reinterpret_cast<uintptr_t>(g_dynamic) < kMaxDynamicShared) {
     shared_access(a, n, store, pc);
     return;
   }
@@ -966,4 +1056,5 @@ TORCH_LIBRARY(amp_emu, m) {
   m.def("schedule_seed", &schedule_seed_op);
   m.def("set_schedule_seed", &set_schedule_seed_op);
   m.def("set_multiprocessor_count", &amp_emu::set_multiprocessor_count);
+  m.def("set_shared_memory_per_block_optin", &amp_emu::set_shared_memory_per_block_optin);
 }

@@ -20,7 +20,9 @@
 // __syncthreads not reached by every thread of the block, or reached at different places;
 // a shuffle whose mask names an exited or waiting lane, or which reads a lane outside it;
 // a read of shared memory that the block has not written (counting build); block sizes and
-// dynamic shared memory over the H100's limits; grid dimensions over CUDA's.
+// dynamic shared memory over the H100's limits or over 48 KiB without the kernel's
+// cudaFuncSetAttribute; an access of dynamic shared memory past the launch's size (counting
+// build); grid dimensions over CUDA's.
 // Misaligned vector loads and stores are caught by the build (-fsanitize=alignment, reported
 // through amp_emu's handler), out-of-bounds accesses by the AddressSanitizer build.
 #pragma once
@@ -55,7 +57,12 @@ struct cudaDeviceProp {
   size_t sharedMemPerBlockOptin;
   int major;
   int minor;
+  size_t sharedMemPerMultiprocessor;
 };
+
+// The part of CUDA's error and function-attribute API that the kernels' launchers use.
+enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidValue = 1 };
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 
 struct amp_emu_stream;
 using cudaStream_t = amp_emu_stream*;
@@ -109,6 +116,8 @@ struct LaunchConfig {
   Dim grid;
   Dim block;
   size_t shared_bytes;
+  // The kernel function (its cudaFuncSetAttribute limits apply), set by operator% below.
+  const void* function = nullptr;
   // The launch's kernel expression and source line (string literals), for error messages.
   const char* kernel = nullptr;
   const char* file = nullptr;
@@ -143,7 +152,9 @@ void thread_counting(bool on);
 
 template <typename K, typename... A>
 void operator%(K* kernel, PendingLaunch<A...>&& pending) {
-  launch(*pending.config,
+  LaunchConfig config = *pending.config;
+  config.function = reinterpret_cast<const void*>(kernel);
+  launch(config,
          [kernel, args = std::move(pending.args)]() {
            // The kernel's parameters and address on this thread's stack: the closure lives on
            // the heap, and reading it while counting would count as the kernel's traffic.
@@ -179,6 +190,23 @@ cudaStream_t current_stream();
 const cudaDeviceProp* device_properties();
 // Sets the SM count device_properties() reports; returns the previous one.
 int64_t set_multiprocessor_count(int64_t count);
+// Sets the opt-in shared memory per block that device_properties() reports (at most the
+// H100's 227 KiB, which launches are still checked against); returns the previous value.
+int64_t set_shared_memory_per_block_optin(int64_t bytes);
+
+// Dynamic shared memory: the build rewrites `extern __shared__ T name[];` into
+// `T* const name = ::amp_emu::dynamic_shared<T>();`. One buffer of the H100's maximum, of
+// which a block owns the launch's shared_bytes: poisoned before each block like the static
+// shared memory, and (counting build) every access checked against the launch's size and
+// every read against the block's writes.
+void* dynamic_shared_base();
+template <typename T>
+T* dynamic_shared() {
+  return static_cast<T*>(dynamic_shared_base());
+}
+// cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes): launches
+// of `function` may ask for up to `bytes` of dynamic shared memory (48 KiB without).
+cudaError_t set_max_dynamic_shared(const void* function, int attribute, int bytes);
 
 // Counters of the launches since the last reset (see amp_emu_runtime.cpp).
 struct Counters {
@@ -233,6 +261,13 @@ inline int __all_sync(unsigned mask, int p) {
   return amp_emu::ballot(mask, p != 0, "__all_sync") == amp_emu::ballot(mask, true, "__all_sync");
 }
 inline void __syncwarp(unsigned mask = 0xffffffffu) { amp_emu::syncwarp(mask); }
+
+// CUDA's host API for a kernel's attributes (the C++ overload, which takes the kernel itself).
+template <typename T>
+cudaError_t cudaFuncSetAttribute(T* entry, cudaFuncAttribute attribute, int value) {
+  return amp_emu::set_max_dynamic_shared(reinterpret_cast<const void*>(entry),
+                                         static_cast<int>(attribute), value);
+}
 
 // Blocks run one at a time, so plain read-modify-writes are atomic.
 template <typename T>

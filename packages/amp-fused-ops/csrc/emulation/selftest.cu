@@ -84,6 +84,17 @@ __global__ void lane_neighbours(float* scratch, float* out, bool sync, bool shar
   out[i] = lane == 0 ? 0.f : *(slot - 1);
 }
 
+// Dynamic shared memory: the first `written` threads fill their slot, then thread t reads slot
+// t + offset. Kernel 0 never gets an attribute; kernel 1 gets the caller's.
+template <int Kernel>
+__global__ void dynamic_shared_reads(float* out, int written, int offset) {
+  extern __shared__ float dynamic_slots[];
+  const int t = static_cast<int>(threadIdx.x);
+  if (t < written) dynamic_slots[t] = static_cast<float>(t + 1000 * static_cast<int>(blockIdx.x));
+  __syncthreads();
+  out[blockIdx.x * blockDim.x + threadIdx.x] = dynamic_slots[t + offset];
+}
+
 at::Tensor warp_sums_op(int64_t blocks, int64_t threads, bool barrier) {
   at::Tensor out = at::zeros({blocks});
   warp_sums<<<blocks, threads>>>(out.data_ptr<float>(), barrier);
@@ -134,6 +145,24 @@ void launch_op(int64_t grid_x, int64_t grid_y, int64_t block_x, int64_t block_z,
   nothing<<<dim3(grid_x, grid_y), dim3(block_x, 1, block_z), shared_bytes>>>();
 }
 
+at::Tensor dynamic_shared_op(int64_t threads, int64_t written, int64_t offset,
+                             int64_t shared_bytes, int64_t attribute) {
+  at::Tensor out = at::zeros({2 * threads});
+  if (attribute < 0) {
+    dynamic_shared_reads<0><<<2, threads, shared_bytes>>>(out.data_ptr<float>(),
+                                                           static_cast<int>(written),
+                                                           static_cast<int>(offset));
+    return out;
+  }
+  C10_CUDA_CHECK(cudaFuncSetAttribute(dynamic_shared_reads<1>,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(attribute)));
+  dynamic_shared_reads<1><<<2, threads, shared_bytes>>>(out.data_ptr<float>(),
+                                                         static_cast<int>(written),
+                                                         static_cast<int>(offset));
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(amp_emu_selftest, m) {
@@ -146,4 +175,5 @@ TORCH_LIBRARY(amp_emu_selftest, m) {
   m.def("shared_reads", &shared_reads_op);
   m.def("shared_from_previous_block", &shared_from_previous_block_op);
   m.def("lane_neighbours", &lane_neighbours_op);
+  m.def("dynamic_shared", &dynamic_shared_op);
 }

@@ -27,6 +27,7 @@ from amp_fused_ops.emulation._kernels import (
     load,
     multiprocessors,
     reset_counters,
+    shared_memory_per_block,
 )
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "build_directory",
     "count_launches_only",
     "multiprocessors",
+    "shared_memory_per_block",
     "counters",
     "reset_counters",
     "Counters",

@@ -4,7 +4,8 @@ docs/design.rst, decision 9: no GPU is available to this project's CI, so every 
 of ``csrc/cuda`` is also compiled as C++ for the CPU, against the CPU build of torch, with
 ``csrc/emulation/amp_emu.h`` force-included (CUDA's keywords, threads of a block as fibers,
 warp shuffles, ``__syncthreads``, launch checks). The sources are not changed: the build only
-rewrites each launch ``kernel<<<config>>>(args)`` into ``kernel % LaunchConfig(config)(args)``.
+rewrites each launch ``kernel<<<config>>>(args)`` into ``kernel % LaunchConfig(config)(args)``
+and each ``extern __shared__ T name[];`` into a pointer to the emulator's dynamic shared memory.
 
 The result is an extension whose ops take CPU tensors and run the GPU's code, thread by
 thread: the multi-tensor ops of the CUDA extension under ``torch.ops.amp_fused_ops_emu``
@@ -57,6 +58,7 @@ __all__ = [
     "load",
     "multiprocessors",
     "reset_counters",
+    "shared_memory_per_block",
 ]
 
 logger = logging.getLogger(__name__)
@@ -67,6 +69,10 @@ OPS_NAMESPACE = "amp_fused_ops_emu"
 CACHE_ENV = "AMP_FUSED_OPS_CACHE"
 _CSRC = Path(__file__).resolve().parents[3] / "csrc"
 _LAUNCH = re.compile(r"<<<(.*?)>>>", re.DOTALL)
+# `extern __shared__ [alignas(N)] T name[];`: dynamic shared memory, a pointer to the emulator's.
+_DYNAMIC_SHARED = re.compile(
+    r"extern\s+__shared__\s+(?:alignas\(\s*\d+\s*\)\s+)?((?:[A-Za-z_][\w:]*\s+)+?)(\w+)\s*\[\s*\]\s*;"
+)
 # Sources of csrc/cuda with no kernel in them, left out of the emulated builds: the norm op's
 # autograd kernel (the emulated ops are called below autograd, by the tests and the routing).
 _NOT_EMULATED = frozenset({"norm_autograd.cpp"})
@@ -154,7 +160,8 @@ def _kernel_before(text: str, end: int) -> str:
 
 
 def _rewrite(text: str, file: str) -> str:
-    """Each ``kernel<<<config>>>(args)`` of ``text`` as a call of the emulator's launch.
+    """Each ``kernel<<<config>>>(args)`` of ``text`` as a call of the emulator's launch, and
+    each ``extern __shared__ T name[];`` as a pointer to the emulator's dynamic shared memory.
 
     The launch gets the kernel's name and source line (``file``: the source's name) for its
     error messages; the line count stays the same.
@@ -165,6 +172,11 @@ def _rewrite(text: str, file: str) -> str:
         line = text.count("\n", 0, m.start()) + 1
         return f' % ::amp_emu::LaunchConfig({m.group(1)}).named("{name}", "{file}", {line})'
 
+    def dynamic(m: re.Match[str]) -> str:
+        kind = " ".join(m.group(1).split())
+        return f"{kind}* const {m.group(2)} = ::amp_emu::dynamic_shared<{kind}>();"
+
+    text = _DYNAMIC_SHARED.sub(dynamic, text)
     return _LAUNCH.sub(launch, text)
 
 
@@ -314,6 +326,21 @@ def multiprocessors(count: int) -> Iterator[None]:
         yield
     finally:
         torch.ops.amp_emu.set_multiprocessor_count(previous)
+
+
+@contextlib.contextmanager
+def shared_memory_per_block(nbytes: int) -> Iterator[None]:
+    """Inside the block, the emulated device offers ``nbytes`` of shared memory per block with
+    ``cudaFuncSetAttribute`` (an H100's 227 KiB outside; 99 KiB on an RTX-class GPU).
+
+    Kernels that choose a layout by the device's shared memory then choose as on that GPU;
+    ``cudaFuncSetAttribute`` asking for more raises, as it does there.
+    """
+    previous = int(torch.ops.amp_emu.set_shared_memory_per_block_optin(nbytes))
+    try:
+        yield
+    finally:
+        torch.ops.amp_emu.set_shared_memory_per_block_optin(previous)
 
 
 @contextlib.contextmanager
