@@ -364,9 +364,10 @@ def test_many_rows_reduce_the_parameter_gradients(path: OpPath, rms: bool) -> No
 # (input dtype, parameter dtype, width): rows that reach each layout of the resident kernels of
 # csrc/cuda/layer_norm.cu: one chunk per thread and eight rows per block (64), four chunks with
 # threads left idle at the row's end (1000), the backward summing the parameter gradients
-# itself at 16 elements per thread (8192 float32, 512 bfloat16) or leaving them to the column
-# kernel above (16384), eight chunks per thread in the forward (16384 float32), and float32
-# parameters of a bfloat16 input (2048). The emulated AddressSanitizer run takes the narrow ones.
+# itself at 16 elements per thread (8192 float32, 512 bfloat16) or in shared memory above
+# (16384; 12288 float16: 3 chunks of 8 per thread, the fourth left idle), eight chunks per
+# thread in the forward (16384 float32), and float32 parameters of a bfloat16 input (2048).
+# The emulated AddressSanitizer run takes the narrow ones.
 _LAYOUT_CASES = [
     (torch.float32, torch.float32, 64),
     (torch.float32, torch.float32, 1000),
@@ -376,6 +377,7 @@ _LAYOUT_CASES = [
     (torch.float32, torch.float32, 8192),
     (torch.float32, torch.float32, 16384),
     (torch.bfloat16, torch.bfloat16, 16384),
+    (torch.float16, torch.float16, 12288),
 ]
 if SMALL_SIZES:  # the AddressSanitizer run takes the rows up to 2048 wide
     _LAYOUT_CASES = [case for case in _LAYOUT_CASES if case[2] <= 2048]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from amp_fused_ops.emulation import _kernels as _emulation
@@ -61,3 +64,26 @@ def test_dynamic_shared_memory_becomes_the_emulators_buffer(source, pointer):
 def test_static_shared_memory_is_left_alone():
     source = "__shared__ float staged[32];\nextern float global_thing[];\n"
     assert _emulation._rewrite(source, "f.cu") == source
+
+
+def test_the_emulators_controls_say_when_no_build_is_loaded():
+    # A fresh process: nothing has loaded an emulated build, so torch.ops.amp_emu is empty.
+    code = (
+        "from amp_fused_ops import emulation\n"
+        "for call in (emulation.counters, lambda: emulation.multiprocessors(2).__enter__()):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except RuntimeError as error:\n"
+        "        print(error)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout.splitlines()
+    assert (
+        out
+        == [
+            "no emulated build of the CUDA kernels is loaded in this process: call "
+            "amp_fused_ops.emulation.load() first"
+        ]
+        * 2
+    )

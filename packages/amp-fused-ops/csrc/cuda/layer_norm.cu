@@ -550,31 +550,33 @@ __device__ __forceinline__ void block_partials(float (&acc_g)[kAcc][VEC], float 
 
 // The block's running sums of a wide row's parameter gradients in dynamic shared memory: a
 // float32 sum per column of dy * xhat (when the norm has a weight) and of dy (a bias), each
-// thread adding to its own columns only. Chunk c's VEC sums are stored as VEC / 4 groups of
-// 4 floats, group h at float (h * chunks + c) * 4, so that a warp's 16-byte accesses are
-// contiguous (the backward's chunks are 4 or 8 elements).
-template <int VEC>
-__device__ __forceinline__ void write_shared_sums(float* __restrict__ sums, int chunks, int c,
-                                                  const float (&v)[VEC]) {
-  static_assert(VEC % 4 == 0, "groups of 4 sums");
-#pragma unroll
-  for (int h = 0; h < VEC / 4; ++h) {
-    Pack<float, 4> s;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) s.v[i] = v[h * 4 + i];
-    reinterpret_cast<Pack<float, 4>*>(sums)[h * chunks + c] = s;
-  }
+// thread adding to its own columns only. Such rows have kMaxThreads threads and CHUNKS chunks
+// per thread; element i of chunk c is at float i * kMaxThreads * CHUNKS + c of a parameter's
+// VEC * kMaxThreads * CHUNKS floats (shared_sums_floats), so that the 32 threads of a warp, at
+// one element of consecutive chunks, touch 32 consecutive floats (no bank conflict), and the
+// offsets are constants (no register for the stride).
+template <int VEC, int CHUNKS>
+constexpr int shared_sums_floats() {
+  return VEC * kMaxThreads * CHUNKS;
 }
 
-template <int VEC>
-__device__ __forceinline__ void read_shared_sums(const float* __restrict__ sums, int chunks,
-                                                 int c, float (&v)[VEC]) {
+template <int CHUNKS>
+__device__ __forceinline__ int shared_sum_index(int i, int c) {
+  return i * kMaxThreads * CHUNKS + c;
+}
+
+template <int VEC, int CHUNKS>
+__device__ __forceinline__ void write_shared_sums(float* __restrict__ sums, int c,
+                                                  const float (&v)[VEC]) {
 #pragma unroll
-  for (int h = 0; h < VEC / 4; ++h) {
-    const Pack<float, 4> s = reinterpret_cast<const Pack<float, 4>*>(sums)[h * chunks + c];
+  for (int i = 0; i < VEC; ++i) sums[shared_sum_index<CHUNKS>(i, c)] = v[i];
+}
+
+template <int VEC, int CHUNKS>
+__device__ __forceinline__ void read_shared_sums(const float* __restrict__ sums, int c,
+                                                 float (&v)[VEC]) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) v[h * 4 + i] = s.v[i];
-  }
+  for (int i = 0; i < VEC; ++i) v[i] = sums[shared_sum_index<CHUNKS>(i, c)];
 }
 
 // The input gradient of a row group and the block's partial sums of dy * xhat (-> dgamma) and
@@ -583,7 +585,7 @@ __device__ __forceinline__ void read_shared_sums(const float* __restrict__ sums,
 // memory_efficient, `saved` is the output and xhat is recomputed as (y - beta) / gamma. Up to
 // kBackwardElements elements per thread the sums are in registers; above (rows of one row
 // per block), in the launch's dynamic shared memory (write_shared_sums), whose size the host
-// checks against the device: hidden floats for the weight, then hidden for the bias.
+// checks against the device: shared_sums_floats for the weight, then as many for the bias.
 template <typename TIn, typename TP, typename TOut, typename TS, int VEC, int CHUNKS, bool ME>
 __global__ void __launch_bounds__(kMaxThreads, 1)
     norm_backward_resident(const TOut* __restrict__ dy, const TS* __restrict__ saved,
@@ -605,14 +607,14 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
   if constexpr (kSharedSums) {
     if (part_g != nullptr) {
       if (gamma != nullptr) sums_g = 0;
-      if (beta != nullptr) sums_b = gamma != nullptr ? static_cast<int>(hidden) : 0;
+      if (beta != nullptr) sums_b = gamma != nullptr ? shared_sums_floats<VEC, CHUNKS>() : 0;
       const float zero[VEC] = {};
 #pragma unroll
       for (int k = 0; k < CHUNKS; ++k) {
         const int c = k * tpr + static_cast<int>(threadIdx.x);
         if (c >= chunks) continue;
-        if (sums_g >= 0) write_shared_sums<VEC>(norm_sums + sums_g, chunks, c, zero);
-        if (sums_b >= 0) write_shared_sums<VEC>(norm_sums + sums_b, chunks, c, zero);
+        if (sums_g >= 0) write_shared_sums<VEC, CHUNKS>(norm_sums + sums_g, c, zero);
+        if (sums_b >= 0) write_shared_sums<VEC, CHUNKS>(norm_sums + sums_b, c, zero);
       }
     }
   }
@@ -654,7 +656,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
         d[k] = reinterpret_cast<const Pack<TOut, VEC>*>(dyr)[c];
         s[k] = reinterpret_cast<const Pack<TS, VEC>*>(sr)[c];
         // With shared sums, each element's terms are added to its column's sums in place, one
-        // float at a time (a register or two more than the chunk's; groups of 4 columns).
+        // float at a time (a register or two more than the chunk's).
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
           const float dk = element(d[k], i);
@@ -668,7 +670,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
             acc_b[k][i] += dk;
           }
           if constexpr (kSharedSums) {
-            const int at = ((i / 4) * chunks + c) * 4 + i % 4;
+            const int at = shared_sum_index<CHUNKS>(i, c);
             if (sums_g >= 0) norm_sums[sums_g + at] += dk * xh;
             if (sums_b >= 0) norm_sums[sums_b + at] += dk;
           }
@@ -705,11 +707,11 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
       if (c >= chunks) continue;
       float v[VEC];
       if (sums_g >= 0) {
-        read_shared_sums<VEC>(norm_sums + sums_g, chunks, c, v);
+        read_shared_sums<VEC, CHUNKS>(norm_sums + sums_g, c, v);
         store<VEC>(part_g + static_cast<int64_t>(blockIdx.x) * hidden, c, v);
       }
       if (sums_b >= 0) {
-        read_shared_sums<VEC>(norm_sums + sums_b, chunks, c, v);
+        read_shared_sums<VEC, CHUNKS>(norm_sums + sums_b, c, v);
         store<VEC>(part_b + static_cast<int64_t>(blockIdx.x) * hidden, c, v);
       }
     }
@@ -933,11 +935,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(
   return {y, mean, invvar};
 }
 
-template <typename TIn, typename TP, typename TOut, typename TS>
+// ME: memory_efficient (TS is then TOut, the saved output's dtype; else TIn), a template
+// parameter so that only the resident kernels that can run are compiled.
+template <typename TIn, typename TP, typename TOut, typename TS, bool ME>
 void launch_backward(const at::Tensor& dy, const at::Tensor& saved, const at::Tensor& mean,
                      const at::Tensor& invvar, const std::optional<at::Tensor>& gamma,
-                     const std::optional<at::Tensor>& beta, bool rms, bool memory_efficient,
-                     at::Tensor& dx, at::Tensor& dgamma, at::Tensor& dbeta) {
+                     const std::optional<at::Tensor>& beta, bool rms, at::Tensor& dx,
+                     at::Tensor& dgamma, at::Tensor& dbeta) {
+  constexpr bool memory_efficient = ME;
   const int64_t rows = dy.size(0), hidden = dy.size(1);
   const auto stream = at::cuda::getCurrentCUDAStream();
   const TP* g = ptr_or_null<TP>(gamma);
@@ -961,15 +966,19 @@ void launch_backward(const at::Tensor& dy, const at::Tensor& saved, const at::Te
     // per thread, above in dynamic shared memory where the device has enough (rows this wide
     // are one row per block: tpr is kMaxThreads).
     const bool wide = shape->chunks * VEC > kBackwardElements;
-    const size_t sums_bytes =
-        params && wide ? static_cast<size_t>(hidden) * sizeof(float) * ((g != nullptr) + (b != nullptr)) : 0;
+    // shared_sums_floats per parameter (up to hidden rounded up to kMaxThreads * chunks * VEC).
+    const size_t sums_bytes = params && wide ? static_cast<size_t>(kMaxThreads) * shape->chunks *
+                                                   VEC * sizeof(float) *
+                                                   ((g != nullptr) + (b != nullptr))
+                                             : 0;
     const size_t shared_most =
         at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin - kStaticSharedBound;
     const bool partials =
         params && (!wide || (sums_bytes <= shared_most && kernels == NormKernels::kResident));
     const size_t shared_bytes = partials ? sums_bytes : 0;
-    TORCH_INTERNAL_ASSERT(shared_bytes == 0 || shape->rpb == 1, "shared sums with rows per block ",
-                          shape->rpb);
+    TORCH_INTERNAL_ASSERT(shared_bytes == 0 || (shape->rpb == 1 && shape->tpr == kMaxThreads),
+                          "shared sums with rows of ", shape->tpr, " threads, ", shape->rpb,
+                          " per block");
     const unsigned grid = resident_grid(rows, *shape, kBackwardThreadsPerSM, shared_bytes);
     at::Tensor part = partials ? at::empty({2, grid, hidden}, dy.options().dtype(at::kFloat))
                                : at::Tensor();
@@ -979,7 +988,7 @@ void launch_backward(const at::Tensor& dy, const at::Tensor& saved, const at::Te
       constexpr int C = decltype(chunks)::value;
       if constexpr (C * VEC > kMaxElements) {  // resident_shape never asks for more
         return;
-      } else if (memory_efficient) {
+      } else if constexpr (ME) {
         if constexpr (C * VEC <= kBackwardElements) {  // see shape above
           norm_backward_resident<TIn, TP, TOut, TS, VEC, C, true><<<grid, block, 0, stream>>>(
               dy.data_ptr<TOut>(), saved.data_ptr<TS>(), mean.data_ptr<float>(),
@@ -1074,11 +1083,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
     using TP = typename decltype(tp)::type;
     using TOut = typename decltype(tout)::type;
     if (memory_efficient) {
-      launch_backward<TIn, TP, TOut, TOut>(dy, saved, mean, invvar, gamma, shift, rms, true, dx,
-                                           dgamma, dbeta);
+      launch_backward<TIn, TP, TOut, TOut, true>(dy, saved, mean, invvar, gamma, shift, rms, dx,
+                                                 dgamma, dbeta);
     } else {
-      launch_backward<TIn, TP, TOut, TIn>(dy, saved, mean, invvar, gamma, shift, rms, false, dx,
-                                          dgamma, dbeta);
+      launch_backward<TIn, TP, TOut, TIn, false>(dy, saved, mean, invvar, gamma, shift, rms, dx,
+                                                 dgamma, dbeta);
     }
   });
   return {dx, dgamma, dbeta};

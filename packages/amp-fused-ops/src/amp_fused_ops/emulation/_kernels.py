@@ -297,15 +297,26 @@ def asan_environment() -> dict[str, str]:
     }
 
 
+def _runtime() -> Any:
+    """``torch.ops.amp_emu``: the emulator's own ops, which a loaded emulated build registers."""
+    ops = torch.ops.amp_emu
+    if not hasattr(ops, "counters"):
+        raise RuntimeError(
+            "no emulated build of the CUDA kernels is loaded in this process: call "
+            "amp_fused_ops.emulation.load() first"
+        )
+    return ops
+
+
 def counters(module: ModuleType | None = None) -> Counters:
     """The counters of the emulated extension (loaded by :func:`load`)."""
     del module
-    return Counters(*torch.ops.amp_emu.counters())
+    return Counters(*_runtime().counters())
 
 
 def reset_counters() -> None:
     """Set every counter to zero."""
-    torch.ops.amp_emu.reset_counters()
+    _runtime().reset_counters()
 
 
 @contextlib.contextmanager
@@ -321,11 +332,11 @@ def multiprocessors(count: int) -> Iterator[None]:
         >>> with emulation.multiprocessors(2):  # doctest: +SKIP
         ...     kernels.norm_forward(x, weight, bias, 1e-5, False, False, False)
     """
-    previous = int(torch.ops.amp_emu.set_multiprocessor_count(count))
+    previous = int(_runtime().set_multiprocessor_count(count))
     try:
         yield
     finally:
-        torch.ops.amp_emu.set_multiprocessor_count(previous)
+        _runtime().set_multiprocessor_count(previous)
 
 
 @contextlib.contextmanager
@@ -336,11 +347,11 @@ def shared_memory_per_block(nbytes: int) -> Iterator[None]:
     Kernels that choose a layout by the device's shared memory then choose as on that GPU;
     ``cudaFuncSetAttribute`` asking for more raises, as it does there.
     """
-    previous = int(torch.ops.amp_emu.set_shared_memory_per_block_optin(nbytes))
+    previous = int(_runtime().set_shared_memory_per_block_optin(nbytes))
     try:
         yield
     finally:
-        torch.ops.amp_emu.set_shared_memory_per_block_optin(previous)
+        _runtime().set_shared_memory_per_block_optin(previous)
 
 
 @contextlib.contextmanager
@@ -357,12 +368,12 @@ def count_launches_only() -> Iterator[None]:
         ...     optimizer.step()
         >>> emulation.counters().blocks  # doctest: +SKIP
     """
-    previous = bool(torch.ops.amp_emu.count_only())
-    torch.ops.amp_emu.set_count_only(True)
+    previous = bool(_runtime().count_only())
+    _runtime().set_count_only(True)
     try:
         yield
     finally:
-        torch.ops.amp_emu.set_count_only(previous)
+        _runtime().set_count_only(previous)
 
 
 @contextlib.contextmanager
