@@ -10,7 +10,6 @@ of them.
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
@@ -122,17 +121,10 @@ class AdamDevicePath(AdamMasterWeights):
 
     @staticmethod
     def _device_lists(plan: StepPlan, grads: list[Tensor]) -> list[list[list[Tensor]]]:
-        """The op's lists ``[grads, params, exp_avgs, exp_avg_sqs, masters]`` of each bucket of
-        a device-path plan. A half param without a master gets a float32 copy, made at each
-        step, that the op steps and writes back."""
-        out = []
-        for bucket in plan.buckets:
-            params, exp_avgs, exp_avg_sqs, masters = bucket.columns
-            if params[0].dtype != torch.float32 and any(map(operator.is_, masters, params)):
-                pairs = zip(params, masters, strict=True)
-                masters = [p.float() if m is p else m for p, m in pairs]
-            out.append([bucket.grads(grads), params, exp_avgs, exp_avg_sqs, masters])
-        return out
+        """The lists ``[grads, params, exp_avgs, exp_avg_sqs, masters]`` of each bucket of a
+        device-path plan (a param without a master weight is its own, as
+        :func:`~amp_optimizers._adam_step.fused_adam` takes them)."""
+        return [[bucket.grads(grads), *bucket.columns] for bucket in plan.buckets]
 
     def _device_rows(
         self, params: list[Tensor], *, use_master_grads: bool
@@ -148,9 +140,7 @@ class AdamDevicePath(AdamMasterWeights):
             if use_master_grads and master is not None and master.grad is not None:
                 grad = master.grad
             if master is None:
-                # float32 params are their own masters; half params without master weights
-                # get a temporary float32 copy that the op steps and writes back.
-                master = p if p.dtype == torch.float32 else p.float()
+                master = p  # its own master: fused_adam steps it in float32
             rows.append((p, grad, state["exp_avg"], state["exp_avg_sq"], master))
         return [
             [gs, ps, ms, vs, masters]

@@ -10,7 +10,8 @@ amp O2's fused master-weight step). It runs one of two implementations:
   dtype stepped in place, ``lr`` and ``step`` host numbers or tensors read on the host;
 * :func:`_device_adam`: one ``multi_tensor_adam_capturable_master`` launch per bucket
   (``capturable``, master weights, a ``GradScaler``, amp O2), with the step count, ``lr``, the
-  inverse scale and the skip flag on the device.
+  inverse scale and the skip flag on the device; ``multi_tensor_adam_capturable`` for half
+  params without masters when there is no scale to undo (:func:`_device_op_lists`).
 
 Both call the dispatcher ops with their schemas' arguments
 (:func:`amp_fused_ops.multi_tensor_op`), in their sharded form when the caller says the params
@@ -72,7 +73,8 @@ def fused_adam(
     Args:
         tensor_lists: One entry per ``(device, dtype)`` of the params, each the lists
             ``[grads, params, exp_avgs, exp_avg_sqs]``, plus ``masters`` on the device path (a
-            float32 param is its own master).
+            param without a master weight is its own: a float32 one, or a half one, which the
+            step computes in float32).
         noop_flag: The optimizer's int32 flag of a device, zeroed when asked for (before each
             plain launch; once per group on the device path).
         device_path: Step on the device path (:func:`_device_adam`) instead of the plain one.
@@ -198,8 +200,6 @@ def _device_adam(
         return
     device = tensor_lists[0][1][0].device
     beta1, beta2 = betas
-    if inv_scale is None:
-        inv_scale = torch.ones((), dtype=torch.float32, device=device)
     if found_inf is None:
         noop = noop_flag(device)
     else:  # 1 where found_inf is nonzero, written whole
@@ -215,12 +215,15 @@ def _device_adam(
         for lists in buckets[1:]:
             raise_on_nonfinite(noop, lists[0])
     next_step = step + 1
-    adam = multi_tensor_op("multi_tensor_adam_capturable_master", sharded=sharded)
+    unscaled = inv_scale is None
+    if inv_scale is None:
+        inv_scale = torch.ones((), dtype=torch.float32, device=device)
     for lists in buckets:
-        adam(
+        name, op_lists = _device_op_lists(lists, unscaled=unscaled)
+        multi_tensor_op(name, sharded=sharded)(
             multi_tensor_applier.chunk_size,  # read at each step, as Apex's optimizers did
             noop,
-            *lists,
+            *op_lists,
             lr,
             beta1,
             beta2,
@@ -238,6 +241,31 @@ def _device_adam(
     if check_finite:
         assert found_inf is not None
         torch.maximum(found_inf, noop.reshape(()), out=found_inf)
+
+
+def _device_op_lists(
+    lists: list[list[Tensor]], *, unscaled: bool
+) -> tuple[str, list[list[Tensor]]]:
+    """The device-path op of one bucket ``[grads, params, exp_avgs, exp_avg_sqs, masters]``
+    and its lists.
+
+    ``multi_tensor_adam_capturable_master`` steps float32 masters and writes the params from
+    them. Half params that are their own masters (no master weights) are stepped in float32
+    by ``multi_tensor_adam_capturable`` on the params themselves, with the same result, when
+    ``unscaled`` (no inverse scale: that op would also write unscaled gradients back, which a
+    scaled step's caller does itself); else each gets a float32 copy for this step, which the
+    master op steps and writes back.
+    """
+    grads, params, exp_avgs, exp_avg_sqs, masters = lists
+    own = [m is p for p, m in zip(params, masters, strict=True)]
+    if params[0].dtype == torch.float32 or not any(own):
+        return "multi_tensor_adam_capturable_master", lists
+    if unscaled and all(own):
+        return "multi_tensor_adam_capturable", [grads, params, exp_avgs, exp_avg_sqs]
+    masters = [
+        p.float() if is_own else m for p, m, is_own in zip(params, masters, own, strict=True)
+    ]
+    return "multi_tensor_adam_capturable_master", [grads, params, exp_avgs, exp_avg_sqs, masters]
 
 
 def device_scalar(value: float | Tensor, device: torch.device) -> Tensor:
