@@ -320,7 +320,16 @@ def reset_counters() -> None:
 
 
 @contextlib.contextmanager
-def multiprocessors(count: int) -> Iterator[None]:
+def _device_property(setter: str, value: int) -> Iterator[None]:
+    """Inside the block, the emulated device's property that ``setter`` sets is ``value``."""
+    previous = int(getattr(_runtime(), setter)(value))
+    try:
+        yield
+    finally:
+        getattr(_runtime(), setter)(previous)
+
+
+def multiprocessors(count: int) -> contextlib.AbstractContextManager[None]:
     """Inside the block, the emulated device reports ``count`` SMs (an H100's 132 outside).
 
     Kernels that size their grids by the SM count then launch as on a GPU of that many SMs.
@@ -332,26 +341,17 @@ def multiprocessors(count: int) -> Iterator[None]:
         >>> with emulation.multiprocessors(2):  # doctest: +SKIP
         ...     kernels.norm_forward(x, weight, bias, 1e-5, False, False, False)
     """
-    previous = int(_runtime().set_multiprocessor_count(count))
-    try:
-        yield
-    finally:
-        _runtime().set_multiprocessor_count(previous)
+    return _device_property("set_multiprocessor_count", count)
 
 
-@contextlib.contextmanager
-def shared_memory_per_block(nbytes: int) -> Iterator[None]:
+def shared_memory_per_block(nbytes: int) -> contextlib.AbstractContextManager[None]:
     """Inside the block, the emulated device offers ``nbytes`` of shared memory per block with
     ``cudaFuncSetAttribute`` (an H100's 227 KiB outside; 99 KiB on an RTX-class GPU).
 
     Kernels that choose a layout by the device's shared memory then choose as on that GPU;
     ``cudaFuncSetAttribute`` asking for more raises, as it does there.
     """
-    previous = int(_runtime().set_shared_memory_per_block_optin(nbytes))
-    try:
-        yield
-    finally:
-        _runtime().set_shared_memory_per_block_optin(previous)
+    return _device_property("set_shared_memory_per_block_optin", nbytes)
 
 
 @contextlib.contextmanager
