@@ -74,8 +74,9 @@ PROFILE='
 import os, sys, torch
 from amp_fused_ops import FusedLayerNorm
 os.environ["AMP_FUSED_OPS_NORM_KERNELS"] = sys.argv[1]
-norm = FusedLayerNorm(4096).cuda().bfloat16()
-x = torch.randn(16384, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+hidden = int(sys.argv[2]) if len(sys.argv) > 2 else 4096
+norm = FusedLayerNorm(hidden).cuda().bfloat16()
+x = torch.randn(16384, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 dy = torch.randn_like(x)
 for _ in range(5):
     torch.autograd.grad(norm(x), [x, *norm.parameters()], dy)
@@ -91,6 +92,15 @@ for kernels in resident per_row; do
             --set full -o "$OUT_DIR/ncu_$kernels" python -c "$PROFILE" "$kernels"
     fi
 done
+# Rows of 16384: the backward's parameter-gradient sums in shared memory (resident) or by the
+# column kernel (resident_column), speed of light and memory only.
+if command -v ncu > /dev/null; then
+    for kernels in resident resident_column; do
+        step "ncu_16384_$kernels" 120 ncu --kernel-name regex:norm_ --launch-skip 8 \
+            --launch-count 4 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+            --section Occupancy -o "$OUT_DIR/ncu_16384_$kernels" python -c "$PROFILE" "$kernels" 16384
+    done
+fi
 # The compiled module and the prebuilt check's virtualenv: large, and made again on the next
 # machine.
 rm -rf "$AMP_FUSED_OPS_CACHE" "$OUT_DIR/prebuilt-venv"

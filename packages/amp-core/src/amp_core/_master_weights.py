@@ -34,7 +34,7 @@ from torch import Tensor
 
 # fused_master_step and read_overflow live in _master_step; importable from here as before.
 from ._master_step import fused_master_step, read_overflow
-from ._param_watch import Stamp, stamp, unwatch, watch
+from ._param_watch import Stamp, stamp, stamps, unwatch, watch
 
 __all__ = [
     "GradUnscaler",
@@ -253,7 +253,7 @@ class MasterWeights:
 
     def note_model_versions(self) -> None:
         """Remember the half params' stamps: they hold the masters' values now."""
-        self._versions = [stamp(p) for p in self.model_params]
+        self._versions = stamps(self.model_params)
 
     def take_model_edits(self, *, strict: bool = True) -> None:
         """Take in-place edits of the half params into their masters.
@@ -274,12 +274,12 @@ class MasterWeights:
             RuntimeError: With ``strict``, a half param's shape no longer matches its
                 master's.
         """
-        stamps = [stamp(p) for p in self.model_params]
-        if stamps == self._versions:
+        now_stamps = stamps(self.model_params)
+        if now_stamps == self._versions:
             return  # the usual case: nothing wrote the model since the masters did
         with torch.no_grad():
             for (param, master), noted, now in zip(
-                self.pairs(), self._versions, stamps, strict=True
+                self.pairs(), self._versions, now_stamps, strict=True
             ):
                 if now == noted:
                     continue
@@ -299,7 +299,7 @@ class MasterWeights:
                 written = noted[2]
                 differs = edited.to(written) != master.detach().to(written)
                 master.copy_(torch.where(differs, edited.to(master.dtype), master.detach()))
-        self._versions = stamps
+        self._versions = now_stamps
 
     def release(self, optimizer: Any) -> None:
         """Give ``optimizer``'s param groups back the model params in place of their masters.
