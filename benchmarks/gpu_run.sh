@@ -23,6 +23,11 @@
 #              bench_o1_ops (O1's host cost per op) on cuda, profile_o1_step (where an O1
 #              step's host time goes against autocast's)
 #   profile    nsys / ncu of one norm step per set of kernels, where the tools exist
+#
+# One command may run for 10 minutes at most where the machine is lent, less than all of the
+# steps' limits: GPU_RUN_FROM=<step> skips the steps before that one (env always runs), so a
+# second call goes on where the first was stopped. The compiled kernels stay in benchmarks/out/kernel-cache (not
+# in OUT_DIR, which each call gets empty), so the second call does not compile them again.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,13 +37,21 @@ OUT_DIR=$(cd "$OUT_DIR" && pwd)
 PYTHONPATH=$(ls -d "$PWD"/packages/*/src | paste -sd: -)
 export PYTHONPATH
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
-export AMP_FUSED_OPS_CACHE=${AMP_FUSED_OPS_CACHE:-$OUT_DIR/kernel-cache}
+export AMP_FUSED_OPS_CACHE=${AMP_FUSED_OPS_CACHE:-$PWD/benchmarks/out/kernel-cache}
 STATUS=0
+FROM=${GPU_RUN_FROM:-}
 
 # step <name> <seconds> <command>...: run it with a time limit, its output into <name>.log.
 step() {
     local name=$1 limit=$2 start=$SECONDS rc=0
     shift 2
+    if [ -n "$FROM" ] && [ "$name" != env ]; then
+        if [ "$name" != "$FROM" ]; then
+            echo "gpu_run: $name skipped (GPU_RUN_FROM=$GPU_RUN_FROM)"
+            return 0
+        fi
+        FROM=""
+    fi
     echo "gpu_run: $name (limit ${limit} s)"
     timeout --kill-after=10 "$limit" "$@" > "$OUT_DIR/$name.log" 2>&1 || rc=$?
     echo "$name rc=$rc $((SECONDS - start)) s" | tee -a "$OUT_DIR/steps.txt"
@@ -101,8 +114,11 @@ if command -v ncu > /dev/null; then
             --section Occupancy -o "$OUT_DIR/ncu_16384_$kernels" python -c "$PROFILE" "$kernels" 16384
     done
 fi
-# The compiled module and the prebuilt check's virtualenv: large, and made again on the next
-# machine.
-rm -rf "$AMP_FUSED_OPS_CACHE" "$OUT_DIR/prebuilt-venv"
+# The prebuilt check's virtualenv: large, and made again on the next machine.
+rm -rf "$OUT_DIR/prebuilt-venv"
+if [ -n "$FROM" ]; then
+    echo "gpu_run: GPU_RUN_FROM=$GPU_RUN_FROM names no step; nothing ran" >&2
+    STATUS=2
+fi
 echo "gpu_run: done, status $STATUS; outputs in $OUT_DIR"
 exit "$STATUS"
