@@ -812,6 +812,12 @@ constexpr int kMaxElements = 32;
 constexpr int kForwardThreadsPerSM = 2048;
 constexpr int kBackwardThreadsPerSM = 1024;
 
+// The dynamic shared memory a block of the resident backward may take on the current device:
+// the opt-in most per block, less its static shared memory.
+size_t dynamic_shared_most() {
+  return at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin - kStaticSharedBound;
+}
+
 // Lets Kernel launch on `device` with up to `bytes` of dynamic shared memory (over 48 KiB
 // needs the kernel's opt-in attribute). Set once per kernel and device, to the device's most
 // (the attribute is a limit: a launch still takes only what it asks for).
@@ -821,7 +827,7 @@ void allow_dynamic_shared(int device, size_t bytes) {
   static std::atomic<uint64_t> done{0};  // one bit per device below 64
   const uint64_t bit = device >= 0 && device < 64 ? uint64_t{1} << device : 0;
   if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return;
-  const size_t most = at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin - kStaticSharedBound;
+  const size_t most = dynamic_shared_most();
   TORCH_INTERNAL_ASSERT(bytes <= most, "dynamic shared memory ", bytes, " over ", most);
   C10_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(most)));
@@ -971,10 +977,8 @@ void launch_backward(const at::Tensor& dy, const at::Tensor& saved, const at::Te
                                                    VEC * sizeof(float) *
                                                    ((g != nullptr) + (b != nullptr))
                                              : 0;
-    const size_t shared_most =
-        at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin - kStaticSharedBound;
     const bool partials =
-        params && (!wide || (sums_bytes <= shared_most && kernels == NormKernels::kResident));
+        params && (!wide || (sums_bytes <= dynamic_shared_most() && kernels == NormKernels::kResident));
     const size_t shared_bytes = partials ? sums_bytes : 0;
     TORCH_INTERNAL_ASSERT(shared_bytes == 0 || (shape->rpb == 1 && shape->tpr == kMaxThreads),
                           "shared sums with rows of ", shape->tpr, " threads, ", shape->rpb,

@@ -21,6 +21,7 @@ scalars and inf/nan checks.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -257,9 +258,10 @@ def _device_op_lists(
     master op steps and writes back.
     """
     grads, params, exp_avgs, exp_avg_sqs, masters = lists
-    own = [m is p for p, m in zip(params, masters, strict=True)]
-    if params[0].dtype == torch.float32 or not any(own):
+    # The usual buckets first, with no per-param list built: float32 params, or masters.
+    if params[0].dtype == torch.float32 or not any(map(operator.is_, masters, params)):
         return "multi_tensor_adam_capturable_master", lists
+    own = [m is p for p, m in zip(params, masters, strict=True)]
     if unscaled and all(own):
         return "multi_tensor_adam_capturable", [grads, params, exp_avgs, exp_avg_sqs]
     masters = [
