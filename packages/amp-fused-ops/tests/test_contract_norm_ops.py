@@ -366,7 +366,8 @@ def test_many_rows_reduce_the_parameter_gradients(path: OpPath, rms: bool) -> No
 # threads left idle at the row's end (1000), the backward summing the parameter gradients
 # itself at 16 elements per thread (8192 float32, 512 bfloat16) or in shared memory above
 # (16384; 12288 float16: 3 chunks of 8 per thread, the fourth left idle), eight chunks per
-# thread in the forward (16384 float32), and float32 parameters of a bfloat16 input (2048).
+# thread in the forward (16384 float32), and float32 parameters of a bfloat16 input (2048, and
+# 16384: the memory-efficient backward's bias from float32 into shared memory).
 # The emulated AddressSanitizer run takes the narrow ones.
 _LAYOUT_CASES = [
     (torch.float32, torch.float32, 64),
@@ -378,6 +379,7 @@ _LAYOUT_CASES = [
     (torch.float32, torch.float32, 16384),
     (torch.bfloat16, torch.bfloat16, 16384),
     (torch.float16, torch.float16, 12288),
+    (torch.bfloat16, torch.float32, 16384),
 ]
 if SMALL_SIZES:  # the AddressSanitizer run takes the rows up to 2048 wide
     _LAYOUT_CASES = [case for case in _LAYOUT_CASES if case[2] <= 2048]

@@ -352,13 +352,17 @@ def test_master_adam_reads_no_half_params():
 # --- what the norm kernels read and write -----------------------------------------------------
 
 
-def _norm_minimum_bytes(rows: int, hidden: int, element: int, rms: bool) -> int:
-    """Five passes over the activations (forward: read x, write y; backward: read x and dy,
-    write dx), the parameters read by each direction and their gradients written, and the
-    float32 statistics written by the forward and read by the backward."""
+def _norm_minimum_bytes(
+    rows: int, hidden: int, element: int, rms: bool, saves_output: bool = False
+) -> int:
+    """Five passes over the activations (forward: read x, write y; backward: read x, or y when
+    the output is saved, and dy, write dx), the parameters read by each direction and their
+    gradients written, and the float32 statistics written by the forward and read by the
+    backward (from the output: the inverse deviation only)."""
     params = 1 if rms else 2
-    stats = 1 if rms else 2
-    return 5 * rows * hidden * element + 3 * params * hidden * element + 2 * stats * rows * 4
+    written = 1 if rms else 2
+    read = 1 if saves_output else written
+    return 5 * rows * hidden * element + 3 * params * hidden * element + (written + read) * rows * 4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -433,6 +437,81 @@ def test_wide_rows_sum_their_parameter_gradients_in_shared_memory_where_it_fits(
         for a, b in zip(other[1:], h100[1:], strict=True):
             if b.numel():
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("hidden", [1024, 16384])
+def test_a_memory_efficient_norm_step_moves_at_most_1_1_times_the_minimum_bytes(
+    monkeypatch, dtype, rms, hidden
+):
+    """With ``memory_efficient`` the backward recomputes xhat from the saved output and the
+    bias; rows over 8192 of a half output keep the bias in shared memory beside the gradient
+    sums, so the backward still reads each row once (the per-row kernels it took before moved
+    2.6-2.9x the minimum at 16384)."""
+    monkeypatch.delenv("AMP_FUSED_OPS_NORM_KERNELS", raising=False)
+    extension()
+    if not torch.ops.amp_emu.counting():
+        pytest.skip("only the counting build counts bytes")
+    ops = torch.ops.amp_fused_ops_emu
+    rows = 248
+    gen = torch.Generator().manual_seed(hidden)
+    x = torch.randn(rows, hidden, generator=gen).to(dtype)
+    dy = torch.randn(rows, hidden, generator=gen).to(dtype)
+    weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+    bias = None if rms else torch.randn(hidden, generator=gen).to(dtype)
+
+    def step() -> None:
+        y, mean, invvar = ops.norm_forward(x, weight, bias, 1e-5, rms, False, True)
+        ops.norm_backward(dy, y, mean, invvar, weight, bias, rms, True, dtype)
+
+    with _emulation.multiprocessors(2):
+        counts = _counted(step)
+    moved = counts.bytes_read + counts.bytes_written
+    minimum = _norm_minimum_bytes(rows, hidden, x.element_size(), rms, saves_output=True)
+    assert moved <= 1.1 * minimum, f"{moved / minimum:.3f}x the minimum"
+    assert counts.launches == 3  # forward, backward, the parameter gradients' last sum
+
+
+def test_memory_efficient_wide_rows_keep_the_bias_in_shared_memory_where_it_fits(monkeypatch):
+    """A memory-efficient LayerNorm backward of 16384 bfloat16 keeps the bias beside the
+    gradient sums in shared memory (192 KiB): 2 launches on an H100. On 99 KiB per block the
+    bias fits, the sums do not (the column kernel: 3); on 48 KiB not even the bias (the per-row
+    kernels: 3). float32 rows that wide take the per-row kernels (their registers would spill).
+    The same gradients, up to the order of the sums."""
+    monkeypatch.delenv("AMP_FUSED_OPS_NORM_KERNELS", raising=False)
+    extension()
+    ops = torch.ops.amp_fused_ops_emu
+    rows, hidden = 12, 16384
+    gen = torch.Generator().manual_seed(11)
+    weight = torch.rand(hidden, generator=gen) + 0.5
+    bias = torch.randn(hidden, generator=gen)
+    dy = torch.randn(rows, hidden, generator=gen)
+    x = torch.randn(rows, hidden, generator=gen)
+
+    def backward(dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], int]:
+        w, b, g = weight.to(dtype), bias.to(dtype), dy.to(dtype)
+        y, mean, invvar = ops.norm_forward(x.to(dtype), w, b, 1e-5, False, False, True)
+        _emulation.reset_counters()
+        grads = ops.norm_backward(g, y, mean, invvar, w, b, False, True, dtype)
+        return grads, _emulation.counters().launches
+
+    with _emulation.multiprocessors(2):
+        h100, h100_launches = backward(torch.bfloat16)
+        with _emulation.shared_memory_per_block(99 * 1024):
+            small, small_launches = backward(torch.bfloat16)
+        with _emulation.shared_memory_per_block(48 * 1024):
+            per_row, per_row_launches = backward(torch.bfloat16)
+        _, float32_launches = backward(torch.float32)
+        monkeypatch.setenv("AMP_FUSED_OPS_NORM_KERNELS", "per_row")
+        _, float32_per_row_launches = backward(torch.float32)
+    assert (h100_launches, small_launches, per_row_launches) == (2, 3, 3)
+    assert float32_launches == float32_per_row_launches == 3
+    torch.testing.assert_close(small[0], h100[0], rtol=0, atol=0)  # dx: the same kernel
+    torch.testing.assert_close(per_row[0], h100[0], rtol=1e-2, atol=1e-2)
+    for other in (small, per_row):
+        for a, b in zip(other[1:], h100[1:], strict=True):
+            torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
 
 
 def test_the_norm_grid_follows_the_emulated_sm_count(monkeypatch):

@@ -24,9 +24,12 @@
 //   (hidden 8192), above in the block's dynamic shared memory (a float32 sum per column and
 //   parameter: 128 KiB for a LayerNorm of 16384). A device with less shared memory per block
 //   than that (99 KiB on RTX-class GPUs) leaves such rows' parameter gradients to the column
-//   kernel below, which reads dy and the saved tensor again. The memory-efficient backward,
-//   which also holds the bias, takes rows up to kBackwardElements per thread only. The
-//   statistics are two-pass over the registers (the mean, then the squared deviations).
+//   kernel below, which reads dy and the saved tensor again. The memory-efficient backward
+//   also needs the bias: in registers up to kBackwardElements per thread, above in shared
+//   memory beside the sums (192 KiB for a LayerNorm of 16384), for float16 / bfloat16 outputs
+//   (float32 rows that wide, or a device without room for the bias, take the per-row
+//   kernels). The statistics are two-pass over the registers (the mean, then the squared
+//   deviations).
 // - per_row (the earlier kernels; everything the resident ones do not take): one block per
 //   row, each thread walking the row in chunks of VEC elements (VEC = 1 when unaligned or
 //   hidden % VEC != 0), Welford statistics; the backward reads each row twice for dx, then a
@@ -483,14 +486,15 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
 // Element i of a chunk for the backward: xhat, from the saved input and the row's statistics
 // (or, ME, from the saved output as (y - beta) / gamma), and gk = dy * gamma (dy without a
 // weight; __fmul_rn: see scaled_dy_and_xhat).
+// `beta` is the bias's element (ME with a bias only).
 template <bool ME, typename TS, typename TP, int VEC>
 __device__ __forceinline__ void resident_terms(float dy, const Pack<TS, VEC>& saved,
-                                               const Pack<TP, VEC>& g, const Pack<TP, VEC>& b,
-                                               int i, float mu, float iv, bool has_gamma,
+                                               const Pack<TP, VEC>& g, float beta, int i,
+                                               float mu, float iv, bool has_gamma,
                                                bool has_beta, float& xh, float& gk) {
   if (ME) {
     xh = element(saved, i);
-    if (has_beta) xh -= element(b, i);
+    if (has_beta) xh -= beta;
     if (has_gamma) xh /= element(g, i);
   } else {
     xh = (element(saved, i) - mu) * iv;
@@ -585,7 +589,8 @@ __device__ __forceinline__ void read_shared_sums(const float* __restrict__ sums,
 // memory_efficient, `saved` is the output and xhat is recomputed as (y - beta) / gamma. Up to
 // kBackwardElements elements per thread the sums are in registers; above (rows of one row
 // per block), in the launch's dynamic shared memory (write_shared_sums), whose size the host
-// checks against the device: shared_sums_floats for the weight, then as many for the bias.
+// checks against the device: shared_sums_floats for the weight, as many for the bias, then,
+// ME, as many for the bias itself.
 template <typename TIn, typename TP, typename TOut, typename TS, int VEC, int CHUNKS, bool ME>
 __global__ void __launch_bounds__(kMaxThreads, 1)
     norm_backward_resident(const TOut* __restrict__ dy, const TS* __restrict__ saved,
@@ -596,31 +601,57 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
   const int chunks = static_cast<int>(hidden / VEC);  // hidden <= kMaxHidden
   const int tpr = static_cast<int>(blockDim.x);
   // The parameter-gradient sums stay in registers up to kBackwardElements elements per thread;
-  // above, in dynamic shared memory (the memory-efficient backward never takes such rows).
+  // above (kSharedSums), in dynamic shared memory, and so does the bias of the
+  // memory-efficient backward (its registers, beside the row's, would spill).
   constexpr bool kPartials = CHUNKS * VEC <= kBackwardElements;
-  constexpr bool kSharedSums = !kPartials && !ME;
+  constexpr bool kSharedSums = !kPartials;
   constexpr int kAcc = kPartials ? CHUNKS : 1;
-  // The shared sums (kSharedSums): the weight's at float sums_g of the dynamic shared memory,
-  // the bias's at sums_b; -1 where the norm has no such parameter or no partials are asked for.
+  // In the dynamic shared memory (kSharedSums), shared_sums_floats each: the weight's sums at
+  // float sums_g, the bias's at sums_b (-1 where the norm has no such parameter or no partials
+  // are asked for), then, ME, the bias as float32 at bias_at (-1 without a bias), each
+  // element at its sum's index. Each thread writes and reads its own columns only.
   extern __shared__ float norm_sums[];
-  int sums_g = -1, sums_b = -1;
+  int sums_g = -1, sums_b = -1, bias_at = -1;
   if constexpr (kSharedSums) {
+    int next = 0;
     if (part_g != nullptr) {
-      if (gamma != nullptr) sums_g = 0;
-      if (beta != nullptr) sums_b = gamma != nullptr ? shared_sums_floats<VEC, CHUNKS>() : 0;
-      const float zero[VEC] = {};
+      if (gamma != nullptr) {
+        sums_g = next;
+        next += shared_sums_floats<VEC, CHUNKS>();
+      }
+      if (beta != nullptr) {
+        sums_b = next;
+        next += shared_sums_floats<VEC, CHUNKS>();
+      }
+    }
+    if (ME && beta != nullptr) bias_at = next;
+    const float zero[VEC] = {};
 #pragma unroll
-      for (int k = 0; k < CHUNKS; ++k) {
-        const int c = k * tpr + static_cast<int>(threadIdx.x);
-        if (c >= chunks) continue;
-        if (sums_g >= 0) write_shared_sums<VEC, CHUNKS>(norm_sums + sums_g, c, zero);
-        if (sums_b >= 0) write_shared_sums<VEC, CHUNKS>(norm_sums + sums_b, c, zero);
+    for (int k = 0; k < CHUNKS; ++k) {
+      const int c = k * tpr + static_cast<int>(threadIdx.x);
+      if (c >= chunks) continue;
+      if (sums_g >= 0) write_shared_sums<VEC, CHUNKS>(norm_sums + sums_g, c, zero);
+      if (sums_b >= 0) write_shared_sums<VEC, CHUNKS>(norm_sums + sums_b, c, zero);
+      if (bias_at >= 0) {
+        float v[VEC];
+        load<VEC>(beta, c, v);
+        write_shared_sums<VEC, CHUNKS>(norm_sums + bias_at, c, v);
       }
     }
   }
   Pack<TP, VEC> g[CHUNKS], b[CHUNKS];
   if (gamma != nullptr) load_block_params<TP, VEC, CHUNKS>(gamma, chunks, g);
-  if (ME && beta != nullptr) load_block_params<TP, VEC, CHUNKS>(beta, chunks, b);
+  if (ME && !kSharedSums && beta != nullptr) load_block_params<TP, VEC, CHUNKS>(beta, chunks, b);
+  // The bias's element i of chunk k (column chunk c), where the memory-efficient xhat needs it.
+  auto bias_element = [&](int k, int c, int i) -> float {
+    if constexpr (!ME) {
+      return 0.f;
+    } else if constexpr (kSharedSums) {
+      return bias_at >= 0 ? norm_sums[bias_at + shared_sum_index<CHUNKS>(i, c)] : 0.f;
+    } else {
+      return beta != nullptr ? element(b[k], i) : 0.f;
+    }
+  };
   float acc_g[kAcc][VEC], acc_b[kAcc][VEC];
 #pragma unroll
   for (int k = 0; k < kAcc; ++k) {
@@ -648,6 +679,10 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
     const TS* sr = saved + row * hidden;
     Pack<TOut, VEC> d[CHUNKS];
     Pack<TS, VEC> s[CHUNKS];
+    // The memory-efficient wide rows keep xhat for the second pass instead of dividing again
+    // (the division's slow-path calls beside 32 elements per thread spill): the same values.
+    constexpr bool kKeepXhat = ME && kSharedSums;
+    float kept[kKeepXhat ? CHUNKS : 1][kKeepXhat ? VEC : 1];
     float sum_g = 0.f, sum_gx = 0.f;
 #pragma unroll
     for (int k = 0; k < CHUNKS; ++k) {
@@ -661,10 +696,11 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
         for (int i = 0; i < VEC; ++i) {
           const float dk = element(d[k], i);
           float xh, gk;
-          resident_terms<ME>(dk, s[k], g[k], b[k], i, mu, iv, gamma != nullptr, beta != nullptr,
-                             xh, gk);
+          resident_terms<ME>(dk, s[k], g[k], bias_element(k, c, i), i, mu, iv,
+                             gamma != nullptr, beta != nullptr, xh, gk);
           sum_g += gk;
           sum_gx += gk * xh;
+          if constexpr (kKeepXhat) kept[k][i] = xh;
           if constexpr (kPartials) {
             acc_g[k][i] += dk * xh;
             acc_b[k][i] += dk;
@@ -690,8 +726,14 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
           float xh, gk;
-          resident_terms<ME>(element(d[k], i), s[k], g[k], b[k], i, mu, iv, gamma != nullptr,
-                             beta != nullptr, xh, gk);
+          if constexpr (kKeepXhat) {
+            xh = kept[k][i];
+            gk = gamma != nullptr ? __fmul_rn(element(d[k], i), element(g[k], i))
+                                  : element(d[k], i);
+          } else {
+            resident_terms<ME>(element(d[k], i), s[k], g[k], bias_element(k, c, i), i, mu, iv,
+                               gamma != nullptr, beta != nullptr, xh, gk);
+          }
           out.v[i] = static_cast<TIn>((gk - mean_g - xh * proj) * iv);
         }
         reinterpret_cast<Pack<TIn, VEC>*>(dxr)[c] = out;
@@ -804,8 +846,8 @@ void with_chunks(int chunks, F&& f) {
 }
 
 // Elements of a row per thread in the resident kernels at most: the forward keeps x, the
-// weight and the bias in registers, the backward dy, the saved tensor, the weight (and the bias
-// when memory-efficient), and up to kBackwardElements also two float32 sums per element.
+// weight and the bias in registers, the backward dy, the saved tensor and the weight, and up to
+// kBackwardElements also two float32 sums per element (and the bias when memory-efficient).
 constexpr int kMaxElements = 32;
 // Threads per SM that the resident grids provide for: the forward fills an SM; the backward
 // writes a partial per block, so it takes fewer, longer-lived blocks.
@@ -942,7 +984,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(
 }
 
 // ME: memory_efficient (TS is then TOut, the saved output's dtype; else TIn), a template
-// parameter so that only the resident kernels that can run are compiled.
+// parameter: the kernels of either are compiled for the dtypes that take them only.
 template <typename TIn, typename TP, typename TOut, typename TS, bool ME>
 void launch_backward(const at::Tensor& dy, const at::Tensor& saved, const at::Tensor& mean,
                      const at::Tensor& invvar, const std::optional<at::Tensor>& gamma,
@@ -958,28 +1000,35 @@ void launch_backward(const at::Tensor& dy, const at::Tensor& saved, const at::Te
                    aligned(dx.data_ptr()) && (g == nullptr || aligned(g)) &&
                    (b == nullptr || aligned(b));
   const bool params = gamma.has_value() || beta.has_value();
-  // The memory-efficient backward also keeps the bias in registers: it takes rows up to
-  // kBackwardElements per thread only (the registers of more spill).
-  const int max_elements = memory_efficient ? kBackwardElements : kMaxElements;
+  // Elements per thread the resident backward takes. The memory-efficient backward of float32
+  // rows (an output of float32: 4 elements a chunk) stops at kBackwardElements: above, 32
+  // float32 elements of the row and of the weight per thread beside the calls of the
+  // division's slow path spill; those rows take the per-row kernels.
+  constexpr int kElements = ME && VEC < 8 ? kBackwardElements : kMaxElements;
   const NormKernels kernels = norm_kernels();
-  const std::optional<ResidentShape> shape =
+  std::optional<ResidentShape> shape =
       vec && kernels != NormKernels::kPerRow
-          ? resident_shape(hidden / VEC, VEC, std::max(1, kBackwardElements / VEC), max_elements)
+          ? resident_shape(hidden / VEC, VEC, std::max(1, kBackwardElements / VEC), kElements)
           : std::nullopt;
+  // Rows over kBackwardElements per thread (one row per block: tpr is kMaxThreads) keep their
+  // parameter-gradient sums in dynamic shared memory where the device has enough, else leave
+  // them to the column kernel; the memory-efficient backward keeps its bias there too, and
+  // without room for it takes the per-row kernels. shared_sums_floats each (hidden rounded up
+  // to kMaxThreads * chunks * VEC).
+  const bool wide = shape.has_value() && shape->chunks * VEC > kBackwardElements;
+  const size_t per_array = wide ? static_cast<size_t>(kMaxThreads) * shape->chunks * VEC *
+                                      sizeof(float)
+                                : 0;
+  const size_t sums_bytes = params ? per_array * ((g != nullptr) + (b != nullptr)) : 0;
+  const size_t bias_bytes = memory_efficient && b != nullptr ? per_array : 0;
+  const size_t shared_most = wide ? dynamic_shared_most() : 0;
+  if (bias_bytes > shared_most) shape = std::nullopt;
   if (shape.has_value()) {
     const dim3 block(shape->tpr, shape->rpb);
-    // The kernel sums the parameter gradients itself: in registers up to kBackwardElements
-    // per thread, above in dynamic shared memory where the device has enough (rows this wide
-    // are one row per block: tpr is kMaxThreads).
-    const bool wide = shape->chunks * VEC > kBackwardElements;
-    // shared_sums_floats per parameter (up to hidden rounded up to kMaxThreads * chunks * VEC).
-    const size_t sums_bytes = params && wide ? static_cast<size_t>(kMaxThreads) * shape->chunks *
-                                                   VEC * sizeof(float) *
-                                                   ((g != nullptr) + (b != nullptr))
-                                             : 0;
     const bool partials =
-        params && (!wide || (sums_bytes <= dynamic_shared_most() && kernels == NormKernels::kResident));
-    const size_t shared_bytes = partials ? sums_bytes : 0;
+        params && (!wide || (sums_bytes + bias_bytes <= shared_most &&
+                             kernels == NormKernels::kResident));
+    const size_t shared_bytes = (partials ? sums_bytes : 0) + bias_bytes;
     TORCH_INTERNAL_ASSERT(shared_bytes == 0 || (shape->rpb == 1 && shape->tpr == kMaxThreads),
                           "shared sums with rows of ", shape->tpr, " threads, ", shape->rpb,
                           " per block");
@@ -990,17 +1039,10 @@ void launch_backward(const at::Tensor& dy, const at::Tensor& saved, const at::Te
     float* part_b = partials ? part[1].data_ptr<float>() : nullptr;
     with_chunks(shape->chunks, [&](auto chunks) {
       constexpr int C = decltype(chunks)::value;
-      if constexpr (C * VEC > kMaxElements) {  // resident_shape never asks for more
+      if constexpr (C * VEC > kElements) {  // resident_shape never asks for more
         return;
-      } else if constexpr (ME) {
-        if constexpr (C * VEC <= kBackwardElements) {  // see shape above
-          norm_backward_resident<TIn, TP, TOut, TS, VEC, C, true><<<grid, block, 0, stream>>>(
-              dy.data_ptr<TOut>(), saved.data_ptr<TS>(), mean.data_ptr<float>(),
-              invvar.data_ptr<float>(), g, b, dx.data_ptr<TIn>(), part_g, part_b, rows, hidden,
-              rms);
-        }
       } else {
-        constexpr auto kernel = norm_backward_resident<TIn, TP, TOut, TS, VEC, C, false>;
+        constexpr auto kernel = norm_backward_resident<TIn, TP, TOut, TS, VEC, C, ME>;
         allow_dynamic_shared<kernel>(dy.get_device(), shared_bytes);
         kernel<<<grid, block, shared_bytes, stream>>>(
             dy.data_ptr<TOut>(), saved.data_ptr<TS>(), mean.data_ptr<float>(),
