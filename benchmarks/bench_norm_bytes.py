@@ -7,10 +7,11 @@ is about these bytes over the bandwidth.
 
 For LayerNorm and RMSNorm in float32, bfloat16 and float16 (parameters in the input's dtype)
 and every hidden size of a bucket from 512 to 16384, one ``norm_forward`` and one
-``norm_backward`` (input saved, not the output) of ``--rows`` rows are counted for each set of
+``norm_backward`` (the input saved, then the output, as ``memory_efficient=True`` saves it;
+``--saved`` picks one) of ``--rows`` rows are counted for each set of
 kernels (``AMP_FUSED_OPS_NORM_KERNELS``: ``resident``, the default, and ``per_row``), against the
 minimum: five passes over the activations (the forward reads ``x`` and writes ``y``; the
-backward reads ``x`` and ``dy`` and writes ``dx``), plus the parameters (read by each
+backward reads ``x`` (or ``y``) and ``dy`` and writes ``dx``), plus the parameters (read by each
 direction, their gradients written once) and the per-row statistics (written by the forward,
 read by the backward). ``vs min`` above 1 is traffic a kernel could save: a second read of a
 row, or partial sums of the parameter gradients written and read again.
@@ -23,6 +24,7 @@ down instead (``--multiprocessors``, default 2) with the rows per SM of a real s
 
 Usage:
     python benchmarks/bench_norm_bytes.py [--rows 248] [--multiprocessors 2] [--hidden 512 ...]
+        [--saved input|output]
 
 Compiles the emulated extension on first use (minutes). Prints a table and writes
 ``benchmarks/out/norm_bytes.json``. Never asserts anything.
@@ -55,6 +57,7 @@ STATS_BYTES = 4  # mean and invvar are float32
 @dataclass
 class Row:
     kernels: str
+    saved: str
     norm: str
     dtype: str
     hidden: int
@@ -69,17 +72,24 @@ class Row:
         return self.forward_bytes + self.backward_bytes
 
 
-def minimum_bytes(rows: int, hidden: int, element: int, rms: bool) -> int:
+def minimum_bytes(
+    rows: int, hidden: int, element: int, rms: bool, saves_output: bool = False
+) -> int:
     """Five passes over the activations, the parameters each direction reads and the
-    gradients the backward writes, and the statistics written once and read once."""
+    gradients the backward writes, and the statistics written once and read once (a backward
+    from the output reads the inverse deviation only)."""
     activations = 5 * rows * hidden * element
     params = 1 if rms else 2
     parameters = 3 * params * hidden * element  # read forward, read backward, gradient written
-    statistics = 2 * (1 if rms else 2) * rows * STATS_BYTES
+    written = 1 if rms else 2
+    read = 1 if saves_output else written
+    statistics = (written + read) * rows * STATS_BYTES
     return activations + parameters + statistics
 
 
-def measure(ops: Any, kernels: str, rms: bool, dtype: torch.dtype, hidden: int, rows: int) -> Row:
+def measure(
+    ops: Any, kernels: str, rms: bool, dtype: torch.dtype, hidden: int, rows: int, saved: str
+) -> Row:
     os.environ["AMP_FUSED_OPS_NORM_KERNELS"] = kernels
     gen = torch.Generator().manual_seed(hidden)
     x = torch.randn(rows, hidden, generator=gen).to(dtype)
@@ -87,13 +97,17 @@ def measure(ops: Any, kernels: str, rms: bool, dtype: torch.dtype, hidden: int, 
     bias = None if rms else torch.randn(hidden, generator=gen).to(dtype)
     dy = torch.randn(rows, hidden, generator=gen).to(dtype)
     emulation.reset_counters()
-    _, mean, invvar = ops.norm_forward(x, weight, bias, 1e-5, rms, False, False)
+    saves_output = saved == "output"
+    y, mean, invvar = ops.norm_forward(x, weight, bias, 1e-5, rms, False, saves_output)
     forward = emulation.counters()
     emulation.reset_counters()
-    ops.norm_backward(dy, x, mean, invvar, weight, bias, rms, False, dtype)
+    ops.norm_backward(
+        dy, y if saves_output else x, mean, invvar, weight, bias, rms, saves_output, dtype
+    )
     backward = emulation.counters()
     return Row(
         kernels,
+        saved,
         "RMSNorm" if rms else "LayerNorm",
         next(k for k, v in DTYPES.items() if v == dtype),
         hidden,
@@ -101,20 +115,20 @@ def measure(ops: Any, kernels: str, rms: bool, dtype: torch.dtype, hidden: int, 
         forward.bytes_read + forward.bytes_written,
         backward.bytes_read + backward.bytes_written,
         forward.launches + backward.launches,
-        minimum_bytes(rows, hidden, x.element_size(), rms),
+        minimum_bytes(rows, hidden, x.element_size(), rms, saves_output),
     )
 
 
 def table(rows: list[Row]) -> str:
     lines = [
-        "| kernels | norm | dtype | hidden | forward B/elem | backward B/elem | total B/elem "
-        "| min B/elem | vs min | launches |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| kernels | saved | norm | dtype | hidden | forward B/elem | backward B/elem "
+        "| total B/elem | min B/elem | vs min | launches |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         elements = r.rows * r.hidden
         lines.append(
-            f"| {r.kernels} | {r.norm} | {r.dtype} | {r.hidden} | "
+            f"| {r.kernels} | {r.saved} | {r.norm} | {r.dtype} | {r.hidden} | "
             f"{r.forward_bytes / elements:.2f} | "
             f"{r.backward_bytes / elements:.2f} | {r.total / elements:.2f} | "
             f"{r.minimum / elements:.2f} | {r.total / r.minimum:.2f}x | {r.launches} |"
@@ -132,6 +146,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kernels", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--hidden", type=int, nargs="+", default=list(HIDDEN))
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
+    parser.add_argument(
+        "--saved",
+        nargs="+",
+        choices=("input", "output"),
+        default=["input", "output"],
+        help="what the backward recomputes xhat from: output = memory_efficient=True",
+    )
     return parser.parse_args(argv)
 
 
@@ -147,7 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with emulation.multiprocessors(args.multiprocessors):
             rows = [
-                measure(ops, kernels, rms, DTYPES[dtype], hidden, args.rows)
+                measure(ops, kernels, rms, DTYPES[dtype], hidden, args.rows, saved)
+                for saved in args.saved
                 for kernels in args.kernels
                 for rms in (False, True)
                 for dtype in args.dtypes

@@ -17,7 +17,8 @@
 #   bench_norm FusedLayerNorm / FusedRMSNorm against torch, the resident and the per-row kernels
 #              side by side: wall time per step and device time (CUDA graph replay)
 #   gpu_tests  every test marked gpu
-#   benches    bench_norm_host, bench_multi_tensor_adam (wall and device time),
+#   benches    bench_norm_host, bench_norm with memory_efficient (bfloat16; in
+#              OUT_DIR/memory_efficient), bench_multi_tensor_adam (wall and device time),
 #              bench_optimizer_overhead (wall and host time), bench_o2_step_host (amp
 #              O2's FusedAdam step, host time), bench_amp_step and
 #              bench_o1_ops (O1's host cost per op) on cuda, profile_o1_step (where an O1
@@ -75,6 +76,9 @@ step bench_norm 300 python benchmarks/bench_norm.py --device cuda \
     --rounds 2 --iters 30 --out-dir "$OUT_DIR"
 step gpu_tests 420 python -m pytest -q -m gpu -p no:cacheprovider -x packages tests
 step bench_norm_host 120 python benchmarks/bench_norm_host.py --device cuda --out-dir "$OUT_DIR"
+step bench_norm_me 150 python benchmarks/bench_norm.py --device cuda --memory-efficient \
+    --hidden 4096 12288 16384 --dtypes bfloat16 --rounds 2 --iters 30 \
+    --out-dir "$OUT_DIR/memory_efficient"
 step bench_adam 180 python benchmarks/bench_multi_tensor_adam.py --device cuda --out-dir "$OUT_DIR"
 step bench_overhead 120 python benchmarks/bench_optimizer_overhead.py --device cuda \
     --out-dir "$OUT_DIR"
