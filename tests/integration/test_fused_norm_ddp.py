@@ -6,7 +6,10 @@ under ``torch.nn.parallel.DistributedDataParallel`` and under amp-parallel's; th
 with ``torch.nn.LayerNorm`` / ``torch.nn.RMSNorm`` under plain DDP on the same data is the
 reference. Every rank must end with the reference's weights. A second run feeds the
 LayerNorm a bfloat16 input (float32 parameters, the half-input path of the CPU kernel): the
-ranks must agree bit for bit and stay within bfloat16's rounding of plain PyTorch.
+ranks must agree bit for bit and stay within bfloat16's rounding of plain PyTorch. A third
+saves the norms' outputs (``memory_efficient``: the backward recomputes the normalized input
+from them): the ranks must agree bit for bit and stay within float32's rounding of the
+reference.
 """
 
 from __future__ import annotations
@@ -34,10 +37,13 @@ class _Cast(torch.nn.Module):
         return x.to(self.dtype)
 
 
-def _model(fused: bool, norm_input: torch.dtype = torch.float32) -> torch.nn.Module:
+def _model(
+    fused: bool, norm_input: torch.dtype = torch.float32, memory_efficient: bool = False
+) -> torch.nn.Module:
     torch.manual_seed(0)
-    layer_norm = FusedLayerNorm(16) if fused else torch.nn.LayerNorm(16)
-    rms_norm = FusedRMSNorm(16, eps=1e-6) if fused else torch.nn.RMSNorm(16, eps=1e-6)
+    me = {"memory_efficient": memory_efficient}
+    layer_norm = FusedLayerNorm(16, **me) if fused else torch.nn.LayerNorm(16)
+    rms_norm = FusedRMSNorm(16, eps=1e-6, **me) if fused else torch.nn.RMSNorm(16, eps=1e-6)
     model = torch.nn.Sequential(
         torch.nn.Linear(8, 16), _Cast(norm_input), layer_norm, _Cast(torch.float32),
         torch.nn.GELU(), torch.nn.Linear(16, 16), rms_norm, torch.nn.Linear(16, 4),
@@ -50,9 +56,12 @@ def _model(fused: bool, norm_input: torch.dtype = torch.float32) -> torch.nn.Mod
 
 
 def _train(
-    fused: bool, wrapper: str, norm_input: torch.dtype = torch.float32
+    fused: bool,
+    wrapper: str,
+    norm_input: torch.dtype = torch.float32,
+    memory_efficient: bool = False,
 ) -> list[torch.Tensor]:
-    model = _model(fused, norm_input)
+    model = _model(fused, norm_input, memory_efficient)
     wrapped = (
         ApexDDP(model)
         if wrapper == "amp_parallel"
@@ -78,6 +87,8 @@ def _worker(rank: int) -> dict[str, list[torch.Tensor]]:
         "reference_bf16": _train(False, "torch", torch.bfloat16),
         "torch_bf16": _train(True, "torch", torch.bfloat16),
         "amp_parallel_bf16": _train(True, "amp_parallel", torch.bfloat16),
+        "torch_me": _train(True, "torch", memory_efficient=True),
+        "amp_parallel_me": _train(True, "amp_parallel", memory_efficient=True),
     }
 
 
@@ -102,16 +113,31 @@ def test_fused_norms_train_on_two_ranks_as_torch_norms_do(
             )  # fmt: skip
 
 
+def _assert_ranks_agree_and_near_the_reference(
+    world_results: list[dict[str, Any]], key: str, tol: dict[str, float]
+) -> None:
+    """Every rank's ``key`` weights equal rank 0's bit for bit, and rank 0's are within
+    ``tol`` of the reference run of the same input dtype."""
+    first = world_results[0][key]
+    for rank, results in enumerate(world_results):
+        for index, (got, want) in enumerate(zip(results[key], first, strict=True)):
+            assert torch.equal(got, want), f"rank {rank} and rank 0 differ at parameter {index}"
+    reference = world_results[0]["reference_bf16" if key.endswith("_bf16") else "reference"]
+    for index, (got, want) in enumerate(zip(first, reference, strict=True)):
+        torch.testing.assert_close(got, want, **tol, msg=f"parameter {index}")
+
+
+# The run and its tolerance to the reference, over three steps: bfloat16's rounding of the
+# norm's input and output; float32's of the normalized input recomputed from the output.
+_VARIANTS = {"bf16": {"rtol": 1.6e-2, "atol": 1e-2}, "me": {"rtol": 1e-5, "atol": 1e-5}}
+
+
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 @pytest.mark.parametrize("wrapper", ["torch", "amp_parallel"])
-def test_a_bfloat16_input_trains_alike_on_both_ranks_and_as_torch_norms_do(
-    world_results: list[dict[str, Any]], wrapper: str
+@pytest.mark.parametrize("variant", list(_VARIANTS), ids=["bfloat16_input", "memory_efficient"])
+def test_a_variant_trains_alike_on_both_ranks_and_as_torch_norms_do(
+    world_results: list[dict[str, Any]], wrapper: str, variant: str
 ) -> None:
-    reference = world_results[0]["reference_bf16"]
-    first = world_results[0][f"{wrapper}_bf16"]
-    for rank, results in enumerate(world_results):
-        for index, (got, want) in enumerate(zip(results[f"{wrapper}_bf16"], first, strict=True)):
-            assert torch.equal(got, want), f"rank {rank} and rank 0 differ at parameter {index}"
-    for index, (got, want) in enumerate(zip(first, reference, strict=True)):
-        # bfloat16's rounding of the norm's input and output, carried over three steps
-        torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2, msg=f"parameter {index}")
+    _assert_ranks_agree_and_near_the_reference(
+        world_results, f"{wrapper}_{variant}", _VARIANTS[variant]
+    )

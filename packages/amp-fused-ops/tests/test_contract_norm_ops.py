@@ -359,6 +359,71 @@ def test_many_rows_reduce_the_parameter_gradients(path: OpPath, rms: bool) -> No
             _close(dbias, dbias64, f"grad of the bias, {rows} rows", tol)
 
 
+_CPU_PATH = [p for p in NORM_PATHS if p.id == "cpu"]
+
+
+@pytest.mark.parametrize("path", _CPU_PATH, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_the_cpu_backward_of_half_rows_sums_the_parameter_gradients_in_float32(
+    path: OpPath, dtype: torch.dtype
+) -> None:
+    """Half rows with float32 parameters: the weight and bias gradients are float32 sums over
+    the rows (ATen's CPU backward of such rows sums them in the input's dtype, off by tens of
+    percent over a few thousand rows)."""
+    forward, backward = _ops(path)
+    rows, hidden = 4096, 64
+    gen = torch.Generator().manual_seed(9)
+    weight = torch.rand(hidden, generator=gen) + 0.5
+    bias = torch.rand(hidden, generator=gen) - 0.5
+    x = torch.randn(rows, hidden, generator=gen).to(dtype)
+    dy = torch.randn(rows, hidden, generator=gen).to(dtype)
+    _, mean, invvar = forward(x, weight, bias, EPS, False, False, False)
+    _, dweight, dbias = backward(dy, x, mean, invvar, weight, bias, False, False, dtype)
+    _, mean64, invvar64 = _forward64(x, weight, bias, False)
+    _, dweight64, dbias64 = _backward64(dy, x, mean64, invvar64, weight, bias, False, False)
+    tol = {"rtol": 1e-4, "atol": 1e-6 * rows}
+    _close(dweight, dweight64, "grad of the weight", tol)
+    _close(dbias, dbias64, "grad of the bias", tol)
+
+
+@pytest.mark.parametrize("path", _CPU_PATH, indirect=True)
+@pytest.mark.parametrize(
+    ("rms", "memory_efficient", "dtype"),
+    [
+        (False, False, torch.bfloat16),
+        (True, False, torch.float32),
+        (False, True, torch.float16),
+    ],
+    ids=["layer_norm-bfloat16", "rms_norm-float32", "memory_efficient-float16"],
+)
+def test_the_cpu_backward_gives_the_same_bits_on_any_number_of_threads(
+    path: OpPath, rms: bool, memory_efficient: bool, dtype: torch.dtype
+) -> None:
+    """The CPU backward cuts the rows into ranges by the shape alone and adds the ranges'
+    parameter-gradient sums in order, so one thread and two give the same bits."""
+    forward, backward = _ops(path)
+    rows, hidden = 1000, 96
+    gen = torch.Generator().manual_seed(4)
+    weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+    bias = None if rms else torch.randn(hidden, generator=gen).to(dtype)
+    x = torch.randn(rows, hidden, generator=gen).to(dtype)
+    dy = torch.randn(rows, hidden, generator=gen).to(dtype)
+    out, mean, invvar = forward(x, weight, bias, EPS, rms, False, memory_efficient)
+    saved = out if memory_efficient else x
+    previous = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append(
+                backward(dy, saved, mean, invvar, weight, bias, rms, memory_efficient, dtype)
+            )
+    finally:
+        torch.set_num_threads(previous)
+    for one, two in zip(*results, strict=True):
+        torch.testing.assert_close(two, one, rtol=0, atol=0)
+
+
 # --- the CUDA kernels' layouts ----------------------------------------------------------------
 
 # (input dtype, parameter dtype, width): rows that reach each layout of the resident kernels of

@@ -1,12 +1,15 @@
 // The CPU kernels of the norm ops torch.ops.amp_fused_ops.norm_forward / norm_backward (schemas
 // in src/amp_fused_ops/ops/_kernel_ops.py) and their autograd kernel for CPU tensors.
 //
-// A LayerNorm runs on ATen's fused CPU kernels (native_layer_norm and its backward), which
-// keep fp32 statistics and math for half inputs with float32 parameters, the ops' contract;
-// RMSNorm, the memory-efficient backward and the inputs ATen's kernels do not take run the
-// fp32 ATen reference of ../common/norm_reference.h. The same choice as
-// src/amp_fused_ops/reference/_norm.py (norm_forward_aten), which serves without this
-// extension.
+// A LayerNorm forward runs on ATen's fused CPU kernel (native_layer_norm), which keeps fp32
+// statistics and math for half inputs with float32 parameters, the ops' contract, and so does
+// the backward of a float32 LayerNorm (native_layer_norm_backward). RMSNorm's forward and the
+// other backwards of float32 / float16 / bfloat16 rows (half rows, whose parameter gradients
+// ATen's backward sums in half precision; RMSNorm; the memory-efficient backward) run the
+// kernels of norm_fused.h: one pass over each row in fp32. What none of them takes (float64,
+// half rows without parameters or of one element in the LayerNorm forward, ...) runs the fp32
+// ATen reference of ../common/norm_reference.h, as src/amp_fused_ops/reference/_norm.py
+// (norm_forward_aten) does without this extension.
 #include "../common/aten_headers.h"
 #include <ATen/ops/native_layer_norm.h>
 #include <ATen/ops/native_layer_norm_backward.h>
@@ -17,6 +20,7 @@
 #include <tuple>
 
 #include "../common/norm_autograd.h"
+#include "norm_fused.h"
 #include "../common/norm_reference.h"
 #include "../common/ops_schema.h"
 
@@ -24,10 +28,8 @@ namespace amp_fused_ops {
 namespace {
 
 using Stats = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
-
-bool native_dtype(at::ScalarType t) {
-  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
-}
+using norm_fused::as_dtype;
+using norm_fused::native_dtype;
 
 // Whether ATen's fused CPU LayerNorm computes the ops' result for these rows. Rows of one
 // element are all bias: ATen's backward leaves an fp32 rounding residue in their (exactly
@@ -48,12 +50,6 @@ bool aten_takes(const at::Tensor& rows, const std::optional<at::Tensor>& weight,
   return true;
 }
 
-// t in `dtype`, without a dispatcher call when it already is (the common case: these calls
-// are the host cost of a norm on a small input).
-at::Tensor as_dtype(const at::Tensor& t, at::ScalarType dtype) {
-  return t.scalar_type() == dtype ? t : t.to(dtype);
-}
-
 std::optional<at::Tensor> as_float(const std::optional<at::Tensor>& t) {
   return t.has_value() ? std::optional<at::Tensor>(as_dtype(*t, at::kFloat)) : std::nullopt;
 }
@@ -65,6 +61,9 @@ Stats norm_forward_cpu(const at::Tensor& x, const std::optional<at::Tensor>& wei
   if (weight.has_value()) norm_reference::check_floating(*weight, "weight");
   if (bias.has_value()) norm_reference::check_floating(*bias, "bias");
   norm_reference::check_mixed(weight, mixed);
+  if (rms && norm_fused::fused_rms_takes(x, weight)) {
+    return norm_fused::fused_rms_forward(x, weight, eps, mixed);
+  }
   if (!aten_takes(x, weight, bias, rms)) {
     return norm_reference::forward(x, weight, bias, eps, rms, mixed);
   }
@@ -82,18 +81,26 @@ Stats norm_backward_cpu(const at::Tensor& grad_out, const at::Tensor& saved,
                         const std::optional<at::Tensor>& weight,
                         const std::optional<at::Tensor>& bias, bool rms, bool memory_efficient,
                         at::ScalarType input_dtype) {
-  if (memory_efficient || !aten_takes(saved, weight, bias, rms)) {
+  const bool aten_float = !memory_efficient && input_dtype == at::kFloat &&
+                          saved.scalar_type() == at::kFloat &&
+                          grad_out.scalar_type() == at::kFloat &&
+                          aten_takes(saved, weight, bias, rms);
+  if (!aten_float) {
+    if (norm_fused::fused_takes(grad_out, saved, mean, invvar, weight, rms ? std::nullopt : bias,
+                    input_dtype)) {
+      return norm_fused::fused_backward(grad_out, saved, mean, invvar, weight, bias, rms, memory_efficient,
+                            input_dtype);
+    }
     return norm_reference::backward(grad_out, saved, mean, invvar, weight, bias, rms,
                                     memory_efficient, input_dtype);
   }
-  // On float32 copies of a half input and its gradient: ATen's backward of a half input sums
-  // the parameters' gradients in half precision; the ops' contract is fp32 math.
-  const at::Tensor source = as_dtype(saved, at::kFloat);
+  // float32 rows: ATen's backward, with float32 parameters (it sums the parameters' gradients
+  // in the input's dtype, which for half rows would break the ops' fp32 contract).
   const std::array<bool, 3> mask = {true, weight.has_value(), bias.has_value()};
   auto [dx, dw, db] = at::native_layer_norm_backward(
-      as_dtype(grad_out, at::kFloat), source, {saved.size(1)}, mean.view({-1, 1}),
-      invvar.view({-1, 1}), as_float(weight), as_float(bias), mask);
-  return {as_dtype(dx, input_dtype),
+      grad_out, saved, {saved.size(1)}, mean.view({-1, 1}), invvar.view({-1, 1}),
+      as_float(weight), as_float(bias), mask);
+  return {dx,
           weight.has_value() ? as_dtype(dw, weight->scalar_type()) : grad_out.new_empty({0}),
           bias.has_value() ? as_dtype(db, bias->scalar_type()) : grad_out.new_empty({0})};
 }
