@@ -41,13 +41,16 @@ inline at::Tensor as_dtype(const at::Tensor& t, at::ScalarType dtype) {
 // saved output as (y - bias) / weight), g = dy * weight, the row sums of g and g * xhat, then
 // dx = (g - mean(g) - xhat * mean(g * xhat)) * invvar (RMSNorm: no mean(g)), as the CUDA
 // kernels and the reference compute it, in float32. The rows are cut into kMaxTasks ranges or
-// fewer, a number that depends on the shape only, so the results do not depend on the thread
-// count; each range sums its rows' parameter gradients into its own float32 buffers (in tiles
+// fewer (fewer for very wide rows: kSumsBytes), a number that depends on the shape only, so
+// the results do not depend on the thread count; each range sums its rows' parameter gradients into its own float32 buffers (in tiles
 // of kTileRows rows, which keeps the sums' rounding near that of a pairwise sum), and the
 // ranges' sums are added in order at the end. The loops over a row are plain float32 loops
 // that the compiler vectorizes; the row sums keep kLanes partial sums for that.
 
 constexpr int64_t kMaxTasks = 32;
+// The tasks' float32 sums take at most this many bytes (4 rows of hidden floats per task): very
+// wide rows get fewer tasks.
+constexpr int64_t kSumsBytes = int64_t{64} << 20;
 constexpr int64_t kTileRows = 64;
 constexpr int64_t kLanes = 16;
 
@@ -196,7 +199,9 @@ inline Stats fused_backward(const at::Tensor& grad_out, const at::Tensor& saved_
   const int64_t rows = dy.size(0), n = dy.size(1);
   at::Tensor dx = at::empty({rows, n}, dy.options().dtype(input_dtype));
   const bool params = weight.has_value() || shift.has_value();
-  const int64_t tasks = std::max<int64_t>(1, std::min(kMaxTasks, (rows + kTileRows - 1) / kTileRows));
+  const int64_t most_tasks = std::max<int64_t>(1, kSumsBytes / (4 * n * int64_t{sizeof(float)}));
+  const int64_t tasks = std::max<int64_t>(
+      1, std::min({kMaxTasks, most_tasks, (rows + kTileRows - 1) / kTileRows}));
   const int64_t per_task = (rows + tasks - 1) / tasks;
   // Per task: the weight's and the bias's gradient sums, then the same of the current tile.
   at::Tensor sums = at::zeros({params ? tasks : 0, 4, n}, dy.options().dtype(at::kFloat));
