@@ -42,10 +42,12 @@ inline at::Tensor as_dtype(const at::Tensor& t, at::ScalarType dtype) {
 // dx = (g - mean(g) - xhat * mean(g * xhat)) * invvar (RMSNorm: no mean(g)), as the CUDA
 // kernels and the reference compute it, in float32. The rows are cut into kMaxTasks ranges or
 // fewer (fewer for very wide rows: kSumsBytes), a number that depends on the shape only, so
-// the results do not depend on the thread count; each range sums its rows' parameter gradients into its own float32 buffers (in tiles
-// of kTileRows rows, which keeps the sums' rounding near that of a pairwise sum), and the
-// ranges' sums are added in order at the end. The loops over a row are plain float32 loops
-// that the compiler vectorizes; the row sums keep kLanes partial sums for that.
+// the results do not depend on the thread count; each range sums its rows' parameter
+// gradients into its own float32 buffers (a tile of kTileRows rows at a time, each tile's sum
+// then added to the range's, which keeps each float32 sum short), and the ranges' sums are
+// added in order at the end.
+// The loops over a row are plain float32 loops that the compiler vectorizes; the row sums keep
+// kLanes partial sums for that.
 
 constexpr int64_t kMaxTasks = 32;
 // The tasks' float32 sums take at most this many bytes (4 rows of hidden floats per task): very
@@ -118,10 +120,10 @@ struct RowSums {
   float gx;
 };
 
-inline RowSums first_pass(float* __restrict__ x, const float* __restrict__ d, float* __restrict__ g,
-                   const float* __restrict__ w, const float* __restrict__ b, bool memory_efficient,
-                   float mu, float s, float* __restrict__ tile_w, float* __restrict__ tile_b,
-                   int64_t n) {
+inline RowSums first_pass(float* __restrict__ x, const float* __restrict__ d,
+                          float* __restrict__ g, const float* __restrict__ w,
+                          const float* __restrict__ b, bool memory_efficient, float mu, float s,
+                          float* __restrict__ tile_w, float* __restrict__ tile_b, int64_t n) {
   if (memory_efficient) {
     if (b != nullptr) {
       for (int64_t i = 0; i < n; ++i) x[i] -= b[i];
@@ -160,9 +162,10 @@ inline RowSums first_pass(float* __restrict__ x, const float* __restrict__ d, fl
 
 // Whether fused_backward takes these tensors: CPU rows of float32 / float16 / bfloat16,
 // float32 statistics of one per row, parameters of one of those dtypes.
-inline bool fused_takes(const at::Tensor& grad_out, const at::Tensor& saved, const at::Tensor& mean,
-                 const at::Tensor& invvar, const std::optional<at::Tensor>& weight,
-                 const std::optional<at::Tensor>& bias, at::ScalarType input_dtype) {
+inline bool fused_takes(const at::Tensor& grad_out, const at::Tensor& saved,
+                        const at::Tensor& mean, const at::Tensor& invvar,
+                        const std::optional<at::Tensor>& weight,
+                        const std::optional<at::Tensor>& bias, at::ScalarType input_dtype) {
   if (!grad_out.is_cpu() || !saved.is_cpu() || grad_out.dim() != 2 ||
       saved.sizes() != grad_out.sizes() || grad_out.size(1) < 1 ||
       !native_dtype(grad_out.scalar_type()) || !native_dtype(saved.scalar_type()) ||
@@ -185,17 +188,19 @@ inline bool fused_takes(const at::Tensor& grad_out, const at::Tensor& saved, con
 }
 
 inline Stats fused_backward(const at::Tensor& grad_out, const at::Tensor& saved_rows,
-                     const at::Tensor& mean_rows, const at::Tensor& invvar_rows,
-                     const std::optional<at::Tensor>& weight,
-                     const std::optional<at::Tensor>& bias, bool rms, bool memory_efficient,
-                     at::ScalarType input_dtype) {
+                            const at::Tensor& mean_rows, const at::Tensor& invvar_rows,
+                            const std::optional<at::Tensor>& weight,
+                            const std::optional<at::Tensor>& bias, bool rms,
+                            bool memory_efficient, at::ScalarType input_dtype) {
   const at::Tensor dy = grad_out.contiguous();
   const at::Tensor saved = saved_rows.contiguous();
   const at::Tensor mean = mean_rows.contiguous();
   const at::Tensor invvar = invvar_rows.contiguous();
   const std::optional<at::Tensor> shift = rms ? std::nullopt : bias;
-  const at::Tensor w = weight.has_value() ? as_dtype(*weight, at::kFloat).contiguous() : at::Tensor();
-  const at::Tensor b = shift.has_value() ? as_dtype(*shift, at::kFloat).contiguous() : at::Tensor();
+  const at::Tensor w =
+      weight.has_value() ? as_dtype(*weight, at::kFloat).contiguous() : at::Tensor();
+  const at::Tensor b =
+      shift.has_value() ? as_dtype(*shift, at::kFloat).contiguous() : at::Tensor();
   const int64_t rows = dy.size(0), n = dy.size(1);
   at::Tensor dx = at::empty({rows, n}, dy.options().dtype(input_dtype));
   const bool params = weight.has_value() || shift.has_value();
@@ -281,12 +286,13 @@ inline bool fused_rms_takes(const at::Tensor& x, const std::optional<at::Tensor>
 }
 
 inline Stats fused_rms_forward(const at::Tensor& x_rows, const std::optional<at::Tensor>& weight,
-                        double eps, bool mixed) {
+                               double eps, bool mixed) {
   const at::Tensor x = x_rows.contiguous();
   const int64_t rows = x.size(0), n = x.size(1);
   const at::Tensor w =
       weight.has_value() ? as_dtype(*weight, at::kFloat).contiguous() : at::Tensor();
-  at::Tensor y = at::empty({rows, n}, x.options().dtype(norm_reference::output_dtype(x, weight, mixed)));
+  const at::ScalarType out_dtype = norm_reference::output_dtype(x, weight, mixed);
+  at::Tensor y = at::empty({rows, n}, x.options().dtype(out_dtype));
   at::Tensor invvar = at::empty({rows}, x.options().dtype(at::kFloat));
   const LoadRow load_x = row_loader(x.scalar_type());
   const StoreRow store_y = row_storer(y.scalar_type());

@@ -86,10 +86,10 @@ Stats norm_backward_cpu(const at::Tensor& grad_out, const at::Tensor& saved,
                           grad_out.scalar_type() == at::kFloat &&
                           aten_takes(saved, weight, bias, rms);
   if (!aten_float) {
-    if (norm_fused::fused_takes(grad_out, saved, mean, invvar, weight, rms ? std::nullopt : bias,
-                    input_dtype)) {
-      return norm_fused::fused_backward(grad_out, saved, mean, invvar, weight, bias, rms, memory_efficient,
-                            input_dtype);
+    if (norm_fused::fused_takes(grad_out, saved, mean, invvar, weight,
+                                rms ? std::nullopt : bias, input_dtype)) {
+      return norm_fused::fused_backward(grad_out, saved, mean, invvar, weight, bias, rms,
+                                        memory_efficient, input_dtype);
     }
     return norm_reference::backward(grad_out, saved, mean, invvar, weight, bias, rms,
                                     memory_efficient, input_dtype);
