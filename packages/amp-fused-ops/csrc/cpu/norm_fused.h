@@ -111,53 +111,72 @@ inline StoreRow row_storer(at::ScalarType t) {
 }
 
 // One row's first pass, over the row as float32 (x: the saved row, turned into xhat in place;
-// d: dy): g = dy * weight into g, the row sums of g and g * xhat (kLanes partial sums each, so
-// that the loop vectorizes), and, with tiles, dy * xhat and dy added to the tile's sums.
-// mu and s: the row's mean (0 for RMSNorm) and invvar, unless memory-efficient (w, b: the
-// float32 parameters or null).
+// d: dy), in one loop: g = dy * weight into g, the row sums of g and g * xhat (kLanes partial
+// sums each, so that the loop vectorizes), and, with tiles, dy * xhat and dy added to the
+// tile's sums. mu and s: the row's mean (0 for RMSNorm) and invvar, unless memory-efficient
+// (ME; w, b: the float32 parameters, HasW / HasB: present).
 struct RowSums {
   float g;
   float gx;
 };
 
-inline RowSums first_pass(float* __restrict__ x, const float* __restrict__ d,
-                          float* __restrict__ g, const float* __restrict__ w,
-                          const float* __restrict__ b, bool memory_efficient, float mu, float s,
-                          float* __restrict__ tile_w, float* __restrict__ tile_b, int64_t n) {
-  if (memory_efficient) {
-    if (b != nullptr) {
-      for (int64_t i = 0; i < n; ++i) x[i] -= b[i];
-    }
-    if (w != nullptr) {
-      for (int64_t i = 0; i < n; ++i) x[i] /= w[i];
-    }
-  } else {
-    for (int64_t i = 0; i < n; ++i) x[i] = (x[i] - mu) * s;
-  }
+template <bool ME, bool HasW, bool HasB, bool Tiles>
+RowSums first_pass(float* __restrict__ x, const float* __restrict__ d, float* __restrict__ g,
+                   const float* __restrict__ w, const float* __restrict__ b, float mu, float s,
+                   float* __restrict__ tile_w, float* __restrict__ tile_b, int64_t n) {
   float lanes_g[kLanes] = {}, lanes_gx[kLanes] = {};
   const auto element = [&](int64_t i, int64_t j) {
-    const float gi = w != nullptr ? d[i] * w[i] : d[i];
+    float xh = x[i];
+    if constexpr (ME) {
+      if constexpr (HasB) xh -= b[i];
+      if constexpr (HasW) xh /= w[i];
+    } else {
+      xh = (xh - mu) * s;
+    }
+    float gi = d[i];
+    if constexpr (HasW) gi = gi * w[i];
+    x[i] = xh;
     g[i] = gi;
     lanes_g[j] += gi;
-    lanes_gx[j] += gi * x[i];
+    lanes_gx[j] += gi * xh;
+    if constexpr (Tiles) {
+      tile_w[i] += d[i] * xh;
+      tile_b[i] += d[i];
+    }
   };
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     for (int64_t j = 0; j < kLanes; ++j) element(i + j, j);
   }
   for (int64_t j = 0; i + j < n; ++j) element(i + j, j);
-  if (tile_w != nullptr) {
-    for (int64_t k = 0; k < n; ++k) {
-      tile_w[k] += d[k] * x[k];
-      tile_b[k] += d[k];
-    }
-  }
   RowSums sums{0.f, 0.f};
   for (int64_t j = 0; j < kLanes; ++j) {
     sums.g += lanes_g[j];
     sums.gx += lanes_gx[j];
   }
   return sums;
+}
+
+using FirstPass = RowSums (*)(float*, const float*, float*, const float*, const float*, float,
+                              float, float*, float*, int64_t);
+
+template <bool ME, bool HasW, bool HasB>
+FirstPass first_pass_tiles(bool tiles) {
+  return tiles ? first_pass<ME, HasW, HasB, true> : first_pass<ME, HasW, HasB, false>;
+}
+
+template <bool ME>
+FirstPass first_pass_params(bool has_w, bool has_b, bool tiles) {
+  if (has_w) {
+    return has_b ? first_pass_tiles<ME, true, true>(tiles) : first_pass_tiles<ME, true, false>(tiles);
+  }
+  return has_b ? first_pass_tiles<ME, false, true>(tiles) : first_pass_tiles<ME, false, false>(tiles);
+}
+
+// The first pass for these parameters (chosen once per call).
+inline FirstPass first_pass_for(bool memory_efficient, bool has_w, bool has_b, bool tiles) {
+  return memory_efficient ? first_pass_params<true>(has_w, has_b, tiles)
+                          : first_pass_params<false>(has_w, has_b, tiles);
 }
 
 // Whether fused_backward takes these tensors: CPU rows of float32 / float16 / bfloat16,
@@ -224,6 +243,10 @@ inline Stats fused_backward(const at::Tensor& grad_out, const at::Tensor& saved_
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* sums_p = params ? sums.data_ptr<float>() : nullptr;
   const float inv_n = 1.f / static_cast<float>(n);
+  // In the memory-efficient pass the bias is subtracted only where there is one (b is null
+  // for RMSNorm).
+  const FirstPass pass = first_pass_for(memory_efficient, wp != nullptr,
+                                        memory_efficient && bp != nullptr, sums_p != nullptr);
   at::parallel_for(0, tasks, 1, [&](int64_t first_task, int64_t last_task) {
     std::vector<float> xs(n), ds(n), gs(n);
     for (int64_t t = first_task; t < last_task; ++t) {
@@ -237,9 +260,8 @@ inline Stats fused_backward(const at::Tensor& grad_out, const at::Tensor& saved_
         load_dy(dy_base + r * dy_row, ds.data(), n);
         float* x = xs.data();
         const float* g = gs.data();
-        const RowSums row = first_pass(x, ds.data(), gs.data(), wp, bp, memory_efficient,
-                                       rms || memory_efficient ? 0.f : mu[r], iv[r],
-                                       total_w != nullptr ? tile_w : nullptr, tile_b, n);
+        const RowSums row = pass(x, ds.data(), gs.data(), wp, bp,
+                                 rms || memory_efficient ? 0.f : mu[r], iv[r], tile_w, tile_b, n);
         const float sum_g = row.g, sum_gx = row.gx;
         if (total_w != nullptr && ((r - begin + 1) % kTileRows == 0 || r + 1 == end)) {
           for (int64_t i = 0; i < n; ++i) {
