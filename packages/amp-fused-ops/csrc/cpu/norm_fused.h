@@ -11,13 +11,11 @@
 #include <cstdint>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "../common/norm_reference.h"
-
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
+#include "multi_tensor_apply.h"
 
 namespace amp_fused_ops {
 namespace norm_fused {
@@ -56,44 +54,26 @@ constexpr int64_t kSumsBytes = int64_t{64} << 20;
 constexpr int64_t kTileRows = 64;
 constexpr int64_t kLanes = 16;
 
-// n elements of a row as float32 (the loaders the rows' dtypes pick).
+// n elements of a row as float32 and back (the loaders the rows' dtypes pick), on the
+// optimizers' conversions (multi_tensor_apply.h: F16C for float16, a bfloat16 rounding that
+// vectorizes).
 template <typename T>
 inline void load_row(const void* src, float* dst, int64_t n) {
-  const T* p = static_cast<const T*>(src);
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(p[i]);
+  if constexpr (std::is_same_v<T, float>) {
+    std::copy_n(static_cast<const float*>(src), n, dst);
+  } else {
+    cpu::convert_n(static_cast<const T*>(src), dst, n);
+  }
 }
 
 template <typename T>
 inline void store_row(const float* src, void* dst, int64_t n) {
-  T* p = static_cast<T*>(dst);
-  for (int64_t i = 0; i < n; ++i) p[i] = static_cast<T>(src[i]);
-}
-
-#if defined(__F16C__)
-// float16 rows 8 elements at a time with F16C's conversions (the compiler does not vectorize
-// the scalar ones c10::Half makes): the same roundings, to nearest even.
-template <>
-inline void load_row<at::Half>(const void* src, float* dst, int64_t n) {
-  const auto* p = static_cast<const uint16_t*>(src);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(dst + i,
-                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
+  if constexpr (std::is_same_v<T, float>) {
+    std::copy_n(src, n, static_cast<float*>(dst));
+  } else {
+    cpu::convert_n(src, static_cast<T*>(dst), n);
   }
-  for (; i < n; ++i) dst[i] = static_cast<float>(static_cast<const at::Half*>(src)[i]);
 }
-
-template <>
-inline void store_row<at::Half>(const float* src, void* dst, int64_t n) {
-  auto* p = static_cast<uint16_t*>(dst);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + i),
-                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
-  }
-  for (; i < n; ++i) static_cast<at::Half*>(dst)[i] = static_cast<at::Half>(src[i]);
-}
-#endif
 
 using LoadRow = void (*)(const void*, float*, int64_t);
 using StoreRow = void (*)(const float*, void*, int64_t);
