@@ -517,6 +517,41 @@ def test_wheel_modules_are_staged_under_their_instruction_set(tmp_path: Path) ->
         ext_prebuilt.gather("cpu", tmp_path / "other", wheel)
 
 
+def test_a_wheel_module_for_an_instruction_set_this_cpu_lacks_is_compiled_but_not_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a CPU without AVX-512, the wheel's AVX-512 module is compiled with the AVX-512 flags
+    and staged, and never loaded (the build child loads what it builds: an illegal instruction
+    on such a CPU); a torch without the compile-only helper is refused with what to do."""
+    monkeypatch.setenv("AMP_FUSED_OPS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(ext_api.flags, "host_isas", lambda: ("avx2", "baseline"))
+    monkeypatch.setattr(ext_api.subprocess, "run", lambda *a, **k: pytest.fail("a child ran"))
+    compiled = []
+
+    def compile_without_loading(build_dir: Path) -> Path:
+        compiled.append((build_dir, ext_build.flags.extra_cflags()))
+        module = build_dir / "amp_fused_ops_cpu.so"
+        module.write_bytes(b"avx-512 module")
+        meta = {"torch": torch.__version__, "python": ext_record.python_tag(), "isa": "avx512"}
+        ext_record.write_record(build_dir, module, meta)
+        return module
+
+    monkeypatch.setattr(ext_build, "compile_without_loading", compile_without_loading)
+    (staged,) = ext_api.build_for_wheel("cpu", tmp_path / "out", isas=["avx512"])
+    assert staged.name == f"amp_fused_ops_cpu.torch-{torch.__version__.split('+')[0]}.avx512.so"
+    assert staged.read_bytes() == b"avx-512 module"
+    ((build_dir, cflags),) = compiled
+    assert any(flag.startswith("-mavx512") for flag in cflags), cflags
+    assert ext_api.build_for_wheel("cpu", tmp_path / "again", isas=["avx512"])  # from the cache
+    assert len(compiled) == 1
+
+    class OldTorch:  # a cpp_extension without torch's internal build-only helper
+        pass
+
+    with pytest.raises(ext_api.ExtensionUnavailableError, match="cannot compile an extension"):
+        ext_build._compile_cpu_only(OldTorch(), [], build_dir)
+
+
 def _cli(cache: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "amp_fused_ops", *args],

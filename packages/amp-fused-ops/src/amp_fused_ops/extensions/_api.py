@@ -29,8 +29,10 @@ from amp_fused_ops.ops import _registry
 from . import _build as build
 from . import _cache as cache
 from . import _flags as flags
+from . import _lock as lock
 from . import _lookup as lookup
 from . import _prebuilt as prebuilt
+from . import _record as record
 from ._settings import (
     DISABLE_ENV,
     PACKAGE_DIR,
@@ -39,6 +41,7 @@ from ._settings import (
     ExtensionStatus,
     ExtensionUnavailableError,
     check_kind,
+    lock_timeout,
 )
 
 logger = logging.getLogger(__name__)
@@ -216,6 +219,9 @@ def build_for_wheel(kind: str, out_dir: Path, *, isas: Sequence[str] | None = No
     variants = (tuple(isas) if isas else flags.wheel_isas()) if kind == "cpu" else ("1",)
     written = []
     for variant in variants:
+        if kind == "cpu" and variant not in flags.host_isas():
+            written.append(_build_for_another_cpu(variant, out_dir))
+            continue
         env = dict(os.environ)
         env[PORTABLE_ENV] = variant
         # The child imports this package from where this process did (a checkout's src/ too).
@@ -234,6 +240,28 @@ def build_for_wheel(kind: str, out_dir: Path, *, isas: Sequence[str] | None = No
         isa = variant if kind == "cpu" else None
         written.append(prebuilt.stage(kind, build_dir, out_dir, isa=isa))
         logger.info("portable %s module (%s) for the wheel: %s", kind, variant, written[-1])
+    return written
+
+
+def _build_for_another_cpu(isa: str, out_dir: Path) -> Path:
+    """The portable CPU module of ``isa``, an instruction set this CPU does not run, staged in
+    ``out_dir``: compiled here without being loaded (or taken from the cache's finished build)."""
+    with build.environment(**{PORTABLE_ENV: isa}):
+        build_dir = cache.build_directory("cpu")
+        reason = lookup.missing_tools_reason("cpu") or cache.unwritable_reason(
+            build_dir, create=True
+        )
+        if reason is not None:
+            raise ExtensionUnavailableError(reason)
+        with lock.build_lock(build_dir, "cpu", timeout=lock_timeout()):
+            try:
+                finished = record.verified_module(build_dir)
+            except record.DamagedBuildError:
+                finished = None
+            if finished is None:
+                build.compile_without_loading(build_dir)
+    written = prebuilt.stage("cpu", build_dir, out_dir, isa=isa)
+    logger.info("portable cpu module (%s, not loaded on this CPU) for the wheel: %s", isa, written)
     return written
 
 

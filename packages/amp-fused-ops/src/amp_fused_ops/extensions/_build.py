@@ -61,12 +61,36 @@ def clean(build_dir: Path) -> None:
 
 
 def compile_extension(kind: str, build_dir: Path) -> ModuleType:
-    """Compile ``kind`` into ``build_dir`` from scratch and write its build record.
+    """Compile ``kind`` into ``build_dir`` from scratch, load it and write its build record.
 
     Raises:
         ExtensionUnavailableError: If the build failed (the compiler output is in a log file).
         OSError: If the build folder cannot be cleaned or written.
     """
+    module = _compile(kind, build_dir, load=True)
+    assert module is not None
+    return module
+
+
+def compile_without_loading(build_dir: Path) -> Path:
+    """Compile the CPU extension into ``build_dir`` from scratch and write its build record,
+    without loading it: a portable module for an instruction set this CPU does not run (a wheel
+    built on a machine without AVX-512 still ships the AVX-512 module; loading it here would stop
+    the process with an illegal instruction).
+
+    Returns:
+        The compiled module's path.
+
+    Raises:
+        ExtensionUnavailableError: If the build failed (the compiler output is in a log file).
+        OSError: If the build folder cannot be cleaned or written.
+    """
+    _compile("cpu", build_dir, load=False)
+    return build_dir / f"{MODULE_NAMES['cpu']}.so"
+
+
+def _compile(kind: str, build_dir: Path, *, load: bool) -> ModuleType | None:
+    """Compile ``kind`` into ``build_dir``; load it unless ``load`` is false (CPU only)."""
     from torch.utils import cpp_extension
 
     rebuild = (build_dir / MARKER).exists()
@@ -86,8 +110,11 @@ def compile_extension(kind: str, build_dir: Path) -> ModuleType:
     start = time.perf_counter()
     try:
         with progress.BuildProgress(kind, build_dir, units + 1, estimate):
+            module = None
             if kind == "cuda":
                 module = _load_cuda(cpp_extension, sources, build_dir)
+            elif not load:
+                _compile_cpu_only(cpp_extension, sources, build_dir)
             else:
                 module = _as_module(
                     kind,
@@ -106,7 +133,7 @@ def compile_extension(kind: str, build_dir: Path) -> ModuleType:
         log.write_text(f"{type(error).__name__}: {error}\n")
         raise ExtensionUnavailableError(failed_reason(kind, log)) from error
     seconds = time.perf_counter() - start
-    path = Path(str(module.__file__))
+    path = build_dir / f"{MODULE_NAMES[kind]}.so" if module is None else Path(str(module.__file__))
     meta: dict[str, Any] = {"torch": torch.__version__, "python": record.python_tag()}
     if kind == "cuda":
         meta["arch"] = str(toolkit.cuda_arch_list())
@@ -122,6 +149,33 @@ def compile_extension(kind: str, build_dir: Path) -> ModuleType:
     record.write_record(build_dir, path, meta)
     logger.info("compiled amp_fused_ops %s extension in %.1f s: %s", kind.upper(), seconds, path)
     return module
+
+
+def _compile_cpu_only(cpp_extension: Any, sources: list[str], build_dir: Path) -> None:
+    """What ``cpp_extension.load`` does for the CPU extension, short of loading the module.
+
+    torch has no public call for this; its helper (in every release from 2.11 on) is checked
+    for, so a torch without it fails with a message rather than an ``AttributeError``.
+    """
+    helper = getattr(cpp_extension, "_write_ninja_file_and_build_library", None)
+    if helper is None:
+        raise ExtensionUnavailableError(
+            f"torch {torch.__version__} cannot compile an extension without loading it; build "
+            "the wheel on a CPU that runs every instruction set it ships"
+        )
+    helper(
+        name=MODULE_NAMES["cpu"],
+        sources=sources,
+        extra_cflags=list(flags.extra_cflags()),
+        extra_cuda_cflags=None,
+        extra_sycl_cflags=None,
+        extra_ldflags=list(flags.extra_ldflags()),
+        extra_include_paths=None,
+        build_directory=str(build_dir),
+        verbose=False,
+        with_cuda=False,
+        with_sycl=False,
+    )
 
 
 def _forget_torch_build(cpp_extension: Any, name: str) -> None:
