@@ -30,6 +30,20 @@ NO_TOOLKIT=$OUT_DIR/prebuilt-no-cuda-toolkit
 rm -rf "$VENV" "$CACHE" "$NO_TOOLKIT"
 mkdir -p "$CACHE" "$NO_TOOLKIT"
 python -m venv --system-site-packages "$VENV"
+# Where this python is itself a virtualenv (a machine image's torch often lives in one), the new
+# virtualenv's system site-packages are the base interpreter's, which lack torch: add this
+# python's own site-packages after the new virtualenv's.
+python - "$VENV" <<'EOF'
+import pathlib, subprocess, sys, sysconfig
+if sys.prefix != sys.base_prefix:
+    purelib = subprocess.check_output(
+        [f"{sys.argv[1]}/bin/python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        text=True,
+    ).strip()
+    ours = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    pathlib.Path(purelib, "_outer_site_packages.pth").write_text("\n".join(ours) + "\n")
+EOF
+"$VENV/bin/python" -c "import torch" || { echo "torch is not importable in $VENV" >&2; exit 1; }
 
 # PATH without the folders that hold an nvcc; CUDA_HOME set to an empty folder, so that the
 # loader's last resort (/usr/local/cuda) is not looked at either.
@@ -70,8 +84,10 @@ user "$VENV/bin/pip" list 2>/dev/null | grep -i "^amp[-_]" || true
 
 user "$VENV/bin/python" .ci/wheel_checks.py cuda-module "$VENV"
 mapfile -t TESTS < .ci/prebuilt_tests.txt
+XDIST=()
+if user "$VENV/bin/python" -c "import xdist" 2> /dev/null; then XDIST=(-n "${GPU_RUN_WORKERS:-4}"); fi
 user env PYTHONPATH="$PWD/.ci" "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
-    -p prebuilt_wheel_plugin -m gpu "${TESTS[@]}"
+    -p prebuilt_wheel_plugin -m gpu "${XDIST[@]}" "${TESTS[@]}"
 if [ -n "$(ls -A "$CACHE")" ]; then
     echo "something was compiled into the kernel cache: $(ls "$CACHE")" >&2
     exit 1

@@ -8,7 +8,7 @@
 # A failing step is logged and the next one runs; the exit status is that of the first failure.
 # Needs a CUDA build of torch, nvcc and ninja (pytest for the tests); imports the packages from
 # the source folders (docs/design.rst, "Testing CUDA code"). Steps:
-#   env        nvidia-smi, torch and CUDA versions, `python -m amp_fused_ops info`
+#   env        nvidia-smi, torch and CUDA versions, the host CPU, `python -m amp_fused_ops info`
 #   prebuilt   with GPU_RUN_WHEELS=<wheelhouse> (a carried dist/ with a prebuilt wheel for this
 #              machine's torch): benchmarks/gpu_prebuilt_wheel.sh, the wheel installed without
 #              a CUDA toolkit in reach, the time to the first FusedAdam step, its gpu tests
@@ -16,19 +16,21 @@
 #   norm_tests the gpu tests of the fused norms' kernels (both sets of kernels)
 #   bench_norm FusedLayerNorm / FusedRMSNorm against torch, the resident and the per-row kernels
 #              side by side: wall time per step and device time (CUDA graph replay)
-#   gpu_tests  every test marked gpu
-#   benches    bench_norm_host, bench_norm with memory_efficient (bfloat16; in
-#              OUT_DIR/memory_efficient), bench_multi_tensor_adam (wall and device time),
-#              bench_optimizer_overhead (wall and host time), bench_o2_step_host (amp
-#              O2's FusedAdam step, host time), bench_amp_step and
-#              bench_o1_ops (O1's host cost per op) on cuda, profile_o1_step (where an O1
-#              step's host time goes against autocast's)
+#   gpu_tests  every test marked gpu (GPU_RUN_TEST_PATHS: only these), in pytest-xdist workers
+#              where installed (GPU_RUN_WORKERS, default 4)
+#   benches    bench_norm_host and profile_norm_step (a norm step's host cost, and where it
+#              goes), bench_multi_tensor_adam (wall and device time), bench_optimizer_overhead
+#              (wall and host time), bench_norm with memory_efficient (bfloat16; in
+#              OUT_DIR/memory_efficient), bench_o2_step_host (amp O2's FusedAdam step, host
+#              time), bench_amp_step and bench_o1_ops (O1's host cost per op) on cuda,
+#              profile_o1_step (where an O1 step's host time goes against autocast's)
 #   profile    nsys / ncu of one norm step per set of kernels, where the tools exist
 #
 # One command may run for 10 minutes at most where the machine is lent, less than all of the
 # steps' limits: GPU_RUN_FROM=<step> skips the steps before that one (env always runs), so a
-# second call goes on where the first was stopped. The compiled kernels stay in benchmarks/out/kernel-cache (not
-# in OUT_DIR, which each call gets empty), so the second call does not compile them again.
+# second call goes on where the first was stopped; GPU_RUN_SKIP="<step> ..." skips those steps.
+# The compiled kernels stay in benchmarks/out/kernel-cache (not in OUT_DIR, which each call gets
+# empty), so a second call on the same machine does not compile them again.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -41,11 +43,25 @@ export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 export AMP_FUSED_OPS_CACHE=${AMP_FUSED_OPS_CACHE:-$PWD/benchmarks/out/kernel-cache}
 STATUS=0
 FROM=${GPU_RUN_FROM:-}
+# Images whose Python is only `python3` (the steps call `python`).
+if ! command -v python > /dev/null && command -v python3 > /dev/null; then
+    mkdir -p "$PWD/benchmarks/out/bin"
+    ln -sf "$(command -v python3)" "$PWD/benchmarks/out/bin/python"
+    export PATH=$PWD/benchmarks/out/bin:$PATH
+fi
+# The gpu tests in several pytest-xdist workers where it is installed (one GPU, shared: the
+# largest norm tests take up to 27 GiB each, and 8 workers ran an H200 out of memory).
+XDIST=()
+if python -c "import xdist" 2> /dev/null; then XDIST=(-n "${GPU_RUN_WORKERS:-4}"); fi
 
 # step <name> <seconds> <command>...: run it with a time limit, its output into <name>.log.
 step() {
     local name=$1 limit=$2 start=$SECONDS rc=0
     shift 2
+    if [[ " ${GPU_RUN_SKIP:-} " == *" $name "* ]]; then
+        echo "gpu_run: $name skipped (GPU_RUN_SKIP)"
+        return 0
+    fi
     if [ -n "$FROM" ] && [ "$name" != env ]; then
         if [ "$name" != "$FROM" ]; then
             echo "gpu_run: $name skipped (GPU_RUN_FROM=$GPU_RUN_FROM)"
@@ -63,27 +79,30 @@ step() {
 ARCH=$(python -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())' 2>/dev/null)
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-${ARCH:-9.0}}
 
-step env 60 bash -c 'nvidia-smi; python -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"; nvcc --version; python -m amp_fused_ops info'
+step env 60 bash -c 'nvidia-smi; python -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"; nvcc --version; lscpu | grep -i "model name\|flags"; python -m amp_fused_ops info'
 if [ -n "${GPU_RUN_WHEELS:-}" ]; then
-    step prebuilt 300 bash benchmarks/gpu_prebuilt_wheel.sh "$GPU_RUN_WHEELS" "$OUT_DIR"
+    step prebuilt 200 bash benchmarks/gpu_prebuilt_wheel.sh "$GPU_RUN_WHEELS" "$OUT_DIR"
 fi
-step build 480 python -m amp_fused_ops build cuda
-step norm_tests 240 python -m pytest -q -m gpu -p no:cacheprovider \
+step build 300 python -m amp_fused_ops build cuda
+step norm_tests 180 python -m pytest -q -m gpu -p no:cacheprovider "${XDIST[@]}" \
     packages/amp-fused-ops/tests/test_contract_norm_ops.py \
     packages/amp-fused-ops/tests/test_normalization_cuda.py
-step bench_norm 300 python benchmarks/bench_norm.py --device cuda \
+step bench_norm 240 python benchmarks/bench_norm.py --device cuda \
     --hidden 512 1024 2048 4096 8192 16384 --dtypes bfloat16 float16 float32 \
     --rounds 2 --iters 30 --out-dir "$OUT_DIR"
-step gpu_tests 420 python -m pytest -q -m gpu -p no:cacheprovider -x packages tests
-step bench_norm_host 120 python benchmarks/bench_norm_host.py --device cuda --out-dir "$OUT_DIR"
-step bench_norm_me 150 python benchmarks/bench_norm.py --device cuda --memory-efficient \
-    --hidden 4096 12288 16384 --dtypes bfloat16 --rounds 2 --iters 30 \
-    --out-dir "$OUT_DIR/memory_efficient"
-step bench_adam 180 python benchmarks/bench_multi_tensor_adam.py --device cuda --out-dir "$OUT_DIR"
+# shellcheck disable=SC2086 # GPU_RUN_TEST_PATHS: paths (or node ids) separated by spaces
+step gpu_tests 300 python -m pytest -q -m gpu -p no:cacheprovider "${XDIST[@]}" --maxfail=20 \
+    ${GPU_RUN_TEST_PATHS:-packages tests}
+step bench_norm_host 90 python benchmarks/bench_norm_host.py --device cuda --out-dir "$OUT_DIR"
+step profile_norm 90 python benchmarks/profile_norm_step.py --device cuda --hidden 1024
+step bench_adam 150 python benchmarks/bench_multi_tensor_adam.py --device cuda --out-dir "$OUT_DIR"
 step bench_overhead 120 python benchmarks/bench_optimizer_overhead.py --device cuda \
     --out-dir "$OUT_DIR"
+step bench_norm_me 120 python benchmarks/bench_norm.py --device cuda --memory-efficient \
+    --hidden 4096 12288 16384 --dtypes bfloat16 --rounds 2 --iters 30 \
+    --out-dir "$OUT_DIR/memory_efficient"
 step bench_o2_host 90 python benchmarks/bench_o2_step_host.py --device cuda --out-dir "$OUT_DIR"
-step bench_amp_step 240 python benchmarks/bench_amp_step.py --device cuda --out-dir "$OUT_DIR"
+step bench_amp_step 200 python benchmarks/bench_amp_step.py --device cuda --out-dir "$OUT_DIR"
 step bench_o1_ops 90 python benchmarks/bench_o1_ops.py --device cuda --out-dir "$OUT_DIR"
 step profile_o1_step 120 python benchmarks/profile_o1_step.py --device cuda --half-dtype float16
 
@@ -105,7 +124,7 @@ for kernels in resident per_row; do
             python -c "$PROFILE" "$kernels"
     fi
     if command -v ncu > /dev/null; then
-        step "ncu_$kernels" 180 ncu --kernel-name regex:norm_ --launch-skip 8 --launch-count 4 \
+        step "ncu_$kernels" 180 ncu --clock-control none --kernel-name regex:norm_ --launch-skip 8 --launch-count 4 \
             --set full -o "$OUT_DIR/ncu_$kernels" python -c "$PROFILE" "$kernels"
     fi
 done
@@ -113,7 +132,7 @@ done
 # column kernel (resident_column), speed of light and memory only.
 if command -v ncu > /dev/null; then
     for kernels in resident resident_column; do
-        step "ncu_16384_$kernels" 120 ncu --kernel-name regex:norm_ --launch-skip 8 \
+        step "ncu_16384_$kernels" 120 ncu --clock-control none --kernel-name regex:norm_ --launch-skip 8 \
             --launch-count 4 --section SpeedOfLight --section MemoryWorkloadAnalysis \
             --section Occupancy -o "$OUT_DIR/ncu_16384_$kernels" python -c "$PROFILE" "$kernels" 16384
     done
