@@ -15,11 +15,12 @@ Variants, on the same (rows, hidden) input, upstream gradient and parameters:
   (``AMP_FUSED_OPS_NORM_KERNELS=resident_column``);
 - ``torch``: ``torch.nn.functional.layer_norm`` / ``rms_norm`` with the same parameters.
 
-Two times per variant on CUDA: the wall time of a step (CUDA events around each call: the
-host's launches included, what a small model feels) and the device time (the step captured
-in a CUDA graph, each replay timed: the kernels alone), so a kernel regression and a host
-regression are told apart. A variant whose step cannot be captured gets no device time (said
-in the table).
+Three times per variant on CUDA: the wall time of a step (CUDA events around each call: the
+host's launches included, what a small model feels), the device time (the step captured in a
+CUDA graph, each replay timed: the kernels alone) and the host time (``time.perf_counter``
+around each call onto an idle device, synchronized after it outside the timing: the Python,
+the dispatcher and the launches), so a kernel regression and a host regression are told apart.
+A variant whose step cannot be captured gets no device time (said in the table).
 
 One step is ``y = norm(x)`` then ``torch.autograd.grad(y, (x, *params), dy)`` (no gradient
 accumulation). Each round warms every variant up and times a few steps; the median over all
@@ -66,6 +67,7 @@ from _common import (
     device_name,
     fits,
     graph_time_step,
+    host_time_step,
     sync,
     time_step,
     with_env,
@@ -104,6 +106,8 @@ class VariantResult:
     device_ratio_vs_torch: float = math.nan
     device_fraction_of_copy_bandwidth: float = math.nan
     device_time_skipped: str = ""
+    # Host time (CUDA): issuing the step onto an idle device, synchronized outside the timing.
+    host_median_ms: float = math.nan
 
 
 @dataclass
@@ -235,6 +239,9 @@ def run_case(
             except Exception as error:  # a step that cannot be captured: no device time
                 device_skipped[name] = f"{type(error).__name__}: {error}".splitlines()[0][:120]
                 torch.cuda.synchronize()
+        host_times = {
+            n: host_time_step(s, "cuda", args.warmup, args.iters) for n, s in steps.items()
+        }
 
     with torch.no_grad():
         expected = theirs(x)
@@ -263,6 +270,8 @@ def run_case(
                 moved / (r.device_median_ms * 1e-3) / 1e9 / bandwidth
             )
         r.device_time_skipped = device_skipped.get(r.variant, "")
+        if args.device == "cuda":
+            r.host_median_ms = statistics.median(host_times[r.variant])
     return case
 
 
@@ -293,7 +302,7 @@ def format_table(cases: Sequence[CaseResult], goal: dict[str, float | bool | Non
     device = any(not math.isnan(r.device_median_ms) or r.device_time_skipped
                  for c in cases for r in c.results)  # fmt: skip
     if device:  # the CUDA graph replay's figures
-        columns += f"{'device ms':>11}{'vs torch':>10}{'% copy':>8}"
+        columns += f"{'device ms':>11}{'vs torch':>10}{'% copy':>8}{'host ms':>9}"
     lines = [columns, "-" * len(columns)]
     for c in cases:
         shape = f"{c.rows}x{c.hidden}"
@@ -308,7 +317,7 @@ def format_table(cases: Sequence[CaseResult], goal: dict[str, float | bool | Non
             elif device:
                 line += (
                     f"{r.device_median_ms:>11.3f}{r.device_ratio_vs_torch:>9.3f}x"
-                    f"{100 * r.device_fraction_of_copy_bandwidth:>7.0f}%"
+                    f"{100 * r.device_fraction_of_copy_bandwidth:>7.0f}%{r.host_median_ms:>9.3f}"
                 )
             lines.append(line)
         for name, reason in c.skipped.items():

@@ -15,7 +15,7 @@
 #   build      the CUDA extension for this GPU's architecture (the loader's just-in-time build)
 #   norm_tests the gpu tests of the fused norms' kernels (both sets of kernels)
 #   bench_norm FusedLayerNorm / FusedRMSNorm against torch, the resident and the per-row kernels
-#              side by side: wall time per step and device time (CUDA graph replay)
+#              side by side: wall, device (CUDA graph replay) and host time per step
 #   gpu_tests  every test marked gpu (GPU_RUN_TEST_PATHS: only these), in pytest-xdist workers
 #              where installed (GPU_RUN_WORKERS, default 4)
 #   benches    bench_norm_host and profile_norm_step (a norm step's host cost, and where it
