@@ -58,16 +58,16 @@ if python -c "import xdist" 2> /dev/null; then XDIST=(-n "${GPU_RUN_WORKERS:-4}"
 step() {
     local name=$1 limit=$2 start=$SECONDS rc=0
     shift 2
-    if [[ " ${GPU_RUN_SKIP:-} " == *" $name "* ]]; then
-        echo "gpu_run: $name skipped (GPU_RUN_SKIP)"
-        return 0
-    fi
     if [ -n "$FROM" ] && [ "$name" != env ]; then
         if [ "$name" != "$FROM" ]; then
             echo "gpu_run: $name skipped (GPU_RUN_FROM=$GPU_RUN_FROM)"
             return 0
         fi
         FROM=""
+    fi
+    if [[ " ${GPU_RUN_SKIP:-} " == *" $name "* ]]; then
+        echo "gpu_run: $name skipped (GPU_RUN_SKIP)"
+        return 0
     fi
     echo "gpu_run: $name (limit ${limit} s)"
     timeout --kill-after=10 "$limit" "$@" > "$OUT_DIR/$name.log" 2>&1 || rc=$?
