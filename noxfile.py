@@ -1222,6 +1222,7 @@ EMULATION_TESTS = [
     "packages/amp-fused-ops/tests/test_contract_syncbn_ops.py",
     "packages/amp-fused-ops/tests/test_contract_norm_ops.py",
     "packages/amp-fused-ops/tests/test_norm_kernels_ddp.py",
+    "packages/amp-fused-ops/tests/test_norm_graph_capture.py",
     "packages/amp-fused-ops/tests/test_overlap_checks.py",
     "packages/amp-fused-ops/tests/test_adam_semantics.py",
     "packages/amp-fused-ops/tests/test_step_tensor.py",

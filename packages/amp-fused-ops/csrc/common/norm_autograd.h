@@ -49,17 +49,22 @@ inline std::optional<at::Tensor> present(const at::Tensor& t) {
 // Whether backward may recompute the normalized input from the output (Apex's
 // memory_efficient), so that the output is saved instead of the input: not where a weight is
 // zero (that column's output has lost it), and not where the values are unknown (fake,
-// functional or meta tensors: torch.compile and other tracing). Reads the weight on the host.
-inline bool saves_output(bool memory_efficient, const at::Tensor& weight) {
+// functional or meta tensors: torch.compile and other tracing; `captured`: a call captured
+// into a CUDA graph, which each replay runs on the values the weight holds then). Otherwise
+// reads the weight on the host.
+inline bool saves_output(bool memory_efficient, const at::Tensor& weight, bool captured) {
   if (!memory_efficient) return false;
   if (!weight.defined()) return true;
   const c10::DispatchKeySet keys = weight.key_set();
-  if (weight.is_meta() || keys.has(c10::DispatchKey::Python) ||
+  if (captured || weight.is_meta() || keys.has(c10::DispatchKey::Python) ||
       keys.has(c10::DispatchKey::Functionalize)) {
     return false;
   }
   return !weight.eq(0).any().item<bool>();
 }
+
+// The capture probe of a backend without graphs (the CPU).
+inline bool never_captured(const at::Tensor&) { return false; }
 
 class NormFunction : public torch::autograd::Function<NormFunction> {
  public:
@@ -69,7 +74,7 @@ class NormFunction : public torch::autograd::Function<NormFunction> {
                                                 const std::optional<at::Tensor>& weight,
                                                 const std::optional<at::Tensor>& bias,
                                                 double eps, bool rms, bool mixed,
-                                                bool memory_efficient) {
+                                                bool memory_efficient, bool captured) {
     Stats result;
     {
       const at::AutoDispatchBelowADInplaceOrView below;
@@ -77,7 +82,7 @@ class NormFunction : public torch::autograd::Function<NormFunction> {
     }
     auto& [out, mean, invvar] = result;
     const at::Tensor w = weight.value_or(at::Tensor());
-    const bool from_output = saves_output(memory_efficient, w);
+    const bool from_output = saves_output(memory_efficient, w, captured);
     ctx->save_for_backward({from_output ? out : x, mean, invvar, w, bias.value_or(at::Tensor())});
     ctx->saved_data["rms"] = rms;
     ctx->saved_data["memory_efficient"] = from_output;
@@ -90,7 +95,7 @@ class NormFunction : public torch::autograd::Function<NormFunction> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    if (!grads[0].defined()) return torch::autograd::variable_list(7);
+    if (!grads[0].defined()) return torch::autograd::variable_list(8);
     const auto saved = ctx->get_saved_variables();
     const bool rms = ctx->saved_data["rms"].toBool();
     const auto input_dtype =
@@ -103,6 +108,7 @@ class NormFunction : public torch::autograd::Function<NormFunction> {
     return {dx,
             weight.defined() ? dw : at::Tensor(),
             bias.defined() && !rms ? db : at::Tensor(),
+            at::Tensor(),
             at::Tensor(),
             at::Tensor(),
             at::Tensor(),
@@ -151,11 +157,15 @@ inline Stats norm_backward_autograd(const at::Tensor& grad_out, const at::Tensor
   return {wrapped[0], wrapped[1], wrapped[2]};
 }
 
-// norm_forward's kernel for an Autograd key.
-inline Stats norm_forward_autograd(const at::Tensor& x, const std::optional<at::Tensor>& weight,
-                                   const std::optional<at::Tensor>& bias, double eps, bool rms,
-                                   bool mixed, bool memory_efficient) {
-  auto out = NormFunction::apply(x, weight, bias, eps, rms, mixed, memory_efficient);
+// norm_forward's kernel for an Autograd key. Captured(x): whether the call is being captured
+// into a graph on x's device (never_captured, or the CUDA one of csrc/cuda/norm_autograd.cpp);
+// asked only where the answer matters (memory_efficient with a weight).
+template <bool (*Captured)(const at::Tensor&)>
+Stats norm_forward_autograd(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                            const std::optional<at::Tensor>& bias, double eps, bool rms,
+                            bool mixed, bool memory_efficient) {
+  const bool captured = memory_efficient && weight.has_value() && Captured(x);
+  auto out = NormFunction::apply(x, weight, bias, eps, rms, mixed, memory_efficient, captured);
   return {out[0], out[1], out[2]};
 }
 

@@ -114,6 +114,8 @@ TORCH_LIBRARY_IMPL(AMP_FUSED_OPS_NS, CPU, m) {
 }
 
 TORCH_LIBRARY_IMPL(AMP_FUSED_OPS_NS, AutogradCPU, m) {
-  m.impl("norm_forward", TORCH_FN(amp_fused_ops::norm_autograd::norm_forward_autograd));
+  m.impl("norm_forward",
+         TORCH_FN(amp_fused_ops::norm_autograd::norm_forward_autograd<
+                  amp_fused_ops::norm_autograd::never_captured>));
   m.impl("norm_backward", TORCH_FN(amp_fused_ops::norm_autograd::norm_backward_autograd));
 }

@@ -12,6 +12,7 @@ from typing import Any
 
 from amp_fused_ops.emulation._kernels import OPS_NAMESPACE
 from amp_fused_ops.ops import _registry as _library
+from amp_fused_ops.ops._capture import emulated_capture
 from amp_fused_ops.ops._reference_mode import run_overridden
 
 __all__ = ["Graph"]
@@ -53,9 +54,13 @@ class Graph:
         self._mode.__enter__()
         self._host_reads = _host_read_mode()
         self._host_reads.__enter__()
+        # What asks whether it is captured (amp_fused_ops.ops._capture) hears yes, as on a GPU.
+        self._open = emulated_capture()
+        self._open.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._open.__exit__(None, None, None)
         self._host_reads.__exit__(*exc)
         self._mode.__exit__(*exc)
         self._mode = None

@@ -93,8 +93,9 @@ class FusedLayerNorm(_FusedNorm):
             about one rounding of the dtype to the gradients). A weight with a zero makes the
             output of that column the bias alone, from which the input cannot be recovered:
             then the input is saved instead (exact gradients, no memory saved), and so it is
-            under ``torch.compile``. Deciding reads ``(weight == 0).any()`` on the host once
-            per forward (a synchronization on CUDA).
+            under ``torch.compile`` and in a forward captured into a CUDA graph (the values
+            at replay are not known). Deciding reads ``(weight == 0).any()`` on the host once
+            per forward (a synchronization on CUDA; not during a capture).
 
     Example:
         >>> norm = FusedLayerNorm(1024)

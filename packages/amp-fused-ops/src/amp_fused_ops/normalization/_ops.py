@@ -20,6 +20,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 from torch.autograd.function import once_differentiable
 
+from amp_fused_ops.ops._capture import capturing
 from amp_fused_ops.ops._kernel_ops import KERNEL_OPS
 from amp_fused_ops.ops._registry import OPS_NAMESPACE
 
@@ -43,11 +44,12 @@ def saves_output(memory_efficient: bool, weight: Tensor | None) -> bool:
     normalized value (its output is the bias alone), and the gradients of the input and of that
     weight need it. Then the input is saved instead, as without ``memory_efficient``, and every
     gradient is exact. So it is where the weight's values are unknown: under ``torch.compile``
-    (and other tracing) and on the meta device.
+    (and other tracing), on the meta device, and while the call is captured into a CUDA graph
+    (each replay runs on the values the weight holds then).
 
     .. note::
         With ``memory_efficient`` and a weight, the forward reads ``(weight == 0).any()`` on the
-        host: one synchronization with a CUDA device per call.
+        host: one synchronization with a CUDA device per call, outside a capture.
 
     Args:
         memory_efficient: Whether the caller asked to save the output.
@@ -60,8 +62,13 @@ def saves_output(memory_efficient: bool, weight: Tensor | None) -> bool:
         return False
     if weight is None:
         return True
-    # Traced (torch.compile, AOT autograd, opcheck) or meta: the values are not known.
-    if torch.compiler.is_compiling() or is_fake(weight) or weight.device.type == "meta":
+    # Traced (torch.compile, AOT autograd, opcheck), meta or captured: the values are not known.
+    if (
+        torch.compiler.is_compiling()
+        or is_fake(weight)
+        or weight.device.type == "meta"
+        or capturing(weight)
+    ):
         return False
     return not bool((weight == 0).any())
 

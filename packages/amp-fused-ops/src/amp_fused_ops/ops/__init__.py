@@ -15,6 +15,7 @@
 - ``_flatten``: ``flatten`` / ``unflatten`` for bucketing (Apex's ``apex_C``);
 - ``_step_plans``: a param group's tensor lists held by the compiled kernels across steps
   (``StepPlanLists``), so that a step passes no lists;
+- ``_capture``: whether the work being issued is captured into a (CUDA or emulated) graph;
 
 The public names are re-exported by :mod:`amp_fused_ops` and :mod:`amp_fused_ops.amp_C`.
 """
