@@ -18,8 +18,8 @@
 #              side by side: wall, device (CUDA graph replay) and host time per step
 #   gpu_tests  every test marked gpu (GPU_RUN_TEST_PATHS: only these), in pytest-xdist workers
 #              where installed (GPU_RUN_WORKERS, default 4)
-#   benches    bench_norm_host and profile_norm_step (a norm step's host cost, and where it
-#              goes), bench_multi_tensor_adam (wall and device time), bench_optimizer_overhead
+#   benches    bench_norm_host, with and without grad, and profile_norm_step (a norm step's
+#              host cost, and where it goes), bench_multi_tensor_adam (wall and device time), bench_optimizer_overhead
 #              (wall and host time), bench_norm with memory_efficient (bfloat16; in
 #              OUT_DIR/memory_efficient), bench_o2_step_host (amp O2's FusedAdam step, host
 #              time), bench_amp_step and bench_o1_ops (O1's host cost per op) on cuda,
@@ -94,6 +94,8 @@ step bench_norm 240 python benchmarks/bench_norm.py --device cuda \
 step gpu_tests 300 python -m pytest -q -m gpu -p no:cacheprovider "${XDIST[@]}" --maxfail=20 \
     ${GPU_RUN_TEST_PATHS:-packages tests}
 step bench_norm_host 90 python benchmarks/bench_norm_host.py --device cuda --out-dir "$OUT_DIR"
+step bench_norm_host_no_grad 60 python benchmarks/bench_norm_host.py --device cuda --no-grad \
+    --out-dir "$OUT_DIR"
 step profile_norm 90 python benchmarks/profile_norm_step.py --device cuda --hidden 1024
 step bench_adam 150 python benchmarks/bench_multi_tensor_adam.py --device cuda --out-dir "$OUT_DIR"
 step bench_overhead 120 python benchmarks/bench_optimizer_overhead.py --device cuda \

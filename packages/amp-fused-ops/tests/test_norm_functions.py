@@ -183,3 +183,25 @@ def test_manual_rms_norm_is_apex_formula() -> None:
     half_w = w.detach().to(torch.bfloat16)
     assert fln.manual_rms_norm(x.detach(), (16,), half_w, 1e-6).dtype == torch.bfloat16
     assert fln.manual_rms_norm(x.detach(), (16,), None, 1e-6).dtype == torch.float32
+
+
+@pytest.mark.parametrize("memory_efficient", [False, True])
+@pytest.mark.parametrize("module", [fln.FusedLayerNorm, fln.FusedRMSNorm], ids=["ln", "rms"])
+def test_a_forward_without_grad_gives_the_same_output_and_no_graph(module, memory_efficient):
+    torch.manual_seed(0)
+    norm = module(32, memory_efficient=memory_efficient)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(4, 32, requires_grad=True)
+    trained = norm(x)
+    assert trained.grad_fn is not None
+    for context in (torch.no_grad, torch.inference_mode):
+        with context():
+            out = norm(x)
+        assert out.grad_fn is None and not out.requires_grad
+        torch.testing.assert_close(out, trained.detach(), rtol=0, atol=0)
+    for param in norm.parameters():
+        param.requires_grad_(False)
+    out = norm(x.detach())  # grad mode on, nothing requires grad
+    assert out.grad_fn is None
+    torch.testing.assert_close(out, trained.detach(), rtol=0, atol=0)

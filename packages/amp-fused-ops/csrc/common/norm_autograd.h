@@ -164,6 +164,14 @@ template <bool (*Captured)(const at::Tensor&)>
 Stats norm_forward_autograd(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                             const std::optional<at::Tensor>& bias, double eps, bool rms,
                             bool mixed, bool memory_efficient) {
+  if (!at::GradMode::is_enabled() ||
+      !(requires_grad(x) || requires_grad(weight.value_or(at::Tensor())) ||
+        requires_grad(bias.value_or(at::Tensor())))) {
+    // No gradient asked for: the op below autograd, without a node, its saved tensors and its
+    // context (as the Python formula of normalization/_ops.py does).
+    const at::AutoDispatchBelowADInplaceOrView below;
+    return forward_op().call(x, weight, bias, eps, rms, mixed, memory_efficient);
+  }
   const bool captured = memory_efficient && weight.has_value() && Captured(x);
   auto out = NormFunction::apply(x, weight, bias, eps, rms, mixed, memory_efficient, captured);
   return {out[0], out[1], out[2]};
