@@ -14,6 +14,10 @@ Variants, on the same (rows, hidden) input, upstream gradient and parameters:
 - ``ours (resident_column kernels)``: on CUDA at hidden sizes over 8192, the resident kernels
   with the parameter gradients summed by the column kernel instead of in shared memory
   (``AMP_FUSED_OPS_NORM_KERNELS=resident_column``);
+- ``ours (resident_generic kernels)``: on CUDA, for RMSNorm (no bias), the resident kernels
+  compiled for a bias with the bias skipped at run time, which the default replaces with
+  kernels compiled without the bias's registers and sums
+  (``AMP_FUSED_OPS_NORM_KERNELS=resident_generic``);
 - ``torch``: ``torch.nn.functional.layer_norm`` / ``rms_norm`` with the same parameters.
 
 Three times per variant on CUDA: the wall time of a step (CUDA events around each call: the
@@ -221,6 +225,9 @@ def run_case(
         if hidden > 8192:  # rows whose parameter gradients the backward sums in shared memory
             steps["ours (resident_column kernels)"] = with_norm_kernels("resident_column", ours)
             modules["ours (resident_column kernels)"] = modules["ours"]
+        if norm == "rms_norm":  # no bias: the default runs the kernels compiled without one
+            steps["ours (resident_generic kernels)"] = with_norm_kernels("resident_generic", ours)
+            modules["ours (resident_generic kernels)"] = modules["ours"]
     theirs = torch_norm(norm, reference)
     steps["torch"] = fwd_bwd_step(theirs, x, dy, list(reference.parameters()))
 
@@ -253,7 +260,7 @@ def run_case(
         for name, m in modules.items():
             out: list[Tensor] = []
             kernels = name.partition("(")[2].removesuffix(" kernels)") or "resident"
-            if kernels not in ("per_row", "resident_column"):
+            if kernels not in ("per_row", "resident_column", "resident_generic"):
                 kernels = "resident"
             with_norm_kernels(kernels, lambda m=m, out=out: out.append(m(x)))()
             diffs[name] = (out[0] - expected).abs().max().item()

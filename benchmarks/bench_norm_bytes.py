@@ -9,7 +9,8 @@ For LayerNorm and RMSNorm in float32, bfloat16 and float16 (parameters in the in
 and every hidden size of a bucket from 512 to 16384, one ``norm_forward`` and one
 ``norm_backward`` (the input saved, then the output, as ``memory_efficient=True`` saves it;
 ``--saved`` picks one) of ``--rows`` rows are counted for each set of
-kernels (``AMP_FUSED_OPS_NORM_KERNELS``: ``resident``, the default, and ``per_row``), against the
+kernels (``AMP_FUSED_OPS_NORM_KERNELS``: ``resident``, the default, and ``per_row``; ``--kernels``
+also takes ``resident_column`` and ``resident_generic``), against the
 minimum: five passes over the activations (the forward reads ``x`` and writes ``y``; the
 backward reads ``x`` (or ``y``) and ``dy`` and writes ``dx``), plus the parameters (read by each
 direction, their gradients written once) and the per-row statistics (written by the forward,
@@ -49,7 +50,9 @@ import amp_fused_ops
 from amp_fused_ops import emulation
 
 HIDDEN = (512, 1024, 2048, 4096, 8192, 16384)
-VARIANTS = ("resident", "per_row")  # AMP_FUSED_OPS_NORM_KERNELS
+VARIANTS = ("resident", "per_row")  # AMP_FUSED_OPS_NORM_KERNELS, counted by default
+# Every value of AMP_FUSED_OPS_NORM_KERNELS (--kernels).
+KERNEL_SETS = (*VARIANTS, "resident_column", "resident_generic")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 STATS_BYTES = 4  # mean and invvar are float32
 
@@ -143,7 +146,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--multiprocessors", type=int, default=2, help="SMs of the emulated device (H100: 132)"
     )
-    parser.add_argument("--kernels", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--kernels", nargs="+", choices=KERNEL_SETS, default=list(VARIANTS))
     parser.add_argument("--hidden", type=int, nargs="+", default=list(HIDDEN))
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
     parser.add_argument(

@@ -110,10 +110,11 @@ step profile_o1_step 120 python benchmarks/profile_o1_step.py --device cuda --ha
 
 PROFILE='
 import os, sys, torch
-from amp_fused_ops import FusedLayerNorm
+from amp_fused_ops import FusedLayerNorm, FusedRMSNorm
 os.environ["AMP_FUSED_OPS_NORM_KERNELS"] = sys.argv[1]
 hidden = int(sys.argv[2]) if len(sys.argv) > 2 else 4096
-norm = FusedLayerNorm(hidden).cuda().bfloat16()
+cls = FusedRMSNorm if len(sys.argv) > 3 and sys.argv[3] == "rms" else FusedLayerNorm
+norm = cls(hidden).cuda().bfloat16()
 x = torch.randn(16384, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 dy = torch.randn_like(x)
 for _ in range(5):
@@ -137,6 +138,15 @@ if command -v ncu > /dev/null; then
         step "ncu_16384_$kernels" 120 ncu --clock-control none --kernel-name regex:norm_ --launch-skip 8 \
             --launch-count 4 --section SpeedOfLight --section MemoryWorkloadAnalysis \
             --section Occupancy -o "$OUT_DIR/ncu_16384_$kernels" python -c "$PROFILE" "$kernels" 16384
+    done
+fi
+# RMSNorm (no bias) at 4096: the kernels compiled without a bias (resident) against those for a
+# bias with the bias skipped at run time (resident_generic): registers, occupancy, throughput.
+if command -v ncu > /dev/null; then
+    for kernels in resident resident_generic; do
+        step "ncu_rms_$kernels" 120 ncu --clock-control none --kernel-name regex:norm_ --launch-skip 8 \
+            --launch-count 4 --section SpeedOfLight --section Occupancy --section LaunchStats \
+            -o "$OUT_DIR/ncu_rms_$kernels" python -c "$PROFILE" "$kernels" 4096 rms
     done
 fi
 # The prebuilt check's virtualenv: large, and made again on the next machine.

@@ -507,6 +507,56 @@ def test_cuda_kernels_match_the_formulas_when_blocks_walk_the_rows(
 
 
 @pytest.mark.parametrize("path", [p for p in NORM_PATHS if p.id == "cuda"], indirect=True)
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm_without_bias", "rms_norm"])
+@MEMORY_EFFICIENT
+@pytest.mark.parametrize(("x_dtype", "p_dtype", "hidden"), _LAYOUT_CASES, ids=_LAYOUT_IDS)
+def test_the_resident_kernels_without_a_bias_give_the_bits_of_those_for_a_bias(
+    path: OpPath,
+    rms: bool,
+    memory_efficient: bool,
+    x_dtype: torch.dtype,
+    p_dtype: torch.dtype,
+    hidden: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A norm without a bias (an RMSNorm, a LayerNorm with a weight only) runs the resident
+    kernels compiled without the bias's registers and sums; they must give, bit for bit, what
+    the kernels for a bias give with the bias left out at run time
+    (``AMP_FUSED_OPS_NORM_KERNELS=resident_generic``), and the formulas' values."""
+    forward, backward = _ops(path)
+    rows, device = _walking_device(path, hidden)
+    gen = torch.Generator().manual_seed(hidden + 1)
+    x = (torch.randn(rows, hidden, generator=gen) * 3 + 1).to(path.device, x_dtype)
+    weight = (torch.rand(hidden, generator=gen) + 0.5).to(path.device, p_dtype)
+    dy = torch.randn(rows, hidden, generator=gen).to(path.device, x_dtype)
+    results = {}
+    with device:
+        for kernels in ("resident", "resident_generic"):
+            monkeypatch.setenv("AMP_FUSED_OPS_NORM_KERNELS", kernels)
+            out, mean, invvar = forward(x, weight, None, EPS, rms, False, memory_efficient)
+            saved = out if memory_efficient else x
+            grads = backward(dy, saved, mean, invvar, weight, None, rms, memory_efficient, x_dtype)
+            results[kernels] = (out, mean, invvar, *grads)
+    for name, got, want in zip(
+        ("out", "mean", "invvar", "dx", "dweight", "dbias"),
+        results["resident"],
+        results["resident_generic"],
+        strict=True,
+    ):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+    out, mean, invvar, dx, dweight, dbias = results["resident"]
+    out64, mean64, invvar64 = _forward64(x, weight, None, rms)
+    _close(out, out64, "out")
+    _close(mean, mean64, "mean", STATS_TOL)
+    _close(invvar, invvar64, "invvar", STATS_TOL)
+    saved = out if memory_efficient else x
+    want = _backward64(dy, saved, mean, invvar, weight, None, rms, memory_efficient)
+    _close(dx, want[0], "grad of the input")
+    _sums_close(dweight, want[1], rows, "grad of the weight")
+    _sums_close(dbias, want[2], rows, "grad of the bias")
+
+
+@pytest.mark.parametrize("path", [p for p in NORM_PATHS if p.id == "cuda"], indirect=True)
 def test_an_unknown_set_of_cuda_norm_kernels_is_refused(
     path: OpPath, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -516,7 +566,7 @@ def test_an_unknown_set_of_cuda_norm_kernels_is_refused(
     monkeypatch.setenv("AMP_FUSED_OPS_NORM_KERNELS", "fastest")
     message = (
         "^AMP_FUSED_OPS_NORM_KERNELS=fastest is not one of 'resident', 'per_row', "
-        "'resident_column'$"
+        "'resident_column', 'resident_generic'$"
     )
     with pytest.raises(RuntimeError, match=message):
         forward(x, None, None, EPS, False, False, False)

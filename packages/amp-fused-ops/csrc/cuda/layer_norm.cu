@@ -29,7 +29,10 @@
 //   memory beside the sums (192 KiB for a LayerNorm of 16384), for float16 / bfloat16 outputs
 //   (float32 rows that wide, or a device without room for the bias, take the per-row
 //   kernels). The statistics are two-pass over the registers (the mean, then the squared
-//   deviations).
+//   deviations). A norm without a bias (RMSNorm, a LayerNorm with a weight only) runs the
+//   resident kernels compiled without one (BIAS = false: no bias registers, no sums of dy;
+//   resident_generic runs those for a bias instead, the bias skipped at run time), but for
+//   the backward of rows whose sums are in shared memory, where a bias costs no registers.
 // - per_row (the earlier kernels; everything the resident ones do not take): one block per
 //   row, each thread walking the row in chunks of VEC elements (VEC = 1 when unaligned or
 //   hidden % VEC != 0), Welford statistics; the backward reads each row twice for dx, then a
@@ -407,7 +410,9 @@ __device__ __forceinline__ void load_block_params(const TP* __restrict__ p, int 
   }
 }
 
-template <typename TIn, typename TP, typename TOut, int VEC, int CHUNKS>
+// BIAS: whether the kernel handles a bias (then `beta` may still be null); without (an RMSNorm, a
+// LayerNorm without bias: `beta` is null), the bias's registers and arithmetic are not compiled.
+template <typename TIn, typename TP, typename TOut, int VEC, int CHUNKS, bool BIAS>
 __global__ void __launch_bounds__(kMaxThreads, 1)
     norm_forward_resident(const TIn* __restrict__ x, const TP* __restrict__ gamma,
                           const TP* __restrict__ beta, TOut* __restrict__ y,
@@ -415,9 +420,11 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
                           int64_t rows, int64_t hidden, float eps, bool rms) {
   const int chunks = static_cast<int>(hidden / VEC);  // hidden <= kMaxHidden
   const int tpr = static_cast<int>(blockDim.x);
-  Pack<TP, VEC> g[CHUNKS], b[CHUNKS];
+  Pack<TP, VEC> g[CHUNKS], b[BIAS ? CHUNKS : 1];
   if (gamma != nullptr) load_block_params<TP, VEC, CHUNKS>(gamma, chunks, g);
-  if (beta != nullptr) load_block_params<TP, VEC, CHUNKS>(beta, chunks, b);
+  if constexpr (BIAS) {
+    if (beta != nullptr) load_block_params<TP, VEC, CHUNKS>(beta, chunks, b);
+  }
   const float inv_n = 1.f / static_cast<float>(hidden);
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.y;
   for (int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.y; first < rows;
@@ -474,7 +481,9 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
         for (int i = 0; i < VEC; ++i) {
           float o = (element(v[k], i) - mean) * invvar;
           if (gamma != nullptr) o *= element(g[k], i);
-          if (beta != nullptr) o += element(b[k], i);
+          if constexpr (BIAS) {
+            if (beta != nullptr) o += element(b[k], i);
+          }
           out.v[i] = static_cast<TOut>(o);
         }
         reinterpret_cast<Pack<TOut, VEC>*>(yr)[c] = out;
@@ -503,9 +512,11 @@ __device__ __forceinline__ void resident_terms(float dy, const Pack<TS, VEC>& sa
 }
 
 // The block's partials of the register sums: the rows of the block (threadIdx.y) added through
-// shared memory, one chunk index k at a time, then written by the threads of row 0.
-template <int VEC, int kAcc>
-__device__ __forceinline__ void block_partials(float (&acc_g)[kAcc][VEC], float (&acc_b)[kAcc][VEC],
+// shared memory, one chunk index k at a time, then written by the threads of row 0. Without
+// BIAS there are no sums of dy (acc_b has one unused element) and part_b is not written.
+template <int VEC, int kAcc, bool BIAS>
+__device__ __forceinline__ void block_partials(float (&acc_g)[kAcc][VEC],
+                                               float (&acc_b)[BIAS ? kAcc : 1][BIAS ? VEC : 1],
                                                int chunks, float* __restrict__ part_g,
                                                float* __restrict__ part_b, int64_t hidden) {
   const int tpr = static_cast<int>(blockDim.x);
@@ -524,7 +535,7 @@ __device__ __forceinline__ void block_partials(float (&acc_g)[kAcc][VEC], float 
 #pragma unroll
         for (int i = 0; i < kPer; ++i) {
           shared_g[slot * kPer + i] = acc_g[k][h * kPer + i];
-          shared_b[slot * kPer + i] = acc_b[k][h * kPer + i];
+          if constexpr (BIAS) shared_b[slot * kPer + i] = acc_b[k][h * kPer + i];
         }
         __syncthreads();
         if (threadIdx.y == 0) {
@@ -533,21 +544,15 @@ __device__ __forceinline__ void block_partials(float (&acc_g)[kAcc][VEC], float 
 #pragma unroll
             for (int i = 0; i < kPer; ++i) {
               acc_g[k][h * kPer + i] += shared_g[other * kPer + i];
-              acc_b[k][h * kPer + i] += shared_b[other * kPer + i];
+              if constexpr (BIAS) acc_b[k][h * kPer + i] += shared_b[other * kPer + i];
             }
           }
         }
       }
     }
     if (threadIdx.y == 0 && c < chunks) {
-      float pg[VEC], pb[VEC];
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        pg[i] = acc_g[k][i];
-        pb[i] = acc_b[k][i];
-      }
-      store<VEC>(part_g + static_cast<int64_t>(blockIdx.x) * hidden, c, pg);
-      store<VEC>(part_b + static_cast<int64_t>(blockIdx.x) * hidden, c, pb);
+      store<VEC>(part_g + static_cast<int64_t>(blockIdx.x) * hidden, c, acc_g[k]);
+      if constexpr (BIAS) store<VEC>(part_b + static_cast<int64_t>(blockIdx.x) * hidden, c, acc_b[k]);
     }
   }
 }
@@ -590,8 +595,10 @@ __device__ __forceinline__ void read_shared_sums(const float* __restrict__ sums,
 // kBackwardElements elements per thread the sums are in registers; above (rows of one row
 // per block), in the launch's dynamic shared memory (write_shared_sums), whose size the host
 // checks against the device: shared_sums_floats for the weight, as many for the bias, then,
-// ME, as many for the bias itself.
-template <typename TIn, typename TP, typename TOut, typename TS, int VEC, int CHUNKS, bool ME>
+// ME, as many for the bias itself. BIAS: as for norm_forward_resident; the kernels without a
+// bias (`beta` null: no sums of dy kept, part_b not written) are for the register sums only.
+template <typename TIn, typename TP, typename TOut, typename TS, int VEC, int CHUNKS, bool ME,
+          bool BIAS>
 __global__ void __launch_bounds__(kMaxThreads, 1)
     norm_backward_resident(const TOut* __restrict__ dy, const TS* __restrict__ saved,
                            const float* __restrict__ mean, const float* __restrict__ invvar,
@@ -606,6 +613,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
   constexpr bool kPartials = CHUNKS * VEC <= kBackwardElements;
   constexpr bool kSharedSums = !kPartials;
   constexpr int kAcc = kPartials ? CHUNKS : 1;
+  static_assert(BIAS || kPartials, "the shared sums are compiled for a bias only");
   // In the dynamic shared memory (kSharedSums), shared_sums_floats each: the weight's sums at
   // float sums_g, the bias's at sums_b (-1 where the norm has no such parameter or no partials
   // are asked for), then, ME, the bias as float32 at bias_at (-1 without a bias), each
@@ -639,12 +647,16 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
       }
     }
   }
-  Pack<TP, VEC> g[CHUNKS], b[CHUNKS];
+  // The bias in registers: the memory-efficient backward of rows up to kBackwardElements.
+  constexpr bool kBiasRegisters = ME && BIAS && !kSharedSums;
+  Pack<TP, VEC> g[CHUNKS], b[kBiasRegisters ? CHUNKS : 1];
   if (gamma != nullptr) load_block_params<TP, VEC, CHUNKS>(gamma, chunks, g);
-  if (ME && !kSharedSums && beta != nullptr) load_block_params<TP, VEC, CHUNKS>(beta, chunks, b);
+  if constexpr (kBiasRegisters) {
+    if (beta != nullptr) load_block_params<TP, VEC, CHUNKS>(beta, chunks, b);
+  }
   // The bias's element i of chunk k (column chunk c), where the memory-efficient xhat needs it.
   auto bias_element = [&](int k, int c, int i) -> float {
-    if constexpr (!ME) {
+    if constexpr (!ME || !BIAS) {
       return 0.f;
     } else if constexpr (kSharedSums) {
       return bias_at >= 0 ? norm_sums[bias_at + shared_sum_index<CHUNKS>(i, c)] : 0.f;
@@ -652,13 +664,13 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
       return beta != nullptr ? element(b[k], i) : 0.f;
     }
   };
-  float acc_g[kAcc][VEC], acc_b[kAcc][VEC];
+  float acc_g[kAcc][VEC], acc_b[BIAS ? kAcc : 1][BIAS ? VEC : 1];
 #pragma unroll
   for (int k = 0; k < kAcc; ++k) {
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
       acc_g[k][i] = 0.f;
-      acc_b[k][i] = 0.f;
+      if constexpr (BIAS) acc_b[k][i] = 0.f;
     }
   }
   const float inv_n = 1.f / static_cast<float>(hidden);
@@ -697,13 +709,13 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
           const float dk = element(d[k], i);
           float xh, gk;
           resident_terms<ME>(dk, s[k], g[k], bias_element(k, c, i), i, mu, iv,
-                             gamma != nullptr, beta != nullptr, xh, gk);
+                             gamma != nullptr, BIAS && beta != nullptr, xh, gk);
           sum_g += gk;
           sum_gx += gk * xh;
           if constexpr (kKeepXhat) kept[k][i] = xh;
           if constexpr (kPartials) {
             acc_g[k][i] += dk * xh;
-            acc_b[k][i] += dk;
+            if constexpr (BIAS) acc_b[k][i] += dk;
           }
           if constexpr (kSharedSums) {
             const int at = shared_sum_index<CHUNKS>(i, c);
@@ -732,7 +744,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
                                   : element(d[k], i);
           } else {
             resident_terms<ME>(element(d[k], i), s[k], g[k], bias_element(k, c, i), i, mu, iv,
-                               gamma != nullptr, beta != nullptr, xh, gk);
+                               gamma != nullptr, BIAS && beta != nullptr, xh, gk);
           }
           out.v[i] = static_cast<TIn>((gk - mean_g - xh * proj) * iv);
         }
@@ -759,7 +771,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
     }
   } else if constexpr (kPartials) {
     if (part_g == nullptr) return;
-    block_partials<VEC, kAcc>(acc_g, acc_b, chunks, part_g, part_b, hidden);
+    block_partials<VEC, kAcc, BIAS>(acc_g, acc_b, chunks, part_g, part_b, hidden);
   }
 }
 
@@ -775,10 +787,12 @@ int threads_for(int64_t chunks) {
 }
 
 // Which kernels run the norms: AMP_FUSED_OPS_NORM_KERNELS=resident (the default), per_row
-// (the earlier kernels), or resident_column (the resident kernels, with the parameter
-// gradients of rows over kBackwardElements per thread left to the column kernel, as on a
-// device without the shared memory for them): for comparing them on a GPU. Read at every call.
-enum class NormKernels { kResident, kResidentColumn, kPerRow };
+// (the earlier kernels), resident_column (the resident kernels, with the parameter gradients
+// of rows over kBackwardElements per thread left to the column kernel, as on a device without
+// the shared memory for them), or resident_generic (the resident kernels compiled for a bias
+// run the norms without one too, their bias skipped at run time, as before the kernels without
+// a bias existed): for comparing them on a GPU. Read at every call.
+enum class NormKernels { kResident, kResidentColumn, kResidentGeneric, kPerRow };
 
 NormKernels norm_kernels() {
   const char* value = std::getenv("AMP_FUSED_OPS_NORM_KERNELS");
@@ -786,8 +800,9 @@ NormKernels norm_kernels() {
     return NormKernels::kResident;
   }
   if (std::strcmp(value, "resident_column") == 0) return NormKernels::kResidentColumn;
+  if (std::strcmp(value, "resident_generic") == 0) return NormKernels::kResidentGeneric;
   TORCH_CHECK(std::strcmp(value, "per_row") == 0, "AMP_FUSED_OPS_NORM_KERNELS=", value,
-              " is not one of 'resident', 'per_row', 'resident_column'");
+              " is not one of 'resident', 'per_row', 'resident_column', 'resident_generic'");
   return NormKernels::kPerRow;
 }
 
@@ -843,6 +858,14 @@ void with_chunks(int chunks, F&& f) {
       TORCH_INTERNAL_ASSERT(chunks == 8, "chunks per thread ", chunks);
       return f(std::integral_constant<int, 8>{});
   }
+}
+
+// Calls f(std::bool_constant<BIAS>): the resident kernels for a bias where the norm has one (or
+// AMP_FUSED_OPS_NORM_KERNELS=resident_generic asks for them), else those without.
+template <typename F>
+void with_bias(bool has_bias, NormKernels kernels, F&& f) {
+  if (has_bias || kernels == NormKernels::kResidentGeneric) return f(std::true_type{});
+  return f(std::false_type{});
 }
 
 // Elements of a row per thread in the resident kernels at most: the forward keeps x, the
@@ -955,19 +978,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(
     const bool vec = hidden % VEC == 0 && aligned(x.data_ptr()) && aligned(y.data_ptr()) &&
                      (g == nullptr || aligned(g)) && (b == nullptr || aligned(b));
     const auto stream = at::cuda::getCurrentCUDAStream();
+    const NormKernels kernels = norm_kernels();
     const std::optional<ResidentShape> shape =
-        vec && norm_kernels() != NormKernels::kPerRow ? resident_shape(hidden / VEC, VEC, 4, kMaxElements)
+        vec && kernels != NormKernels::kPerRow ? resident_shape(hidden / VEC, VEC, 4, kMaxElements)
                                   : std::nullopt;
     if (shape.has_value()) {
       const dim3 block(shape->tpr, shape->rpb);
       const unsigned grid = resident_grid(rows, *shape, kForwardThreadsPerSM);
-      with_chunks(shape->chunks, [&](auto chunks) {
-        constexpr int C = decltype(chunks)::value;
-        if constexpr (C * VEC <= kMaxElements) {  // resident_shape never asks for more
-          norm_forward_resident<TIn, TP, TOut, VEC, C><<<grid, block, 0, stream>>>(
-              x.data_ptr<TIn>(), g, b, y.data_ptr<TOut>(), mean.data_ptr<float>(),
-              invvar.data_ptr<float>(), rows, hidden, static_cast<float>(eps), rms);
-        }
+      with_bias(b != nullptr, kernels, [&](auto bias) {
+        constexpr bool B = decltype(bias)::value;
+        with_chunks(shape->chunks, [&](auto chunks) {
+          constexpr int C = decltype(chunks)::value;
+          if constexpr (C * VEC <= kMaxElements) {  // resident_shape never asks for more
+            norm_forward_resident<TIn, TP, TOut, VEC, C, B><<<grid, block, 0, stream>>>(
+                x.data_ptr<TIn>(), g, b, y.data_ptr<TOut>(), mean.data_ptr<float>(),
+                invvar.data_ptr<float>(), rows, hidden, static_cast<float>(eps), rms);
+          }
+        });
       });
     } else if (vec) {
       norm_forward_kernel<TIn, TP, TOut, VEC><<<static_cast<unsigned>(rows), threads_for(hidden / VEC), 0, stream>>>(
@@ -1022,32 +1049,49 @@ void launch_backward(const at::Tensor& dy, const at::Tensor& saved, const at::Te
   const size_t sums_bytes = params ? per_array * ((g != nullptr) + (b != nullptr)) : 0;
   const size_t bias_bytes = memory_efficient && b != nullptr ? per_array : 0;
   const size_t shared_most = wide ? dynamic_shared_most() : 0;
-  if (bias_bytes > shared_most) shape = std::nullopt;
+  if constexpr (memory_efficient) {
+    if (bias_bytes > shared_most) shape = std::nullopt;
+  }
   if (shape.has_value()) {
     const dim3 block(shape->tpr, shape->rpb);
     const bool partials =
         params && (!wide || (sums_bytes + bias_bytes <= shared_most &&
-                             kernels == NormKernels::kResident));
+                             kernels != NormKernels::kResidentColumn));
     const size_t shared_bytes = (partials ? sums_bytes : 0) + bias_bytes;
     TORCH_INTERNAL_ASSERT(shared_bytes == 0 || (shape->rpb == 1 && shape->tpr == kMaxThreads),
                           "shared sums with rows of ", shape->tpr, " threads, ", shape->rpb,
                           " per block");
     const unsigned grid = resident_grid(rows, *shape, kBackwardThreadsPerSM, shared_bytes);
-    at::Tensor part = partials ? at::empty({2, grid, hidden}, dy.options().dtype(at::kFloat))
+    // Wide rows always take the kernels for a bias: their sums of dy are in shared memory, kept
+    // only where there is a bias, so that dropping them saves no registers.
+    const bool bias_kernels = b != nullptr || kernels == NormKernels::kResidentGeneric || wide;
+    // The partials of the weight, then, where the kernel writes them, of the bias: grid x
+    // hidden each (the register sums of the kernels for a bias are written with or without one).
+    const bool bias_partials = b != nullptr || (bias_kernels && !wide);
+    at::Tensor part = partials ? at::empty({bias_partials ? 2 : 1, grid, hidden},
+                                           dy.options().dtype(at::kFloat))
                                : at::Tensor();
-    float* part_g = partials ? part[0].data_ptr<float>() : nullptr;
-    float* part_b = partials ? part[1].data_ptr<float>() : nullptr;
-    with_chunks(shape->chunks, [&](auto chunks) {
-      constexpr int C = decltype(chunks)::value;
-      if constexpr (C * VEC > kElements) {  // resident_shape never asks for more
-        return;
-      } else {
-        constexpr auto kernel = norm_backward_resident<TIn, TP, TOut, TS, VEC, C, ME>;
-        allow_dynamic_shared<kernel>(dy.get_device(), shared_bytes);
-        kernel<<<grid, block, shared_bytes, stream>>>(
-            dy.data_ptr<TOut>(), saved.data_ptr<TS>(), mean.data_ptr<float>(),
-            invvar.data_ptr<float>(), g, b, dx.data_ptr<TIn>(), part_g, part_b, rows, hidden, rms);
-      }
+    float* part_g = partials ? part.data_ptr<float>() : nullptr;
+    float* part_b = partials && bias_partials ? part_g + static_cast<int64_t>(grid) * hidden
+                                              : nullptr;
+    with_bias(bias_kernels, kernels, [&](auto bias) {
+      constexpr bool kBias = decltype(bias)::value;
+      with_chunks(shape->chunks, [&](auto chunks) {
+        constexpr int C = decltype(chunks)::value;
+        if constexpr (C * VEC > kElements) {  // resident_shape never asks for more
+          return;
+        } else {
+          // (the kernels without a bias are compiled for rows up to kBackwardElements only)
+          constexpr bool B = kBias || C * VEC > kBackwardElements;
+          constexpr auto kernel =
+              norm_backward_resident<TIn, TP, TOut, TS, VEC, C, ME, B>;
+          allow_dynamic_shared<kernel>(dy.get_device(), shared_bytes);
+          kernel<<<grid, block, shared_bytes, stream>>>(
+              dy.data_ptr<TOut>(), saved.data_ptr<TS>(), mean.data_ptr<float>(),
+              invvar.data_ptr<float>(), g, b, dx.data_ptr<TIn>(), part_g, part_b, rows, hidden,
+              rms);
+        }
+      });
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     if (partials) {
