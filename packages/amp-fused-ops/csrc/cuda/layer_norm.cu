@@ -1062,26 +1062,27 @@ void launch_backward(const at::Tensor& dy, const at::Tensor& saved, const at::Te
                           "shared sums with rows of ", shape->tpr, " threads, ", shape->rpb,
                           " per block");
     const unsigned grid = resident_grid(rows, *shape, kBackwardThreadsPerSM, shared_bytes);
-    // Wide rows always take the kernels for a bias: their sums of dy are in shared memory, kept
-    // only where there is a bias, so that dropping them saves no registers.
-    const bool bias_kernels = b != nullptr || kernels == NormKernels::kResidentGeneric || wide;
     // The partials of the weight, then, where the kernel writes them, of the bias: grid x
-    // hidden each (the register sums of the kernels for a bias are written with or without one).
-    const bool bias_partials = b != nullptr || (bias_kernels && !wide);
+    // hidden each (the register sums of the kernels for a bias, which resident_generic also
+    // runs without one, are written either way; wide rows write the shared sums of a bias only).
+    const bool bias_partials =
+        b != nullptr || (kernels == NormKernels::kResidentGeneric && !wide);
     at::Tensor part = partials ? at::empty({bias_partials ? 2 : 1, grid, hidden},
                                            dy.options().dtype(at::kFloat))
                                : at::Tensor();
     float* part_g = partials ? part.data_ptr<float>() : nullptr;
     float* part_b = partials && bias_partials ? part_g + static_cast<int64_t>(grid) * hidden
                                               : nullptr;
-    with_bias(bias_kernels, kernels, [&](auto bias) {
+    with_bias(b != nullptr, kernels, [&](auto bias) {
       constexpr bool kBias = decltype(bias)::value;
       with_chunks(shape->chunks, [&](auto chunks) {
         constexpr int C = decltype(chunks)::value;
         if constexpr (C * VEC > kElements) {  // resident_shape never asks for more
           return;
         } else {
-          // (the kernels without a bias are compiled for rows up to kBackwardElements only)
+          // Wide rows (over kBackwardElements per thread) always take the kernels for a bias:
+          // their sums of dy are in shared memory, kept only where there is a bias, so that
+          // dropping them saves no registers (and those without are not compiled).
           constexpr bool B = kBias || C * VEC > kBackwardElements;
           constexpr auto kernel =
               norm_backward_resident<TIn, TP, TOut, TS, VEC, C, ME, B>;
